@@ -1,0 +1,182 @@
+"""split-vnodes: run a training step as virtual nodes in an in-graph loop.
+
+The training function is cut where per-example work ends (see
+:mod:`vfgraph.analysis.train_step`). The part before the cut becomes the *virtual-node
+function* (one slice of ``b`` examples in, loss and gradients out); the part after it becomes
+the *update function* (averaged gradients in, the original optimizer update, run once).
+The original function's name then holds a ``While`` loop over the slices of the fed batch:
+the number of virtual nodes a process runs is read from the batch it is fed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, List
+
+from vfgraph.analysis.train_step import TrainStep, analyze_train_step
+from vfgraph.builder import extract_function, tf_dtype, trace_replacement
+from vfgraph.errors import DetectionError, PipelineError
+from vfgraph.ir.graph import FunctionGraph
+from vfgraph.ir.names import function_name
+from vfgraph.item import GraphItem
+from vfgraph.passes.base import Pass, PassResult
+
+
+@dataclass(frozen=True)
+class SplitVnodesPass(Pass):
+    """``vnodes``: virtual nodes per step (V); ``vnode_batch``: examples per virtual node (b),
+    0 to derive it (static batch / V, or the fed batch / V at run time)."""
+
+    name: ClassVar[str] = "split-vnodes"
+    vnodes: int = 1
+    vnode_batch: int = 0
+    signature: str = ""
+
+    def call(self, item: GraphItem) -> PassResult:
+        if self.vnodes < 1:
+            raise PipelineError(f"vnodes={self.vnodes}: the number of virtual nodes must be at least 1")
+        if self.vnode_batch < 0:
+            raise PipelineError(f"vnode-batch={self.vnode_batch}: must be positive (or 0 to derive it)")
+        sig = item.training_signature(self.signature or None)
+        if sig is None:
+            known = ", ".join(sorted(item.signatures)) or "none"
+            want = repr(self.signature) if self.signature else "'train'"
+            raise DetectionError(f"{item.source}: no training signature {want} (signatures: {known}); "
+                                 "export one named 'train' or pass --train-signature NAME")
+        done = item.metadata.get("rewrites", {}).get(self.name, {})
+        if sig.key in done:
+            return PassResult(item, False, [f"signature {sig.key!r} already has virtual nodes"])
+        item = item.copy()
+        g = FunctionGraph(item.function(sig.function), item.library)
+        g.verify()
+        step = analyze_train_step(g, sig)
+        b = self._vnode_batch(g, sig)
+        vnode_fn = function_name(sig.function, "vnode")
+        update_fn = function_name(sig.function, "update")
+        vnode_outputs = [o for o in step.outputs if o.side == "vnode"]
+        update_outputs = [o for o in step.outputs if o.side == "update"]
+        cut_args = [(f"grad_{k}", c.ref) for k, c in enumerate(step.cut)]
+        vdef = extract_function(g, vnode_fn, [(f"out_{o.name}", o.ref) for o in vnode_outputs] + cut_args)
+        udef = extract_function(g, update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
+                                new_args=cut_args, keep_args=sig.resource_args,
+                                drop=frozenset(step.vnode_nodes), side_effects=True)
+        item.set_function(vdef)
+        item.set_function(udef)
+        body = _loop_body(g, step, vdef, udef, self.vnodes, b)
+        for f in trace_replacement(item.function(sig.function), body, function_name(sig.function, "vnodes")):
+            item.set_function(f)
+        FunctionGraph(item.function(sig.function), item.library).verify()
+        item.preserve.add(sig.function)
+        record = item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})
+        record[sig.key] = {
+            "function": sig.function,
+            "vnodes": self.vnodes,
+            "vnode_batch": b,
+            "vnode_function": vnode_fn,
+            "update_function": update_fn,
+            "gradients": [{"tensor": str(c.ref), "variable": sig.variables[c.variable].name if c.variable else None,
+                           "role": c.role, "shape": c.shape} for c in step.cut],
+        }
+        return PassResult(item, True)
+
+    def _vnode_batch(self, g: FunctionGraph, sig) -> int:
+        if self.vnode_batch:
+            return self.vnode_batch
+        static = g.arg_shape(sig.batch_args[0])[0]
+        if static > 0:
+            if static % self.vnodes:
+                raise DetectionError(
+                    f"signature {sig.key!r}: static batch {static} is not divisible by vnodes={self.vnodes}; "
+                    "choose vnodes that divide it or give --vnode-batch")
+            return static // self.vnodes
+        return 0
+
+
+def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int):
+    """The Python body traced into the replacement training function."""
+    import tensorflow as tf
+
+    sig = step.signature
+    names = g.arg_names
+    batch_idx = [names.index(a) for a in sig.batch_args]
+    res_idx = [names.index(a) for a in sig.resource_args]
+    keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
+    vnode_outs = [o for o in step.outputs if o.side == "vnode"]
+    v_types = [tf_dtype(a.type) for a in vdef.signature.output_arg]
+    u_types = [tf_dtype(a.type) for a in udef.signature.output_arg]
+    cut_shapes = [c.shape for c in step.cut]
+    out_shapes = [g.shape(o.ref) for o in vnode_outs]
+    n_out = len(vnode_outs)
+
+    def body(*args):
+        batch = [args[i] for i in batch_idx]
+        res = [args[i] for i in res_idx]
+        n = tf.shape(batch[0])[0]
+        checks = [tf.debugging.assert_equal(tf.shape(x)[0], n, message=(
+            f"vfgraph: training inputs {keys[0]!r} and {k!r} have different leading (batch) dimensions"))
+            for k, x in zip(keys[1:], batch[1:])]
+        if b:
+            per = tf.constant(b, tf.int32)
+            nv = n // per
+            checks.append(tf.debugging.assert_equal(n % per, 0, message=(
+                f"vfgraph: the fed batch is not a multiple of the virtual-node batch b={b}; "
+                f"feed a multiple of {b} examples")))
+        else:
+            nv = tf.constant(vnodes, tf.int32)
+            per = n // nv
+            checks.append(tf.debugging.assert_equal(n % nv, 0, message=(
+                f"vfgraph: the fed batch is not divisible by vnodes={vnodes}; feed a multiple of {vnodes} examples")))
+        checks.append(tf.debugging.assert_positive(nv, message="vfgraph: the fed batch holds no virtual node"))
+        with tf.control_dependencies(checks):
+            nv = tf.identity(nv)
+        accs = [tf.zeros(s, t) for s, t in zip(cut_shapes, v_types[n_out:])]
+        outs = []
+        for o, t, s in zip(vnode_outs, v_types, out_shapes):
+            if o.combine == "mean":
+                outs.append(tf.zeros(s, t))
+            else:
+                outs.append(tf.TensorArray(t, size=nv, infer_shape=False))
+
+        def cond(i, *_):
+            return i < nv
+
+        def loop(i, *carry):
+            start = i * per
+            slices = [x[start:start + per] for x in batch]
+            got = tf.raw_ops.StatefulPartitionedCall(args=slices + res, Tout=v_types, f=vdef.signature.name)
+            new_outs = []
+            for k, (o, acc) in enumerate(zip(vnode_outs, carry[:n_out])):
+                if o.combine == "mean":
+                    new_outs.append(acc + tf.ensure_shape(got[k], out_shapes[k]))
+                else:
+                    new_outs.append(acc.write(i, got[k]))
+            new_accs = [acc + tf.ensure_shape(v, s) for acc, v, s in
+                        zip(carry[n_out:], got[n_out:], cut_shapes)]
+            return [i + 1] + new_outs + new_accs
+
+        final = tf.while_loop(cond, loop, [tf.constant(0, tf.int32)] + outs + accs,
+                              parallel_iterations=1, name="vnodes")
+        count = nv
+        means = [a / tf.cast(count, a.dtype) for a in final[1 + n_out:]]
+        updated = tf.raw_ops.StatefulPartitionedCall(args=means + res, Tout=u_types, f=udef.signature.name)
+        results: List = []
+        vi = ui = 0
+        for o in step.outputs:
+            if o.side == "vnode":
+                v = final[1 + vi]
+                if o.combine == "mean":
+                    v = v / tf.cast(count, v.dtype)
+                elif o.combine == "concat":
+                    v = v.concat()
+                else:
+                    v = v.stack()[-1]
+                results.append(v)
+                vi += 1
+            else:
+                results.append(updated[ui])
+                ui += 1
+        deps = list(updated) if isinstance(updated, (list, tuple)) else [updated]
+        with tf.control_dependencies(deps):
+            return [tf.identity(r) for r in results]
+
+    return body
+

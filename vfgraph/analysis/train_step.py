@@ -1,0 +1,275 @@
+"""What a training function means: where the per-example work ends and the update begins.
+
+The cut is derived from dataflow, not from names. Every variable write whose value depends
+on the batch is a sink; the batch arguments are the sources; a tensor may be cut only if its
+shape does not depend on the batch (a fully known static shape) and it is floating point.
+The minimum cut closest to the sources is the set of per-step quantities that sum over
+examples: the gradients, and the batch statistics that feed moving-average updates.
+Averaging them over virtual nodes and running everything behind the cut once is the
+virtual-node semantics (design.md section 2).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
+
+import networkx as nx
+from tensorflow.core.framework import types_pb2
+
+from vfgraph.errors import DetectionError
+from vfgraph.ir.graph import FunctionGraph, TensorRef
+from vfgraph.item import SignatureInfo
+
+FLOAT_TYPES = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE}
+_WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
+                   "ResourceStridedSliceAssign")
+_READ_THROUGH = ("Identity",)
+_SRC, _SNK = "__source__", "__sink__"
+
+
+@dataclass
+class CutTensor:
+    """A per-virtual-node quantity that is averaged before the update runs once."""
+
+    ref: TensorRef
+    dtype: int
+    shape: List[int]
+    writes: List[str]            # resource args whose writes it feeds
+    role: str = "gradient"       # "gradient" | "statistic"
+    variable: Optional[str] = None  # resource arg it is the gradient of
+
+
+@dataclass
+class OutputPlan:
+    name: str           # function output arg name
+    ref: TensorRef
+    side: str           # "vnode" (computed per virtual node) or "update" (computed once)
+    combine: str        # "mean" | "concat" | "last"
+
+
+@dataclass
+class TrainStep:
+    """The training function split at the cut."""
+
+    signature: SignatureInfo
+    function: str
+    cut: List[CutTensor]
+    vnode_nodes: Set[str]          # nodes computed per virtual node (source side)
+    writes: Dict[str, List[str]]   # resource arg -> write nodes
+    outputs: List[OutputPlan]
+    batch_dependent: Set[str] = field(default_factory=set)
+
+    @property
+    def trainable(self) -> List[str]:
+        return [c.variable for c in self.cut if c.role == "gradient" and c.variable]
+
+    @property
+    def batch_updated(self) -> List[str]:
+        out: List[str] = []
+        for c in self.cut:
+            if c.role == "statistic":
+                out.extend(w for w in c.writes if w not in out)
+        return out
+
+    @property
+    def optimizer_state(self) -> List[str]:
+        known = set(self.trainable) | set(self.batch_updated)
+        return [r for r in self.writes if r not in known]
+
+
+def is_write(op: str) -> bool:
+    return op.startswith(_WRITE_PREFIXES) and op not in ("Assert",)
+
+
+def resource_root(g: FunctionGraph, ref: TensorRef) -> Optional[str]:
+    """Follow Identity chains back to the resource argument a handle comes from."""
+    seen = 0
+    while not ref.is_function_arg and seen < 64:
+        node = g.nodes.get(ref.node)
+        if node is None or node.op not in _READ_THROUGH:
+            return None
+        ref = g.data_inputs(ref.node)[0]
+        seen += 1
+    return ref.node if ref.is_function_arg else None
+
+
+def batch_dependent_nodes(g: FunctionGraph, batch_args: List[str]) -> Set[str]:
+    """Nodes reachable from the batch arguments through data edges."""
+    frontier = [TensorRef(a) for a in batch_args]
+    seen: Set[str] = set()
+    while frontier:
+        t = frontier.pop()
+        for consumer, _ in g.consumers(t):
+            if consumer not in seen:
+                seen.add(consumer)
+                frontier.extend(g.outputs(consumer))
+    return seen
+
+
+def _cuttable(g: FunctionGraph, ref: TensorRef) -> bool:
+    if ref.is_function_arg or g.dtype(ref) not in FLOAT_TYPES:
+        return False
+    shape = g.shape(ref)
+    return shape is not None and all(d >= 0 for d in shape)
+
+
+def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
+    """Find the cut of ``g`` (the training signature's function)."""
+    if not sig.batch_args:
+        raise DetectionError(f"signature {sig.key!r}: function {g.name!r} has no batch inputs")
+    for a in sig.batch_args:
+        shape = g.arg_shape(a)
+        if shape is None or not shape:
+            raise DetectionError(
+                f"signature {sig.key!r}: input {sig.input_keys.get(a, a)!r} has no batch dimension "
+                f"(shape {shape}); every training input needs a leading batch dimension")
+    writes: Dict[str, List[str]] = {}
+    for name in g.topological_order():
+        node = g.nodes[name]
+        if is_write(node.op) and node.input:
+            res = resource_root(g, g.data_inputs(name)[0])
+            if res is None:
+                raise DetectionError(
+                    f"signature {sig.key!r}: variable write {name!r} ({node.op}) does not write a captured "
+                    "variable; vfgraph cannot tell which variable it updates")
+            writes.setdefault(res, []).append(name)
+    dep = batch_dependent_nodes(g, sig.batch_args)
+    sinks = [w for ws in writes.values() for w in ws if w in dep]
+    if not sinks:
+        raise DetectionError(
+            f"signature {sig.key!r}: no variable update depends on the batch, so {g.name!r} is not a "
+            "training step; pass --train-signature to name the training signature")
+
+    flow = nx.DiGraph()
+    for a in sig.batch_args:
+        flow.add_edge(_SRC, ("out", TensorRef(a)))
+    for name in dep:
+        op = ("op", name)
+        for t in g.data_inputs(name):
+            if t.is_function_arg and t.node not in sig.batch_args:
+                continue
+            if not t.is_function_arg and t.node not in dep:
+                continue
+            flow.add_edge(("out", t), op)
+        for t in g.outputs(name):
+            flow.add_edge(op, ("in", t))
+            if _cuttable(g, t):
+                flow.add_edge(("in", t), ("out", t), capacity=1)
+            else:
+                flow.add_edge(("in", t), ("out", t))
+    for w in sinks:
+        flow.add_edge(("op", w), _SNK)
+    try:
+        source_side = _source_side_of_min_cut(flow)
+    except nx.NetworkXUnbounded:
+        raise DetectionError(_unbounded_message(g, sig, flow, sinks)) from None
+
+    cut_refs = sorted({n[1] for n in source_side if n[0] == "in" and ("out", n[1]) not in source_side})
+    vnode_nodes = {n[1] for n in source_side if n[0] == "op"}
+    reach = _write_reach(g, cut_refs, writes, vnode_nodes)
+    forward_reads = _forward_read_args(g, vnode_nodes)
+    order = {r: i for i, r in enumerate(sig.resource_args)}
+    cut: List[CutTensor] = []
+    for ref in cut_refs:
+        fed = reach.get(ref, [])
+        c = CutTensor(ref=ref, dtype=g.dtype(ref), shape=g.shape(ref) or [], writes=fed)
+        grads_of = [r for r in fed if r in forward_reads and sig.variables[r].shape == c.shape]
+        if grads_of:
+            c.variable = grads_of[0]  # the nearest parameter of the same shape
+        else:
+            c.role = "statistic"
+        c.writes = sorted(fed, key=lambda r: order.get(r, 1 << 30))
+        cut.append(c)
+    cut.sort(key=lambda c: (order.get(c.variable, 1 << 30) if c.variable else 1 << 30,
+                            min((order.get(w, 1 << 30) for w in c.writes), default=1 << 30), str(c.ref)))
+
+    outputs: List[OutputPlan] = []
+    for out_name, ref in g.output_refs():
+        if ref.is_function_arg:
+            side = "vnode" if ref.node in sig.batch_args else "update"
+        else:
+            side = "vnode" if ref.node in vnode_nodes else "update"
+        shape = g.shape(ref)
+        combine = "mean"
+        if side == "vnode" and (shape is None or (shape and shape[0] < 0) or g.dtype(ref) not in FLOAT_TYPES):
+            combine = "concat" if shape and shape[0] < 0 else "last"
+        outputs.append(OutputPlan(out_name, ref, side, combine))
+    return TrainStep(signature=sig, function=g.name, cut=cut, vnode_nodes=vnode_nodes, writes=writes,
+                     outputs=outputs, batch_dependent=dep)
+
+
+def _source_side_of_min_cut(flow: nx.DiGraph) -> Set:
+    """Nodes reachable from the source in the residual network: the minimum cut closest to the
+    sources (networkx's own partition is the one closest to the sink)."""
+    residual = nx.flow.preflow_push(flow, _SRC, _SNK)
+    seen, stack = {_SRC}, [_SRC]
+    while stack:
+        u = stack.pop()
+        for v, d in residual[u].items():
+            if v not in seen and d["capacity"] - d["flow"] > 0:
+                seen.add(v)
+                stack.append(v)
+    return seen
+
+
+def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, List[str]],
+                 vnode_nodes: Set[str]) -> Dict[TensorRef, List[str]]:
+    """For each cut tensor, the resource args whose writes it feeds (data edges)."""
+    write_res = {w: r for r, ws in writes.items() for w in ws}
+    reads_after: Dict[str, List[TensorRef]] = {}
+    for name, node in g.nodes.items():
+        if node.op == "ReadVariableOp" and name not in vnode_nodes:
+            res = resource_root(g, g.data_inputs(name)[0])
+            if res in writes:
+                reads_after.setdefault(res, []).extend(g.outputs(name))
+    out: Dict[TensorRef, List[str]] = {}
+    for ref in cut_refs:
+        seen, frontier, hit = {ref}, deque([ref]), []
+        while frontier:  # breadth first: ``hit`` is ordered by distance from the cut tensor
+            t = frontier.popleft()
+            for consumer, slot in g.consumers(t):
+                if consumer in write_res and write_res[consumer] not in hit:
+                    hit.append(write_res[consumer])
+                    # Optimizers write a slot, then read it back for the parameter update.
+                    for r in reads_after.get(write_res[consumer], []):
+                        if r not in seen:
+                            seen.add(r)
+                            frontier.append(r)
+                outs = g.outputs(consumer)
+                if g.nodes[consumer].op == "IdentityN":  # output k forwards input k only
+                    outs = [outs[slot]]
+                for o in outs:
+                    if o not in seen:
+                        seen.add(o)
+                        frontier.append(o)
+        out[ref] = hit
+    return out
+
+
+def _forward_read_args(g: FunctionGraph, vnode_nodes: Set[str]) -> Set[str]:
+    """Resource args read by per-virtual-node computation (the model's parameters)."""
+    found = set()
+    for name in vnode_nodes:
+        for t in g.data_inputs(name):
+            if not t.is_function_arg and t.node in g.nodes and g.nodes[t.node].op == "ReadVariableOp":
+                res = resource_root(g, g.data_inputs(t.node)[0])
+                if res:
+                    found.add(res)
+    return found
+
+
+def _unbounded_message(g, sig, flow, sinks) -> str:
+    path = None
+    for w in sinks:
+        sub = nx.DiGraph((u, v) for u, v, d in flow.edges(data=True) if "capacity" not in d)
+        if sub.has_node(_SRC) and sub.has_node(("op", w)) and nx.has_path(sub, _SRC, ("op", w)):
+            path = (w, nx.shortest_path(sub, _SRC, ("op", w)))
+            break
+    if path is None:
+        return f"signature {sig.key!r}: the gradients of {g.name!r} could not be separated from the update"
+    w, p = path
+    tensors = [str(n[1]) for n in p if isinstance(n, tuple) and n[0] == "in"]
+    return (f"signature {sig.key!r}: the update {w!r} depends on the batch through tensors whose shape "
+            f"depends on the batch ({', '.join(tensors[-3:])}); vfgraph cannot match its gradient to a "
+            "variable (sparse or per-example gradients are not supported for this update)")

@@ -1,0 +1,71 @@
+"""load -> pipeline -> verify -> save, in one place."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Union
+
+from vfgraph import __version__
+from vfgraph.errors import InputError
+from vfgraph.io import savedmodel
+from vfgraph.ir.graph import FunctionGraph
+from vfgraph.item import GraphItem
+from vfgraph.passes.base import Pass, Sequential, parse_pipeline
+
+ModelLike = Union[str, os.PathLike, GraphItem]
+
+
+def load(path: Union[str, os.PathLike]) -> GraphItem:
+    """Load an exported model (a SavedModel directory) without modifying it."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise InputError(f"{path}: no such file or directory")
+    if savedmodel.is_saved_model_dir(path):
+        return savedmodel.load_saved_model(path)
+    if os.path.isdir(path):
+        raise InputError(f"{path}: not a SavedModel directory (no saved_model.pb); give the directory "
+                         "that tf.saved_model.save or model.export() wrote")
+    raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory")
+
+
+def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "",
+                     has_training: bool = True) -> str:
+    parts = []
+    if has_training:
+        opts = [f"vnodes={vnodes}"] + ([f"vnode-batch={vnode_batch}"] if vnode_batch else [])
+        if train_signature:
+            opts.append(f"signature={train_signature}")
+        parts.append("split-vnodes{" + ",".join(opts) + "}")
+    parts.append("microbatch-inference" + (f"{{vnode-batch={vnode_batch}}}" if vnode_batch else ""))
+    return ",".join(parts)
+
+
+def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: Optional[str] = None,
+            train_signature: str = "", after_each: Optional[Callable[[Pass, GraphItem], None]] = None) -> GraphItem:
+    """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed)."""
+    item = model if isinstance(model, GraphItem) else load(model)
+    if pipeline is None:
+        has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
+        pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training)
+    seq = Sequential(parse_pipeline(pipeline), after_each=after_each)
+    out, notes = seq(item)
+    verify(out)
+    history = list(out.metadata.get("history", []))
+    history.append({"pipeline": seq.spec(), "source_fingerprint": savedmodel.source_fingerprint(item.source)
+                    if os.path.isdir(item.source) else None, "vfgraph_version": __version__})
+    out.metadata["history"] = history
+    out.metadata["notes"] = notes
+    return out
+
+
+def verify(item: GraphItem) -> None:
+    """Check every library function the signatures reach."""
+    lib = item.library
+    for sig in item.signatures.values():
+        FunctionGraph(lib[sig.function], lib).verify()
+    for name in sorted(item.preserve):
+        FunctionGraph(lib[name], lib).verify()
+
+
+def save(item: GraphItem, out: Union[str, os.PathLike], force: bool = False) -> str:
+    """Write ``item`` as a SavedModel directory at ``out`` (atomically)."""
+    return savedmodel.save_saved_model(item, os.fspath(out), force=force)

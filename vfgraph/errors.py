@@ -1,0 +1,33 @@
+"""One exception family for everything vfgraph reports to a user."""
+from __future__ import annotations
+
+
+class VfgraphError(Exception):
+    """A problem vfgraph can explain: what went wrong, where, and what to do.
+
+    ``exit_code`` is what the command line returns for it (2 for a user error).
+    """
+
+    exit_code = 2
+
+
+class InputError(VfgraphError):
+    """The model or data given cannot be read or is not what was expected."""
+
+
+class DetectionError(VfgraphError):
+    """The structure a rewrite needs (signature, batch inputs, gradients) was not found."""
+
+
+class PipelineError(VfgraphError):
+    """A pass spec is malformed or a pass failed."""
+
+
+class VerifyError(VfgraphError):
+    """A graph is structurally invalid."""
+
+    exit_code = 1
+
+
+class OutputError(VfgraphError):
+    """The output location cannot be written."""

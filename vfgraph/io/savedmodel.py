@@ -1,0 +1,219 @@
+"""Read and write TF2 SavedModels without touching the input, writing atomically."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Dict, List, Optional
+
+from google.protobuf.message import DecodeError
+from tensorflow.core.framework import types_pb2
+from tensorflow.core.protobuf import saved_model_pb2
+
+from vfgraph.errors import InputError, OutputError
+from vfgraph.ir.graph import parse_input
+from vfgraph.item import GraphItem, SignatureInfo, TensorSpecInfo, VariableInfo
+
+SAVED_MODEL_PB = "saved_model.pb"
+METADATA_FILE = os.path.join("assets.extra", "vfgraph.json")
+_CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
+_PASSTHROUGH = ("Identity", "NoOp")
+
+
+def is_saved_model_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, SAVED_MODEL_PB))
+
+
+def read_saved_model_proto(path: str) -> saved_model_pb2.SavedModel:
+    pb = os.path.join(path, SAVED_MODEL_PB)
+    try:
+        with open(pb, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise InputError(f"{pb}: cannot read ({e.strerror})") from None
+    sm = saved_model_pb2.SavedModel()
+    try:
+        sm.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise InputError(f"{pb}: not a valid SavedModel protobuf ({e}); re-export the model") from None
+    if not sm.meta_graphs:
+        raise InputError(f"{pb}: SavedModel holds no MetaGraph; re-export the model")
+    return sm
+
+
+def load_saved_model(path: str) -> GraphItem:
+    """Load a SavedModel directory into a :class:`GraphItem` (the input is only read)."""
+    path = os.path.abspath(path)
+    sm = read_saved_model_proto(path)
+    mg = sm.meta_graphs[0]
+    if mg.object_graph_def.nodes:
+        var_dir = os.path.join(path, "variables")
+        if not os.path.isfile(os.path.join(var_dir, "variables.index")) and _has_variables(mg):
+            raise InputError(f"{var_dir}: variables are missing (no variables.index); copy the whole SavedModel directory")
+    graph_nodes = {n.name: n for n in mg.graph_def.node}
+    library = {f.signature.name: f for f in mg.graph_def.library.function}
+    signatures: Dict[str, SignatureInfo] = {}
+    for key in sorted(mg.signature_def):
+        if key.startswith("__"):
+            continue
+        info = _signature_info(path, key, mg.signature_def[key], graph_nodes, library)
+        if info is not None:
+            signatures[key] = info
+    item = GraphItem(source=path, kind="saved_model", saved_model=sm, signatures=signatures)
+    item.metadata = read_metadata(path) or {}
+    return item
+
+
+def _has_variables(mg) -> bool:
+    return any(n.WhichOneof("kind") == "variable" for n in mg.object_graph_def.nodes)
+
+
+def _signature_info(path, key, sig, graph_nodes, library) -> Optional[SignatureInfo]:
+    """Follow signature tensors to the call node and down through thin wrappers."""
+    out_nodes = {t.name.split(":")[0] for t in sig.outputs.values()}
+    calls = [graph_nodes[n] for n in sorted(out_nodes) if n in graph_nodes and graph_nodes[n].op in _CALL_OPS]
+    if len(calls) != 1:
+        return None  # not a function-backed signature (TF1 graphs are handled elsewhere)
+    call = calls[0]
+    fname = call.attr["f"].func.name
+    if fname not in library:
+        raise InputError(f"{path}: signature {key!r} calls missing function {fname!r}; the SavedModel is incomplete")
+    # Graph-level inputs of the call: placeholders (signature inputs) and variable handles.
+    placeholder_key = {t.name.split(":")[0]: k for k, t in sig.inputs.items()}
+    arg_source = [s.split(":")[0] for s in call.input if not s.startswith("^")]
+    fdef = library[fname]
+    arg_names = [a.name for a in fdef.signature.input_arg]
+    source_of = dict(zip(arg_names, arg_source))
+    # Descend through wrappers that only forward their arguments to one call.
+    while True:
+        inner = _single_call(fdef, library)
+        if inner is None:
+            break
+        node, inner_fdef = inner
+        inner_args = [a.name for a in inner_fdef.signature.input_arg]
+        forwarded = [parse_input(s)[0].node for s in node.input if not s.startswith("^")]
+        source_of = {ia: source_of.get(fa, fa) for ia, fa in zip(inner_args, forwarded)}
+        fdef = inner_fdef
+    batch_args, resource_args, input_keys, variables = [], [], {}, {}
+    for a in fdef.signature.input_arg:
+        src = source_of.get(a.name)
+        if a.type == types_pb2.DT_RESOURCE:
+            resource_args.append(a.name)
+            handle = graph_nodes.get(src)
+            shape = None
+            if handle is not None and "shape" in handle.attr:
+                shape = [d.size for d in handle.attr["shape"].shape.dim]
+            dtype = handle.attr["dtype"].type if handle is not None and "dtype" in handle.attr else 0
+            variables[a.name] = VariableInfo(name=src or a.name, dtype=dtype, shape=shape)
+        else:
+            batch_args.append(a.name)
+            input_keys[a.name] = placeholder_key.get(src, a.name)
+    inputs = [TensorSpecInfo(k, t.dtype, None if t.tensor_shape.unknown_rank else [d.size for d in t.tensor_shape.dim])
+              for k, t in sorted(sig.inputs.items())]
+    outputs = [TensorSpecInfo(k, t.dtype, None if t.tensor_shape.unknown_rank else [d.size for d in t.tensor_shape.dim])
+               for k, t in sorted(sig.outputs.items())]
+    return SignatureInfo(key=key, function=fdef.signature.name, batch_args=batch_args, input_keys=input_keys,
+                         resource_args=resource_args, variables=variables, inputs=inputs, outputs=outputs)
+
+
+def _single_call(fdef, library):
+    """If ``fdef`` only forwards all its arguments to one library call, return (node, callee)."""
+    calls = [n for n in fdef.node_def if n.op in _CALL_OPS]
+    if len(calls) != 1 or any(n.op not in _CALL_OPS + _PASSTHROUGH for n in fdef.node_def):
+        return None
+    node = calls[0]
+    callee = library.get(node.attr["f"].func.name)
+    if callee is None:
+        return None
+    forwarded = [s for s in node.input if not s.startswith("^")]
+    args = {a.name for a in fdef.signature.input_arg}
+    if not all(s in args for s in forwarded):
+        return None
+    return node, callee
+
+
+def read_metadata(path: str) -> Optional[dict]:
+    p = os.path.join(path, METADATA_FILE)
+    if not os.path.isfile(p):
+        return None
+    with open(p) as f:
+        return json.load(f)
+
+
+def source_fingerprint(path: str) -> str:
+    """sha256 over the SavedModel protobuf and the variables of ``path``."""
+    h = hashlib.sha256()
+    for rel in [SAVED_MODEL_PB] + sorted(
+            os.path.join("variables", f) for f in (os.listdir(os.path.join(path, "variables"))
+                                                   if os.path.isdir(os.path.join(path, "variables")) else [])):
+        h.update(rel.encode())
+        with open(os.path.join(path, rel), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def prepare_output(out: str, force: bool) -> None:
+    """Refuse an existing output unless ``force``; fail early when the parent is missing."""
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise OutputError(f"{out}: output path exists; choose another path or pass --force to replace it")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise OutputError(f"{parent}: output directory's parent does not exist; create it first")
+
+
+def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
+    """Write ``item`` as a SavedModel at ``out`` atomically (temp dir, then rename)."""
+    out = os.path.abspath(out)
+    prepare_output(out, force)
+    if os.path.abspath(item.source) == out:
+        raise OutputError(f"{out}: output would overwrite the input model; choose another path")
+    parent = os.path.dirname(out)
+    tmp = tempfile.mkdtemp(prefix=".vfgraph-", dir=parent)
+    try:
+        for sub in ("variables", "assets"):
+            src = os.path.join(item.source, sub)
+            if os.path.isdir(src):
+                shutil.copytree(src, os.path.join(tmp, sub))
+        extra = os.path.join(item.source, "assets.extra")
+        if os.path.isdir(extra):
+            shutil.copytree(extra, os.path.join(tmp, "assets.extra"))
+        with open(os.path.join(tmp, SAVED_MODEL_PB), "wb") as f:
+            f.write(item.saved_model.SerializeToString(deterministic=True))
+        if item.metadata:
+            os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
+            with open(os.path.join(tmp, METADATA_FILE), "w") as f:
+                json.dump(item.metadata, f, indent=2, sort_keys=True)
+                f.write("\n")
+        _write_fingerprint(tmp)
+        if os.path.exists(out):
+            old = tempfile.mkdtemp(prefix=".vfgraph-old-", dir=parent)
+            os.rename(out, os.path.join(old, "x"))
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_fingerprint(path: str) -> None:
+    """TensorFlow's fingerprint.pb, with a uuid derived from the content (deterministic)."""
+    from tensorflow.core.protobuf import fingerprint_pb2
+    from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting
+
+    fp = fingerprint_pb2.FingerprintDef()
+    fp.ParseFromString(fingerprinting.CreateFingerprintDef(path))
+    fp.ClearField("uuid")
+    fp.uuid = str(int(hashlib.sha256(fp.SerializeToString(deterministic=True)).hexdigest()[:30], 16))
+    with open(os.path.join(path, "fingerprint.pb"), "wb") as f:
+        f.write(fp.SerializeToString(deterministic=True))
+
+
+def list_signature_keys(item: GraphItem) -> List[str]:
+    return sorted(item.signatures)

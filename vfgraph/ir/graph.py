@@ -1,0 +1,331 @@
+"""A mutable graph over a FunctionDef body, the unit every TF2 rewrite works on.
+
+Protos only at the boundary (:meth:`FunctionGraph.from_function_def` /
+:meth:`FunctionGraph.to_function_def`); in between, nodes are edited through a small set of
+verbs that keep the consumer index right, and :meth:`verify` says what is wrong and where.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+
+import networkx as nx
+from tensorflow.core.framework import function_pb2, node_def_pb2, op_def_pb2, types_pb2
+from tensorflow.python.framework import op_def_registry
+
+from vfgraph.errors import VerifyError
+
+DataType = int  # a types_pb2 enum value
+
+
+@dataclass(frozen=True, order=True)
+class TensorRef:
+    """One tensor in a function body: a function argument, or output ``arg:index`` of a node."""
+
+    node: str
+    arg: Optional[str] = None
+    index: int = 0
+
+    @property
+    def is_function_arg(self) -> bool:
+        return self.arg is None
+
+    def __str__(self) -> str:
+        return self.node if self.arg is None else f"{self.node}:{self.arg}:{self.index}"
+
+
+def parse_input(text: str) -> Tuple[TensorRef, bool]:
+    """Parse one FunctionDef input string; returns (tensor, is_control)."""
+    if text.startswith("^"):
+        return TensorRef(text[1:]), True
+    parts = text.split(":")
+    if len(parts) == 1:
+        return TensorRef(parts[0]), False
+    if len(parts) == 3:
+        return TensorRef(parts[0], parts[1], int(parts[2])), False
+    if len(parts) == 2:  # GraphDef style "node:k"
+        return TensorRef(parts[0], "", int(parts[1])), False
+    raise VerifyError(f"malformed input reference {text!r}")
+
+
+def _op_def(op: str, library: Mapping[str, function_pb2.FunctionDef]) -> op_def_pb2.OpDef:
+    if op in library:
+        return library[op].signature
+    found = op_def_registry.get(op)
+    if found is None:
+        raise VerifyError(f"op type {op!r} is neither a registered op nor a library function")
+    return found
+
+
+def output_layout(
+    node: node_def_pb2.NodeDef, library: Mapping[str, function_pb2.FunctionDef]
+) -> List[Tuple[str, int, DataType]]:
+    """The flat outputs of ``node``: (output arg name, index in arg, dtype) in order."""
+    od = _op_def(node.op, library)
+    out: List[Tuple[str, int, DataType]] = []
+    for arg in od.output_arg:
+        if arg.type_list_attr:
+            types = list(node.attr[arg.type_list_attr].list.type)
+        else:
+            dtype = arg.type if arg.type else node.attr[arg.type_attr].type
+            count = node.attr[arg.number_attr].i if arg.number_attr else 1
+            types = [dtype] * count
+        out.extend((arg.name, k, t) for k, t in enumerate(types))
+    return out
+
+
+class FunctionGraph:
+    """A FunctionDef body as an editable graph with a consumer index."""
+
+    def __init__(self, fdef: function_pb2.FunctionDef,
+                 library: Optional[Mapping[str, function_pb2.FunctionDef]] = None):
+        self._header = function_pb2.FunctionDef()
+        self._header.CopyFrom(fdef)
+        del self._header.node_def[:]
+        self.library: Mapping[str, function_pb2.FunctionDef] = library or {}
+        self.nodes: Dict[str, node_def_pb2.NodeDef] = {}
+        for n in fdef.node_def:
+            self.nodes[n.name] = copy.deepcopy(n)
+        self._consumers: Optional[Dict[TensorRef, List[Tuple[str, int]]]] = None
+        self._layout_cache: Dict[str, List[Tuple[str, int, DataType]]] = {}
+
+    # ----------------------------------------------------------------- boundary
+    @classmethod
+    def from_function_def(cls, fdef, library=None) -> "FunctionGraph":
+        return cls(fdef, library)
+
+    def to_function_def(self) -> function_pb2.FunctionDef:
+        out = function_pb2.FunctionDef()
+        out.CopyFrom(self._header)
+        out.node_def.extend(self.nodes[n] for n in self.nodes)
+        return out
+
+    # ----------------------------------------------------------------- signature
+    @property
+    def name(self) -> str:
+        return self._header.signature.name
+
+    @property
+    def signature(self) -> op_def_pb2.OpDef:
+        return self._header.signature
+
+    @property
+    def ret(self):
+        return self._header.ret
+
+    @property
+    def arg_names(self) -> List[str]:
+        return [a.name for a in self._header.signature.input_arg]
+
+    def arg_type(self, name: str) -> DataType:
+        for a in self._header.signature.input_arg:
+            if a.name == name:
+                return a.type
+        raise KeyError(name)
+
+    def arg_shape(self, name: str) -> Optional[List[int]]:
+        """Static shape recorded for a function argument (None when unknown)."""
+        for i, a in enumerate(self._header.signature.input_arg):
+            if a.name != name:
+                continue
+            attrs = self._header.arg_attr[i].attr if i in self._header.arg_attr else {}
+            if "_output_shapes" in attrs and attrs["_output_shapes"].list.shape:
+                return _shape_list(attrs["_output_shapes"].list.shape[0])
+            shapes = self._header.attr["_input_shapes"].list.shape if "_input_shapes" in self._header.attr else []
+            if i < len(shapes):
+                return _shape_list(shapes[i])
+            return None
+        raise KeyError(name)
+
+    def output_refs(self) -> List[Tuple[str, TensorRef]]:
+        """(output arg name, tensor) for every function output, in signature order."""
+        return [(a.name, parse_input(self._header.ret[a.name])[0]) for a in self.signature.output_arg]
+
+    # ----------------------------------------------------------------- queries
+    def inputs(self, node: str) -> List[Tuple[TensorRef, bool]]:
+        return [parse_input(s) for s in self.nodes[node].input]
+
+    def data_inputs(self, node: str) -> List[TensorRef]:
+        return [t for t, ctl in self.inputs(node) if not ctl]
+
+    def control_inputs(self, node: str) -> List[str]:
+        return [t.node for t, ctl in self.inputs(node) if ctl]
+
+    def layout(self, node: str) -> List[Tuple[str, int, DataType]]:
+        if node not in self._layout_cache:
+            self._layout_cache[node] = output_layout(self.nodes[node], self.library)
+        return self._layout_cache[node]
+
+    def outputs(self, node: str) -> List[TensorRef]:
+        return [TensorRef(node, a, k) for a, k, _ in self.layout(node)]
+
+    def flat_index(self, ref: TensorRef) -> int:
+        for i, (a, k, _) in enumerate(self.layout(ref.node)):
+            if a == ref.arg and k == ref.index:
+                return i
+        raise VerifyError(f"node {ref.node!r} has no output {ref.arg}:{ref.index}")
+
+    def dtype(self, ref: TensorRef) -> DataType:
+        if ref.is_function_arg:
+            return self.arg_type(ref.node)
+        return self.layout(ref.node)[self.flat_index(ref)][2]
+
+    def shape(self, ref: TensorRef) -> Optional[List[int]]:
+        """Static shape from the ``_output_shapes`` the exporter recorded (-1: unknown dim)."""
+        if ref.is_function_arg:
+            return self.arg_shape(ref.node)
+        node = self.nodes[ref.node]
+        if "_output_shapes" not in node.attr:
+            return None
+        shapes = node.attr["_output_shapes"].list.shape
+        i = self.flat_index(ref)
+        return _shape_list(shapes[i]) if i < len(shapes) else None
+
+    def consumers(self, ref: TensorRef) -> List[Tuple[str, int]]:
+        if self._consumers is None:
+            idx: Dict[TensorRef, List[Tuple[str, int]]] = {}
+            for name, node in self.nodes.items():
+                for i, s in enumerate(node.input):
+                    t, ctl = parse_input(s)
+                    if not ctl:
+                        idx.setdefault(t, []).append((name, i))
+            self._consumers = idx
+        return self._consumers.get(ref, [])
+
+    def to_networkx(self, control: bool = True) -> nx.DiGraph:
+        """Node-level dependency graph (edges producer -> consumer); args are nodes too."""
+        g = nx.DiGraph()
+        g.add_nodes_from(self.arg_names)
+        g.add_nodes_from(self.nodes)
+        for name in self.nodes:
+            for t, ctl in self.inputs(name):
+                if ctl and not control:
+                    continue
+                g.add_edge(t.node, name)
+        return g
+
+    def topological_order(self) -> List[str]:
+        """Nodes in topological order, ties broken by name (deterministic)."""
+        return [n for n in nx.lexicographical_topological_sort(self.to_networkx()) if n in self.nodes]
+
+    def ancestors(self, roots: Iterable[str], follow: Callable[[str], Iterable[str]]) -> set:
+        seen, stack = set(), [r for r in roots if r in self.nodes]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(p for p in follow(n) if p in self.nodes and p not in seen)
+        return seen
+
+    # ----------------------------------------------------------------- edits
+    def _dirty(self) -> None:
+        self._consumers = None
+
+    def add_node(self, node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
+        if node.name in self.nodes or node.name in self.arg_names:
+            raise VerifyError(f"node name {node.name!r} already used in function {self.name!r}")
+        self.nodes[node.name] = node
+        self._layout_cache.pop(node.name, None)
+        self._dirty()
+        return node
+
+    def erase(self, names: Iterable[str]) -> None:
+        for n in list(names):
+            self.nodes.pop(n, None)
+            self._layout_cache.pop(n, None)
+        self._dirty()
+
+    def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> int:
+        """Point every data consumer of ``old`` (and function outputs) at ``new``."""
+        count = 0
+        old_s, new_s = str(old), str(new)
+        for node in self.nodes.values():
+            for i, s in enumerate(node.input):
+                if s == old_s:
+                    node.input[i] = new_s
+                    count += 1
+        for k, v in self._header.ret.items():
+            if v == old_s:
+                self._header.ret[k] = new_s
+                count += 1
+        self._dirty()
+        return count
+
+    def keep_only(self, keep: Iterable[str]) -> None:
+        """Erase every node not in ``keep`` and drop control inputs that pointed at them."""
+        keep = set(keep)
+        self.erase([n for n in self.nodes if n not in keep])
+        for node in self.nodes.values():
+            kept = [s for s in node.input if not (s.startswith("^") and s[1:] not in keep)]
+            del node.input[:]
+            node.input.extend(kept)
+        for k in [k for k, v in self._header.control_ret.items() if v not in keep]:
+            del self._header.control_ret[k]
+        self._dirty()
+
+    # ----------------------------------------------------------------- checks
+    def verify(self) -> None:
+        """Raise :class:`VerifyError` naming the first broken node or output."""
+        args = set(self.arg_names)
+        for name, node in self.nodes.items():
+            for s in node.input:
+                t, ctl = parse_input(s)
+                if t.node in args and not ctl:
+                    if t.arg is not None:
+                        raise VerifyError(f"{self.name}: node {name!r} reads argument {s!r} with an output index")
+                    continue
+                if t.node not in self.nodes:
+                    raise VerifyError(f"{self.name}: node {name!r} input {s!r} refers to a missing node")
+                if not ctl:
+                    self.flat_index(t)
+        for k, v in self._header.ret.items():
+            t, _ = parse_input(v)
+            if t.node not in args and t.node not in self.nodes:
+                raise VerifyError(f"{self.name}: output {k!r} refers to missing {v!r}")
+        for k, v in self._header.control_ret.items():
+            if v not in self.nodes:
+                raise VerifyError(f"{self.name}: control output {k!r} refers to missing node {v!r}")
+        names = {a.name for a in self.signature.output_arg}
+        if names != set(self._header.ret):
+            raise VerifyError(f"{self.name}: outputs {sorted(names)} do not match ret {sorted(self._header.ret)}")
+        g = self.to_networkx()
+        if not nx.is_directed_acyclic_graph(g):
+            cycle = nx.find_cycle(g)
+            raise VerifyError(f"{self.name}: cycle through {cycle[0][0]!r}")
+
+
+def _shape_list(shape) -> Optional[List[int]]:
+    if shape.unknown_rank:
+        return None
+    return [d.size for d in shape.dim]
+
+
+def iter_func_attrs(node: node_def_pb2.NodeDef) -> Iterator:
+    """Yield every NameAttrList inside ``node``'s attrs (single and list-valued)."""
+    for v in node.attr.values():
+        if v.HasField("func"):
+            yield v.func
+        elif v.HasField("list"):
+            yield from v.list.func
+
+
+def function_dependencies(name: str, library: Mapping[str, function_pb2.FunctionDef]) -> List[str]:
+    """``name`` and every library function it calls, transitively, in a stable order."""
+    order: List[str] = []
+    stack = [name]
+    while stack:
+        f = stack.pop()
+        if f in order or f not in library:
+            continue
+        order.append(f)
+        for node in library[f].node_def:
+            if node.op in library:
+                stack.append(node.op)
+            stack.extend(fa.name for fa in iter_func_attrs(node))
+    return order
+
+
+def is_resource(dtype: DataType) -> bool:
+    return dtype == types_pb2.DT_RESOURCE

@@ -1,0 +1,100 @@
+"""GraphItem: what a pass sees (the GrapplerItem analogue)."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from tensorflow.core.framework import function_pb2
+from tensorflow.core.protobuf import saved_model_pb2
+
+
+@dataclass
+class TensorSpecInfo:
+    """One user-facing input or output of a signature."""
+
+    key: str          # name in the signature (what users feed / fetch)
+    dtype: int        # types_pb2 enum
+    shape: Optional[List[int]]  # -1 for unknown dims; None for unknown rank
+
+
+@dataclass
+class VariableInfo:
+    """A variable captured by a signature function (a resource argument)."""
+
+    name: str
+    dtype: int
+    shape: Optional[List[int]]
+    trainable: Optional[bool] = None
+
+
+@dataclass
+class SignatureInfo:
+    """A serving/training signature and the library function that implements it."""
+
+    key: str
+    function: str                       # the library function holding the real ops
+    batch_args: List[str]               # data (non-resource) arguments of ``function``, in order
+    input_keys: Dict[str, str]          # function arg name -> signature input key
+    resource_args: List[str]            # resource arguments of ``function``
+    variables: Dict[str, VariableInfo]  # resource arg name -> variable
+    inputs: List[TensorSpecInfo] = field(default_factory=list)
+    outputs: List[TensorSpecInfo] = field(default_factory=list)
+
+    @property
+    def is_training(self) -> bool:
+        return self.key == "train" or self.key.startswith("train")
+
+
+@dataclass
+class GraphItem:
+    """A loaded model: its protos, its signatures and what passes must preserve."""
+
+    source: str
+    kind: str  # "saved_model"
+    saved_model: saved_model_pb2.SavedModel
+    signatures: Dict[str, SignatureInfo]
+    preserve: set = field(default_factory=set)
+    metadata: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def meta_graph(self):
+        return self.saved_model.meta_graphs[0]
+
+    @property
+    def library(self) -> Dict[str, function_pb2.FunctionDef]:
+        return {f.signature.name: f for f in self.meta_graph.graph_def.library.function}
+
+    def function(self, name: str) -> function_pb2.FunctionDef:
+        for f in self.meta_graph.graph_def.library.function:
+            if f.signature.name == name:
+                return f
+        raise KeyError(name)
+
+    def set_function(self, fdef: function_pb2.FunctionDef) -> None:
+        """Add ``fdef`` to the library, replacing a function of the same name."""
+        lib = self.meta_graph.graph_def.library.function
+        for i, f in enumerate(lib):
+            if f.signature.name == fdef.signature.name:
+                lib[i].CopyFrom(fdef)
+                return
+        lib.add().CopyFrom(fdef)
+
+    def has_function(self, name: str) -> bool:
+        return any(f.signature.name == name for f in self.meta_graph.graph_def.library.function)
+
+    def copy(self) -> "GraphItem":
+        sm = saved_model_pb2.SavedModel()
+        sm.CopyFrom(self.saved_model)
+        return GraphItem(self.source, self.kind, sm, copy.deepcopy(self.signatures),
+                         set(self.preserve), copy.deepcopy(self.metadata))
+
+    def training_signature(self, key: Optional[str] = None) -> Optional[SignatureInfo]:
+        if key is not None:
+            return self.signatures.get(key)
+        cands = [s for s in self.signatures.values() if s.is_training]
+        return cands[0] if len(cands) == 1 else (self.signatures.get("train") if cands else None)
+
+    def inference_signatures(self, train_key: Optional[str] = None) -> List[SignatureInfo]:
+        t = self.training_signature(train_key)
+        return [s for k, s in sorted(self.signatures.items()) if t is None or k != t.key]
