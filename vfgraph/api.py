@@ -21,10 +21,13 @@ def load(path: Union[str, os.PathLike]) -> GraphItem:
         raise InputError(f"{path}: no such file or directory")
     if savedmodel.is_saved_model_dir(path):
         return savedmodel.load_saved_model(path)
+    if path.endswith(".pbtxt") and os.path.isfile(path):
+        return savedmodel.load_saved_model_text(path)
     if os.path.isdir(path):
         raise InputError(f"{path}: not a SavedModel directory (no saved_model.pb); give the directory "
                          "that tf.saved_model.save or model.export() wrote")
-    raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory")
+    raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory "
+                     "(or a SavedModel in protobuf text form, .pbtxt)")
 
 
 def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "",

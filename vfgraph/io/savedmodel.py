@@ -52,6 +52,29 @@ def load_saved_model(path: str) -> GraphItem:
         var_dir = os.path.join(path, "variables")
         if not os.path.isfile(os.path.join(var_dir, "variables.index")) and _has_variables(mg):
             raise InputError(f"{var_dir}: variables are missing (no variables.index); copy the whole SavedModel directory")
+    item = item_from_proto(sm, path)
+    item.metadata = read_metadata(path) or {}
+    return item
+
+
+def load_saved_model_text(path: str) -> GraphItem:
+    """A SavedModel protobuf in text form (graph only, no variables): golden-test inputs."""
+    from google.protobuf import text_format
+
+    sm = saved_model_pb2.SavedModel()
+    try:
+        with open(path) as f:
+            text_format.Parse(f.read(), sm)
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not a SavedModel in protobuf text form ({e})") from None
+    if not sm.meta_graphs:
+        raise InputError(f"{path}: SavedModel holds no MetaGraph")
+    return item_from_proto(sm, os.path.abspath(path))
+
+
+def item_from_proto(sm: saved_model_pb2.SavedModel, path: str) -> GraphItem:
+    """Build the item for a parsed SavedModel; ``path`` names it in messages."""
+    mg = sm.meta_graphs[0]
     graph_nodes = {n.name: n for n in mg.graph_def.node}
     library = {f.signature.name: f for f in mg.graph_def.library.function}
     signatures: Dict[str, SignatureInfo] = {}
@@ -61,9 +84,7 @@ def load_saved_model(path: str) -> GraphItem:
         info = _signature_info(path, key, mg.signature_def[key], graph_nodes, library)
         if info is not None:
             signatures[key] = info
-    item = GraphItem(source=path, kind="saved_model", saved_model=sm, signatures=signatures)
-    item.metadata = read_metadata(path) or {}
-    return item
+    return GraphItem(source=path, kind="saved_model", saved_model=sm, signatures=signatures)
 
 
 def _has_variables(mg) -> bool:

@@ -1,0 +1,141 @@
+"""Export example models in the conventions vfgraph reads (a tf.Module with 'train' and
+'serving_default' signatures), and the digits data set as .npz.
+
+    python examples/export.py digits-mlp OUT_DIR [--optimizer sgd|momentum|adam|adamw|rmsprop|adagrad|manual]
+    python examples/export.py digits-data OUT_DIR      # train.npz / test.npz from scikit-learn's digits
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+
+def digits_data(out: str) -> None:
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype("float32")
+    y = y.astype("int32")
+    order = np.random.default_rng(0).permutation(len(x))
+    x, y = x[order], y[order]
+    os.makedirs(out, exist_ok=True)
+    np.savez(os.path.join(out, "train.npz"), x=x[:1408], y=y[:1408])
+    np.savez(os.path.join(out, "test.npz"), x=x[1408:], y=y[1408:])
+
+
+def make_optimizer(name: str, lr: float):
+    import keras
+
+    return {
+        "sgd": lambda: keras.optimizers.SGD(lr),
+        "momentum": lambda: keras.optimizers.SGD(lr, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(lr),
+        "adamw": lambda: keras.optimizers.AdamW(lr, weight_decay=0.01),
+        "rmsprop": lambda: keras.optimizers.RMSprop(lr),
+        "adagrad": lambda: keras.optimizers.Adagrad(lr),
+    }[name]()
+
+
+def build_module(model, input_specs, optimizer: str, lr: float, loss_fn):
+    """A tf.Module whose 'train' signature takes a batch and applies one optimizer step."""
+    import tensorflow as tf
+
+    class Trainer(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.manual = optimizer == "manual"
+            if not self.manual:
+                self.opt = make_optimizer(optimizer, lr)
+                self.opt.build(self.model.trainable_variables)
+            self.lr = lr
+
+        @tf.function(input_signature=[input_specs])
+        def train(self, batch):
+            with tf.GradientTape() as tape:
+                out = self.model(batch["x"], training=True)
+                loss = loss_fn(batch["y"], out)
+            grads = tape.gradient(loss, self.model.trainable_variables)
+            if self.manual:
+                for v, g in zip(self.model.trainable_variables, grads):
+                    v.assign_sub(self.lr * g)
+            else:
+                self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
+            return {"loss": loss}
+
+        @tf.function(input_signature=[input_specs["x"]])
+        def serve(self, x):
+            return {"logits": self.model(x, training=False)}
+
+    return Trainer()
+
+
+def sparse_ce(y, logits):
+    import tensorflow as tf
+
+    return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+
+
+def digits_mlp(out: str, optimizer: str = "sgd", lr: float = 0.1, hidden: int = 64) -> None:
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(hidden, activation="relu"),
+                              keras.layers.Dense(10)])
+    specs = {"x": tf.TensorSpec([None, 64], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
+    m = build_module(model, specs, optimizer, lr, sparse_ce)
+    tf.saved_model.save(m, out, signatures={"train": m.train, "serving_default": m.serve})
+
+
+def digits_cnn(out: str, optimizer: str = "momentum", lr: float = 0.05) -> None:
+    """A small CNN with batch normalisation on 8x8 digit images."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((64,)), keras.layers.Reshape((8, 8, 1)),
+        keras.layers.Conv2D(8, 3, padding="same", use_bias=False), keras.layers.BatchNormalization(),
+        keras.layers.ReLU(), keras.layers.MaxPooling2D(), keras.layers.Flatten(), keras.layers.Dense(10)])
+    specs = {"x": tf.TensorSpec([None, 64], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
+    m = build_module(model, specs, optimizer, lr, sparse_ce)
+    tf.saved_model.save(m, out, signatures={"train": m.train, "serving_default": m.serve})
+
+
+def keras_export(out: str) -> None:
+    """An inference-only model written by Keras 3's model.export()."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
+    model.export(out, verbose=False)
+
+
+MODELS = {"digits-mlp": digits_mlp, "digits-cnn": digits_cnn}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=sorted(MODELS) + ["digits-data", "keras-export"])
+    p.add_argument("out")
+    p.add_argument("--optimizer", default=None,
+                   choices=["sgd", "momentum", "adam", "adamw", "rmsprop", "adagrad", "manual"])
+    p.add_argument("--lr", type=float, default=None)
+    a = p.parse_args()
+    if a.what == "digits-data":
+        digits_data(a.out)
+    elif a.what == "keras-export":
+        keras_export(a.out)
+    else:
+        kw = {k: v for k, v in (("optimizer", a.optimizer), ("lr", a.lr)) if v is not None}
+        MODELS[a.what](a.out, **kw)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
