@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from tensorflow.core.framework import function_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
-from vfgraph.ir.graph import FunctionGraph, TensorRef, iter_func_attrs, parse_input
+from vfgraph.ir.graph import FunctionGraph, TensorRef, parse_input
 
 
 def _stateful(g: FunctionGraph, name: str) -> bool:
@@ -148,7 +148,7 @@ def trace_replacement(
         renames[f.signature.name] = f"{prefix}_{role}" + (f"_{k}" if k else "")
     out = [main] + nested
     for f in out:
-        rename_functions(f, renames)
+        _rename_everywhere(f, renames)
     # Drop-in signature: the original's argument names, attributes and output names.
     arg_map = {a.name: b.name for a, b in zip(main.signature.input_arg, original.signature.input_arg)}
     for node in main.node_def:
@@ -176,18 +176,17 @@ def trace_replacement(
     return out
 
 
+def _rename_everywhere(fdef: function_pb2.FunctionDef, renames: Dict[str, str]) -> None:
+    """Rename functions, and every argument or node name TensorFlow derived from them."""
+    from google.protobuf import text_format
+
+    text = text_format.MessageToString(fdef)
+    for old in sorted(renames, key=len, reverse=True):
+        text = text.replace(old, renames[old])
+    fdef.Clear()
+    text_format.Parse(text, fdef)
+
+
 def _trace_order(name: str) -> Tuple[int, str]:
     m = re.search(r"_(\d+)$", name)
     return (int(m.group(1)) if m else 0, name)
-
-
-def rename_functions(fdef: function_pb2.FunctionDef, renames: Dict[str, str]) -> None:
-    """Apply ``renames`` to ``fdef``'s own name and every function it references."""
-    if fdef.signature.name in renames:
-        fdef.signature.name = renames[fdef.signature.name]
-    for node in fdef.node_def:
-        if node.op in renames:
-            node.op = renames[node.op]
-        for fa in iter_func_attrs(node):
-            if fa.name in renames:
-                fa.name = renames[fa.name]

@@ -3,8 +3,9 @@
 The cut is derived from dataflow, not from names. Every variable write whose value depends
 on the batch is a sink; the batch arguments are the sources; a tensor may be cut only if its
 shape does not depend on the batch (a fully known static shape) and it is floating point.
-The minimum cut closest to the sources is the set of per-step quantities that sum over
-examples: the gradients, and the batch statistics that feed moving-average updates.
+The minimum cut closest to the writes, with each tensor moved up to its earliest batch-free
+dominator, is the set of per-step quantities that sum over examples: the gradients, and
+the batch statistics that feed moving-average updates.
 Averaging them over virtual nodes and running everything behind the cut once is the
 virtual-node semantics (design.md section 2).
 """
@@ -67,9 +68,10 @@ class TrainStep:
     @property
     def batch_updated(self) -> List[str]:
         out: List[str] = []
+        trainable = set(self.trainable)
         for c in self.cut:
             if c.role == "statistic":
-                out.extend(w for w in c.writes if w not in out)
+                out.extend(w for w in c.writes if w not in out and w not in trainable)
         return out
 
     @property
@@ -161,12 +163,16 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     for w in sinks:
         flow.add_edge(("op", w), _SNK)
     try:
-        source_side = _source_side_of_min_cut(flow)
+        _, (source_side, _) = nx.minimum_cut(flow, _SRC, _SNK)
     except nx.NetworkXUnbounded:
         raise DetectionError(_unbounded_message(g, sig, flow, sinks)) from None
-
-    cut_refs = sorted({n[1] for n in source_side if n[0] == "in" and ("out", n[1]) not in source_side})
-    vnode_nodes = {n[1] for n in source_side if n[0] == "op"}
+    sink_most = sorted({n[1] for n in source_side if n[0] == "in" and ("out", n[1]) not in source_side})
+    cut_refs = _hoist(g, flow, sink_most)
+    vnode_nodes = _region(flow, set(cut_refs))
+    reached = [w for w in sinks if w in vnode_nodes]
+    if reached:
+        raise DetectionError(f"signature {sig.key!r}: could not separate the update {reached[0]!r} from the "
+                             "per-example computation")
     reach = _write_reach(g, cut_refs, writes, vnode_nodes)
     forward_reads = _forward_read_args(g, vnode_nodes)
     order = {r: i for i, r in enumerate(sig.resource_args)}
@@ -199,18 +205,43 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
                      outputs=outputs, batch_dependent=dep)
 
 
-def _source_side_of_min_cut(flow: nx.DiGraph) -> Set:
-    """Nodes reachable from the source in the residual network: the minimum cut closest to the
-    sources (networkx's own partition is the one closest to the sink)."""
-    residual = nx.flow.preflow_push(flow, _SRC, _SNK)
+def _hoist(g: FunctionGraph, flow: nx.DiGraph, cut: List[TensorRef]) -> List[TensorRef]:
+    """Move each cut tensor up to the earliest batch-free tensor that dominates it.
+
+    The minimum cut closest to the writes sits after per-variable arithmetic that must see
+    the averaged gradient (learning-rate scaling, clipping): if everything between tensor
+    ``t`` and a cut tensor depends on the batch only through ``t``, ``t`` is the quantity to
+    average. A cut tensor that combines several per-example reductions (batch norm's
+    gradient of gamma uses the batch variance) has no such dominator and stays.
+    """
+    idom = nx.immediate_dominators(flow, _SRC)
+    out: List[TensorRef] = []
+    for ref in cut:
+        best, node = ref, ("out", ref)
+        while node in idom and idom[node] != node:
+            node = idom[node]
+            if node == _SRC:
+                break
+            if node[0] == "out":
+                if not _cuttable(g, node[1]):
+                    break
+                best = node[1]
+        if best not in out:
+            out.append(best)
+    return sorted(out)
+
+
+def _region(flow: nx.DiGraph, cut: Set[TensorRef]) -> Set[str]:
+    """Ops reachable from the batch without crossing the cut: the per-virtual-node part."""
     seen, stack = {_SRC}, [_SRC]
     while stack:
         u = stack.pop()
-        for v, d in residual[u].items():
-            if v not in seen and d["capacity"] - d["flow"] > 0:
-                seen.add(v)
-                stack.append(v)
-    return seen
+        for v in flow.successors(u):
+            if v in seen or (u[0] == "in" and v[0] == "out" and u[1] in cut):
+                continue
+            seen.add(v)
+            stack.append(v)
+    return {n[1] for n in seen if isinstance(n, tuple) and n[0] == "op"}
 
 
 def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, List[str]],

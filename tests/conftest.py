@@ -1,0 +1,73 @@
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-goldens", action="store_true", help="rewrite tests/goldens/*.after.pbtxt")
+
+
+@pytest.fixture(scope="session")
+def update_goldens(request):
+    return request.config.getoption("--update-goldens")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """Example models exported once per session, by name (exported lazily on first use)."""
+    import export
+
+    root = tmp_path_factory.mktemp("models")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            kind, _, opt = name.partition(":")
+            path = str(root / name.replace(":", "_"))
+            if kind == "mlp":
+                export.digits_mlp(path, optimizer=opt or "sgd", lr=0.05, hidden=32)
+            elif kind == "cnn":
+                export.digits_cnn(path, optimizer=opt or "momentum")
+            elif kind == "keras-export":
+                export.keras_export(path)
+            else:
+                raise KeyError(name)
+            made[name] = path
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    import export
+
+    root = tmp_path_factory.mktemp("data")
+    export.digits_data(str(root))
+    return {"train": str(root / "train.npz"), "test": str(root / "test.npz")}
+
+
+@pytest.fixture(scope="session")
+def rewritten(tmp_path_factory, models):
+    """Rewritten models, cached per (model, vnodes, vnode_batch)."""
+    import vfgraph
+
+    root = tmp_path_factory.mktemp("rewritten")
+    made = {}
+
+    def get(name, vnodes, vnode_batch=0):
+        key = (name, vnodes, vnode_batch)
+        if key not in made:
+            out = str(root / f"{name.replace(':', '_')}_v{vnodes}_b{vnode_batch}")
+            vfgraph.save(vfgraph.rewrite(models(name), vnodes=vnodes, vnode_batch=vnode_batch), out)
+            made[key] = out
+        return made[key]
+
+    return get

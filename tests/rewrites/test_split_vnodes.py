@@ -1,0 +1,136 @@
+"""Virtual-node training semantics (design.md section 2), checked numerically."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from vfgraph.testing.compare import compare_models, make_inputs, variable_values
+
+OPTIMIZERS = ["sgd", "momentum", "adam", "adamw", "rmsprop", "adagrad", "manual"]
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_one_vnode_is_bit_identical(models, rewritten, opt):
+    rep = compare_models(models(f"mlp:{opt}"), rewritten(f"mlp:{opt}", 1), steps=3, batch=32)
+    assert rep.params, "no parameters compared"
+    assert rep.worst_param == 0.0, rep.params
+    assert all(la == lb for _, la, lb in rep.loss)
+
+
+def test_one_vnode_is_bit_identical_with_batch_norm(models, rewritten):
+    rep = compare_models(models("cnn:sgd"), rewritten("cnn:sgd", 1), steps=3, batch=32)
+    assert rep.worst_param == 0.0, rep.params
+
+
+def test_one_vnode_batch_norm_momentum_within_an_ulp(models, rewritten):
+    """Grappler reassociates the momentum arithmetic across the cut in the original graph, so
+    one slot can differ in the last bit; everything else stays bit-identical."""
+    rep = compare_models(models("cnn:momentum"), rewritten("cnn:momentum", 1), steps=3, batch=32)
+    assert rep.worst_param < 1e-6, rep.params
+    assert sum(1 for v in rep.params.values() if v) <= 1, rep.params
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize("vnodes", [2, 4, 8])
+def test_vnodes_equal_full_batch_step(models, rewritten, opt, vnodes):
+    """Without batch statistics, V virtual nodes reproduce the full-batch step."""
+    rep = compare_models(models(f"mlp:{opt}"), rewritten(f"mlp:{opt}", vnodes), steps=3, batch=64)
+    assert rep.worst_param < 1e-5, rep.params
+    for _, la, lb in rep.loss:
+        assert lb == pytest.approx(la, rel=1e-5)
+
+
+def test_fixed_vnode_batch_reads_vnode_count_from_fed_batch(models, rewritten):
+    """With b fixed, the same graph runs 2, 4 or 8 virtual nodes depending on the batch fed."""
+    orig = models("mlp:adam")
+    out = rewritten("mlp:adam", 4, 8)
+    for batch in (16, 32, 64):
+        rep = compare_models(orig, out, steps=2, batch=batch)
+        assert rep.worst_param < 1e-5, (batch, rep.params)
+
+
+def _per_slice_reference(model_dir, inputs, vnodes):
+    """Reference for a batch-norm model, from the original graph only: run the original
+    training step on each slice from the same starting state, average the parameter deltas
+    of the slices for SGD (linear in the gradient) and the moving statistics' new values."""
+    loaded = tf.saved_model.load(model_dir)
+    fn = loaded.signatures["train"]
+    start = variable_values(fn)
+    n = len(next(iter(inputs.values())))
+    b = n // vnodes
+    finals, losses = [], []
+    for k in range(vnodes):
+        for v in fn.variables:
+            v.assign(start[v.name])
+        losses.append(float(fn(**{key: val[k * b:(k + 1) * b] for key, val in inputs.items()})["loss"]))
+        finals.append(variable_values(fn))
+    ref = {name: np.mean([f[name] for f in finals], axis=0) if start[name].dtype.kind == "f" else finals[-1][name]
+           for name in start}
+    return ref, float(np.mean(losses))
+
+
+@pytest.mark.parametrize("vnodes", [2, 4])
+def test_batch_norm_uses_per_vnode_statistics(models, rewritten, vnodes):
+    """Per-virtual-node batch statistics; moving averages averaged over virtual nodes, applied once."""
+    orig = models("cnn:sgd")
+    original = tf.saved_model.load(orig)
+    inputs = make_inputs(original.signatures["train"], 32, seed=3)
+    ref, ref_loss = _per_slice_reference(orig, inputs, vnodes)
+    model = tf.saved_model.load(rewritten("cnn:sgd", vnodes))  # keeps the variables alive
+    fn = model.signatures["train"]
+    loss = float(fn(**inputs)["loss"])
+    got = variable_values(fn)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for name, value in ref.items():
+        if value.dtype.kind == "f":
+            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_optimizer_state_advances_once_per_step(models, rewritten):
+    model = tf.saved_model.load(rewritten("mlp:adam", 8))
+    fn = model.signatures["train"]
+    for _ in range(3):
+        fn(**make_inputs(fn, 64))
+    iters = [v for v in fn.variables if "iteration" in v.name]
+    assert iters and int(iters[0].numpy()) == 3
+
+
+def test_batch_not_divisible_names_b(models, rewritten):
+    model = tf.saved_model.load(rewritten("mlp:sgd", 4, 8))
+    fn = model.signatures["train"]
+    inputs = make_inputs(fn, 20)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="virtual-node batch b=8"):
+        fn(**inputs)
+
+
+def test_leading_dimensions_must_agree(models, rewritten):
+    model = tf.saved_model.load(rewritten("mlp:sgd", 4, 8))
+    fn = model.signatures["train"]
+    inputs = make_inputs(fn, 32)
+    inputs["y"] = inputs["y"][:16]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="different leading"):
+        fn(**inputs)
+
+
+def test_rewrite_is_deterministic_and_leaves_input_alone(models, tmp_path):
+    import hashlib
+    import os
+
+    import vfgraph
+
+    src = models("mlp:adam")
+
+    def digest(path):
+        h = hashlib.sha256()
+        for root, _, files in sorted(os.walk(path)):
+            for f in sorted(files):
+                with open(os.path.join(root, f), "rb") as fh:
+                    h.update(f.encode() + fh.read())
+        return h.hexdigest()
+
+    before = digest(src)
+    a = vfgraph.save(vfgraph.rewrite(src, vnodes=4, vnode_batch=8), tmp_path / "a")
+    b = vfgraph.save(vfgraph.rewrite(src, vnodes=4, vnode_batch=8), tmp_path / "b")
+    assert digest(a) == digest(b)
+    assert digest(src) == before
