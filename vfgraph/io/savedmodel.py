@@ -52,8 +52,15 @@ def load_saved_model(path: str) -> GraphItem:
         var_dir = os.path.join(path, "variables")
         if not os.path.isfile(os.path.join(var_dir, "variables.index")) and _has_variables(mg):
             raise InputError(f"{var_dir}: variables are missing (no variables.index); copy the whole SavedModel directory")
-    item = item_from_proto(sm, path)
-    item.metadata = read_metadata(path) or {}
+    try:
+        item = item_from_proto(sm, path)
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
+        raise InputError(f"{os.path.join(path, SAVED_MODEL_PB)}: inconsistent SavedModel ({type(e).__name__}: {e}); "
+                         "re-export the model") from None
+    try:
+        item.metadata = read_metadata(path) or {}
+    except (ValueError, OSError) as e:
+        raise InputError(f"{os.path.join(path, METADATA_FILE)}: unreadable ({e})") from None
     return item
 
 
