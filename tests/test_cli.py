@@ -1,6 +1,7 @@
 """The command line, run as users run it (subprocesses), bad input included."""
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,9 @@ def test_rewrite_inspect_diff_verify(models, tmp_path):
     ins = vf("inspect", out)
     assert ins.returncode == 0 and "V=8 b=4" in ins.stdout
     ins = vf("inspect", src)
-    assert "-> sequential/dense/kernel" in ins.stdout and "adam/iteration" in ins.stdout
+    # Keras numbers layer names per process: match the pattern, not the number
+    assert re.search(r"\S+ \[64, 32\] -> sequential(_\d+)?/dense(_\d+)?/kernel", ins.stdout), ins.stdout
+    assert re.search(r"optimizer state: adam(_\d+)?/iteration", ins.stdout), ins.stdout
     assert vf("diff", src, src).returncode == 0
     d = vf("diff", src, out)
     assert d.returncode == 1 and "+++" in d.stdout and "While" in d.stdout
