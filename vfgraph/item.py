@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from tensorflow.core.framework import function_pb2
 from tensorflow.core.protobuf import saved_model_pb2

@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from google.protobuf.message import DecodeError
 from tensorflow.core.framework import types_pb2
@@ -242,6 +242,3 @@ def _write_fingerprint(path: str) -> None:
     with open(os.path.join(path, "fingerprint.pb"), "wb") as f:
         f.write(fp.SerializeToString(deterministic=True))
 
-
-def list_signature_keys(item: GraphItem) -> List[str]:
-    return sorted(item.signatures)

@@ -1,5 +1,4 @@
 """The graph IR: a mutable view over GraphDef / FunctionDef bodies."""
 from vfgraph.ir.graph import FunctionGraph, TensorRef, parse_input
-from vfgraph.ir.names import NameAuthority
 
-__all__ = ["FunctionGraph", "TensorRef", "parse_input", "NameAuthority"]
+__all__ = ["FunctionGraph", "TensorRef", "parse_input"]

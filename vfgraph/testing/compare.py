@@ -1,7 +1,6 @@
 """Run an original and a rewritten model on the same inputs and compare (numeric checks)."""
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -9,8 +8,6 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from vfgraph.errors import InputError
-
-log = logging.getLogger("vfgraph.verify")
 
 
 def _spec_shape(spec, batch: int) -> List[int]:
