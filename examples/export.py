@@ -48,6 +48,8 @@ def build_module(model, input_specs, optimizer: str, lr: float, loss_fn):
         def __init__(self):
             super().__init__()
             self.model = model
+            # Keras keeps some state (dropout seed generators) outside tf.Module tracking.
+            self.model_variables = list(model.variables)
             self.manual = optimizer == "manual"
             if not self.manual:
                 self.opt = make_optimizer(optimizer, lr)
@@ -82,29 +84,77 @@ def sparse_ce(y, logits):
 
 def digits_mlp(out: str, optimizer: str = "sgd", lr: float = 0.1, hidden: int = 64) -> None:
     import keras
-    import tensorflow as tf
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(hidden, activation="relu"),
                               keras.layers.Dense(10)])
-    specs = {"x": tf.TensorSpec([None, 64], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
-    m = build_module(model, specs, optimizer, lr, sparse_ce)
-    tf.saved_model.save(m, out, signatures={"train": m.train, "serving_default": m.serve})
+    _digits_module(out, model, optimizer, lr)
 
 
 def digits_cnn(out: str, optimizer: str = "momentum", lr: float = 0.05) -> None:
     """A small CNN with batch normalisation on 8x8 digit images."""
     import keras
-    import tensorflow as tf
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((64,)), keras.layers.Reshape((8, 8, 1)),
         keras.layers.Conv2D(8, 3, padding="same", use_bias=False), keras.layers.BatchNormalization(),
         keras.layers.ReLU(), keras.layers.MaxPooling2D(), keras.layers.Flatten(), keras.layers.Dense(10)])
+    _digits_module(out, model, optimizer, lr)
+
+
+def _digits_module(out: str, model, optimizer: str, lr: float) -> None:
+    import tensorflow as tf
+
     specs = {"x": tf.TensorSpec([None, 64], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
     m = build_module(model, specs, optimizer, lr, sparse_ce)
     tf.saved_model.save(m, out, signatures={"train": m.train, "serving_default": m.serve})
+
+
+def digits_embedding(out: str, optimizer: str = "adam", lr: float = 0.01) -> None:
+    """Pixel intensities (0..16) as tokens through an Embedding: sparse gradients."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    x = keras.Input((64,))
+    tokens = keras.layers.Lambda(lambda v: keras.ops.cast(keras.ops.clip(keras.ops.round(v * 16.0), 0, 16), "int32"))(x)
+    h = keras.layers.Embedding(17, 8)(tokens)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    _digits_module(out, keras.Model(x, keras.layers.Dense(10)(h)), optimizer, lr)
+
+
+def digits_lstm(out: str, optimizer: str = "adam", lr: float = 0.01) -> None:
+    """The 8 rows of each image as a sequence through an LSTM."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Reshape((8, 8)), keras.layers.LSTM(16),
+                              keras.layers.Dense(10)])
+    _digits_module(out, model, optimizer, lr)
+
+
+def digits_transformer(out: str, optimizer: str = "adam", lr: float = 0.005) -> None:
+    """A one-block Transformer encoder (MultiHeadAttention, LayerNormalization) over image rows."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    x = keras.Input((64,))
+    h = keras.layers.Dense(16)(keras.layers.Reshape((8, 8))(x))
+    a = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(h, h)
+    h = keras.layers.LayerNormalization()(h + a)
+    f = keras.layers.Dense(16)(keras.layers.Dense(32, activation="relu")(h))
+    h = keras.layers.LayerNormalization()(h + f)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    _digits_module(out, keras.Model(x, keras.layers.Dense(10)(h)), optimizer, lr)
+
+
+def digits_dropout(out: str, optimizer: str = "sgd", lr: float = 0.05) -> None:
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dropout(0.5), keras.layers.Dense(10)])
+    _digits_module(out, model, optimizer, lr)
 
 
 def keras_export(out: str) -> None:
@@ -116,7 +166,8 @@ def keras_export(out: str) -> None:
     model.export(out, verbose=False)
 
 
-MODELS = {"digits-mlp": digits_mlp, "digits-cnn": digits_cnn}
+MODELS = {"digits-mlp": digits_mlp, "digits-cnn": digits_cnn, "digits-embedding": digits_embedding,
+          "digits-lstm": digits_lstm, "digits-transformer": digits_transformer, "digits-dropout": digits_dropout}
 
 
 def main() -> None:

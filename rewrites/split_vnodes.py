@@ -128,7 +128,8 @@ def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: in
         checks.append(tf.debugging.assert_positive(nv, message="vfgraph: the fed batch holds no virtual node"))
         with tf.control_dependencies(checks):
             nv = tf.identity(nv)
-        accs = [tf.zeros(s, t) for s, t in zip(cut_shapes, v_types[n_out:])]
+        accs = [tf.zeros(s, t) if c.combine == "mean" else tf.TensorArray(t, size=nv, infer_shape=False)
+                for c, s, t in zip(step.cut, cut_shapes, v_types[n_out:])]
         outs = []
         for o, t, s in zip(vnode_outs, v_types, out_shapes):
             if o.combine == "mean":
@@ -149,14 +150,22 @@ def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: in
                     new_outs.append(acc + tf.ensure_shape(got[k], out_shapes[k]))
                 else:
                     new_outs.append(acc.write(i, got[k]))
-            new_accs = [acc + tf.ensure_shape(v, s) for acc, v, s in
-                        zip(carry[n_out:], got[n_out:], cut_shapes)]
+            new_accs = [acc + tf.ensure_shape(v, s) if c.combine == "mean" else acc.write(i, v)
+                        for c, acc, v, s in zip(step.cut, carry[n_out:], got[n_out:], cut_shapes)]
             return [i + 1] + new_outs + new_accs
 
         final = tf.while_loop(cond, loop, [tf.constant(0, tf.int32)] + outs + accs,
                               parallel_iterations=1, name="vnodes")
         count = nv
-        means = [a / tf.cast(count, a.dtype) for a in final[1 + n_out:]]
+        means = []
+        for c, a in zip(step.cut, final[1 + n_out:]):
+            if c.combine == "mean":
+                a = a / tf.cast(count, a.dtype)
+            elif c.combine == "concat_scaled":  # rows of a sparse gradient: the step's mean
+                a = a.concat() / tf.cast(count, a.dtype)
+            else:
+                a = a.concat()
+            means.append(a)
         updated = tf.raw_ops.StatefulPartitionedCall(args=means + res, Tout=u_types, f=udef.signature.name)
         results: List = []
         vi = ui = 0

@@ -35,6 +35,8 @@ def models(tmp_path_factory):
                 export.digits_mlp(path, optimizer=opt or "sgd", lr=0.05, hidden=32)
             elif kind == "cnn":
                 export.digits_cnn(path, optimizer=opt or "momentum")
+            elif kind in ("embedding", "lstm", "transformer", "dropout"):
+                getattr(export, f"digits_{kind}")(path, **({"optimizer": opt} if opt else {}))
             elif kind == "keras-export":
                 export.keras_export(path)
             else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import networkx as nx
 from tensorflow.core.framework import types_pb2
@@ -37,8 +37,9 @@ class CutTensor:
     dtype: int
     shape: List[int]
     writes: List[str]            # resource args whose writes it feeds
-    role: str = "gradient"       # "gradient" | "statistic"
+    role: str = "gradient"       # "gradient" | "statistic" | "indices" (of a sparse gradient)
     variable: Optional[str] = None  # resource arg it is the gradient of
+    combine: str = "mean"        # "mean"; sparse gradients: "concat_scaled" values, "concat" indices
 
 
 @dataclass
@@ -109,11 +110,132 @@ def batch_dependent_nodes(g: FunctionGraph, batch_args: List[str]) -> Set[str]:
     return seen
 
 
-def _cuttable(g: FunctionGraph, ref: TensorRef) -> bool:
-    if ref.is_function_arg or g.dtype(ref) not in FLOAT_TYPES:
-        return False
-    shape = g.shape(ref)
+class _Cuttable:
+    """Which tensors may be cut: floating point with a batch-free static shape, plus the
+    values and indices of sparse (row-indexed) gradients, which are concatenated over virtual
+    nodes instead of averaged. Nothing downstream of a sparse gradient's densification or
+    scatter may be cut (that is optimizer math on the whole step's gradient)."""
+
+    def __init__(self, g: FunctionGraph, dep: Set[str], shapes: Dict[TensorRef, List[int]]):
+        self.g = g
+        self.shapes = shapes
+        self.sparse: Dict[TensorRef, str] = {}
+        self.blocked: Set[TensorRef] = set()
+        roots = []
+        for name in sorted(dep):
+            roles = _sparse_roles(g, name)
+            if roles is None:
+                continue
+            inputs = g.data_inputs(name)
+            vals = _walk_back(g, inputs[roles[0]], _ROWWISE, dep)
+            idx = _walk_back(g, inputs[roles[1]], _INDEX_PASS, dep)
+            if not (_batch_shaped(g, vals) and g.dtype(vals) in FLOAT_TYPES and _batch_shaped(g, idx)):
+                continue
+            self.sparse[vals] = "concat_scaled"
+            self.sparse[idx] = "concat"
+            roots.append(name)
+        seen: Set[str] = set()
+        while roots:
+            n = roots.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for t in g.outputs(n):
+                self.blocked.add(t)
+                roots.extend(c for c, _ in g.consumers(t))
+
+    def __call__(self, ref: TensorRef) -> bool:
+        if ref in self.sparse:
+            return True
+        if ref.is_function_arg or ref in self.blocked or self.g.dtype(ref) not in FLOAT_TYPES:
+            return False
+        shape = self.shapes.get(ref) or self.g.shape(ref)
+        return shape is not None and all(d >= 0 for d in shape)
+
+
+_SAME_SHAPE = {"Identity", "Neg", "Cast", "Square", "Sqrt", "Rsqrt", "Abs", "Sign", "StopGradient", "Snapshot"}
+_BROADCASTING = {"Mul", "RealDiv", "AddV2", "Add", "Sub", "Maximum", "Minimum", "DivNoNan", "MulNoNan"}
+_ASSIGNS = {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"}
+
+
+def _known(shape: Optional[List[int]]) -> bool:
     return shape is not None and all(d >= 0 for d in shape)
+
+
+def refine_shapes(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, List[str]]) -> Dict[TensorRef, List[int]]:
+    """Static shapes the exporter left unknown, recovered backwards from variable writes.
+
+    A value assigned to a variable has the variable's shape, and so has whatever reaches it
+    through shape-preserving ops (gradients through a Tensordot lose their static shape on
+    export, but the update that consumes them does not)."""
+    found: Dict[TensorRef, List[int]] = {}
+    stack: List[TensorRef] = []
+
+    def learn(ref: TensorRef, shape: List[int]) -> None:
+        if ref not in found and not _known(g.shape(ref)):
+            found[ref] = shape
+            stack.append(ref)
+
+    for res, ws in writes.items():
+        vshape = sig.variables[res].shape if res in sig.variables else None
+        if not _known(vshape):
+            continue
+        for w in ws:
+            if g.nodes[w].op in _ASSIGNS:
+                learn(g.data_inputs(w)[1], vshape)
+    while stack:
+        ref = stack.pop()
+        if ref.is_function_arg:
+            continue
+        op, shape = g.nodes[ref.node].op, found[ref]
+        inputs = g.data_inputs(ref.node)
+        if op in _SAME_SHAPE:
+            learn(inputs[0], shape)
+        elif op == "IdentityN":
+            learn(inputs[ref.index], shape)
+        elif op in _BROADCASTING and len(inputs) == 2:
+            for mine, other in ((inputs[0], inputs[1]), (inputs[1], inputs[0])):
+                s, o = g.shape(mine), found.get(other) or g.shape(other)
+                if (s is not None and len(s) == len(shape)) or (s is None and o == []):
+                    learn(mine, shape)
+    return found
+
+
+# Ops that sum rows of a sparse gradient into a variable's shape: (values input, indices input).
+_SPARSE_INPUTS = {"UnsortedSegmentSum": ("data", "segment_ids"), "ResourceScatterAdd": ("updates", "indices"),
+                  "ResourceScatterSub": ("updates", "indices")}
+_ROWWISE = {"Identity", "Square", "Neg", "Cast", "Mul", "RealDiv", "Sqrt", "Abs"}
+_INDEX_PASS = {"Identity", "Cast"}
+
+
+def _sparse_roles(g: FunctionGraph, name: str) -> Optional[Tuple[int, int]]:
+    op = g.nodes[name].op
+    if op in _SPARSE_INPUTS:
+        want = _SPARSE_INPUTS[op]
+    elif op.startswith("ResourceSparseApply"):
+        want = ("grad", "indices")
+    else:
+        return None
+    from tensorflow.python.framework import op_def_registry
+
+    names = [a.name for a in op_def_registry.get(op).input_arg]
+    return names.index(want[0]), names.index(want[1])
+
+
+def _batch_shaped(g: FunctionGraph, ref: TensorRef) -> bool:
+    shape = g.shape(ref)
+    return bool(shape) and shape[0] < 0
+
+
+def _walk_back(g: FunctionGraph, ref: TensorRef, through: Set[str], dep: Set[str]) -> TensorRef:
+    """Follow ``ref`` up through row-wise ops that have exactly one batch-shaped input."""
+    while not ref.is_function_arg and g.nodes[ref.node].op in through:
+        batchy = [t for t in g.data_inputs(ref.node)
+                  if (t.is_function_arg or t.node in dep) and _batch_shaped(g, t)]
+        if len(batchy) != 1:
+            break
+        ref = batchy[0]
+    return ref
 
 
 def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
@@ -143,6 +265,8 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
             f"signature {sig.key!r}: no variable update depends on the batch, so {g.name!r} is not a "
             "training step; pass --train-signature to name the training signature")
 
+    shapes = refine_shapes(g, sig, writes)
+    cuttable = _Cuttable(g, dep, shapes)
     flow = nx.DiGraph()
     for a in sig.batch_args:
         flow.add_edge(_SRC, ("out", TensorRef(a)))
@@ -156,7 +280,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
             flow.add_edge(("out", t), op)
         for t in g.outputs(name):
             flow.add_edge(op, ("in", t))
-            if _cuttable(g, t):
+            if cuttable(t):
                 flow.add_edge(("in", t), ("out", t), capacity=1)
             else:
                 flow.add_edge(("in", t), ("out", t))
@@ -167,7 +291,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     except nx.NetworkXUnbounded:
         raise DetectionError(_unbounded_message(g, sig, flow, sinks)) from None
     sink_most = sorted({n[1] for n in source_side if n[0] == "in" and ("out", n[1]) not in source_side})
-    cut_refs = _hoist(g, flow, sink_most)
+    cut_refs = _hoist(cuttable, flow, sink_most)
     vnode_nodes = _region(flow, set(cut_refs))
     reached = [w for w in sinks if w in vnode_nodes]
     if reached:
@@ -179,10 +303,14 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     cut: List[CutTensor] = []
     for ref in cut_refs:
         fed = reach.get(ref, [])
-        c = CutTensor(ref=ref, dtype=g.dtype(ref), shape=g.shape(ref) or [], writes=fed)
-        grads_of = [r for r in fed if r in forward_reads and sig.variables[r].shape == c.shape]
-        if grads_of:
-            c.variable = grads_of[0]  # the nearest parameter of the same shape
+        combine = cuttable.sparse.get(ref, "mean")
+        c = CutTensor(ref=ref, dtype=g.dtype(ref), shape=shapes.get(ref) or g.shape(ref) or [], writes=fed,
+                      combine=combine)
+        grads_of = [r for r in fed if r in forward_reads and (combine != "mean" or sig.variables[r].shape == c.shape)]
+        if combine == "concat":
+            c.role = "indices"
+        elif grads_of:
+            c.variable = grads_of[0]  # the nearest parameter (of the same shape, for dense gradients)
         else:
             c.role = "statistic"
         c.writes = sorted(fed, key=lambda r: order.get(r, 1 << 30))
@@ -205,7 +333,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
                      outputs=outputs, batch_dependent=dep)
 
 
-def _hoist(g: FunctionGraph, flow: nx.DiGraph, cut: List[TensorRef]) -> List[TensorRef]:
+def _hoist(cuttable: Callable[[TensorRef], bool], flow: nx.DiGraph, cut: List[TensorRef]) -> List[TensorRef]:
     """Move each cut tensor up to the earliest batch-free tensor that dominates it.
 
     The minimum cut closest to the writes sits after per-variable arithmetic that must see
@@ -223,7 +351,7 @@ def _hoist(g: FunctionGraph, flow: nx.DiGraph, cut: List[TensorRef]) -> List[Ten
             if node == _SRC:
                 break
             if node[0] == "out":
-                if not _cuttable(g, node[1]):
+                if not cuttable(node[1]):
                     break
                 best = node[1]
         if best not in out:
