@@ -10,12 +10,16 @@ the number of virtual nodes a process runs is read from the batch it is fed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
+from tensorflow.core.framework import node_def_pb2, types_pb2
+from tensorflow.python.framework.tensor_util import make_tensor_proto
 from typing import ClassVar, List
 
 from vfgraph.analysis.train_step import TrainStep, analyze_train_step
 from vfgraph.builder import extract_function, tf_dtype, trace_replacement
 from vfgraph.errors import DetectionError, PipelineError
-from vfgraph.ir.graph import FunctionGraph
+from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult
@@ -56,6 +60,7 @@ class SplitVnodesPass(Pass):
         update_outputs = [o for o in step.outputs if o.side == "update"]
         cut_args = [(f"grad_{k}", c.ref) for k, c in enumerate(step.cut)]
         vdef = extract_function(g, vnode_fn, [(f"out_{o.name}", o.ref) for o in vnode_outputs] + cut_args)
+        seeded = _distinct_seeds(vdef, item.library)
         udef = extract_function(g, update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
                                 new_args=cut_args, keep_args=sig.resource_args,
                                 drop=frozenset(step.vnode_nodes), side_effects=True)
@@ -73,6 +78,7 @@ class SplitVnodesPass(Pass):
             "vnode_batch": b,
             "vnode_function": vnode_fn,
             "update_function": update_fn,
+            "per_vnode_seeds": seeded,
             "gradients": [{"tensor": str(c.ref), "variable": sig.variables[c.variable].name if c.variable else None,
                            "role": c.role, "shape": c.shape} for c in step.cut],
         }
@@ -91,6 +97,70 @@ class SplitVnodesPass(Pass):
         return 0
 
 
+_STATELESS_RANDOM = ("StatelessRandom", "StatelessTruncatedNormal", "StatelessMultinomial",
+                     "StatelessParameterizedTruncatedNormal")
+VNODE_INDEX = "vnode_index"
+
+
+def _distinct_seeds(fdef, library) -> List[str]:
+    """Give each virtual node its own random stream.
+
+    Keras draws dropout masks with stateless random ops seeded from a seed-state variable
+    that the step advances once. Read once per step, every virtual node would reuse one mask
+    pattern; instead the seed each virtual node reads is offset by ``[0, index << 32]``
+    (index 0 keeps the original seed, so one virtual node reproduces the original step).
+    Returns the seed reads changed; adds the ``vnode_index`` argument when there are any.
+    """
+    g = FunctionGraph(fdef, library)
+    reads = []
+    for name in g.topological_order():
+        node = g.nodes[name]
+        if node.op != "ReadVariableOp" or node.attr["dtype"].type not in (types_pb2.DT_INT64, types_pb2.DT_INT32):
+            continue
+        seen, stack = set(), [name]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if g.nodes[n].op.startswith(_STATELESS_RANDOM):
+                reads.append(name)
+                break
+            stack.extend(c for t in g.outputs(n) for c, _ in g.consumers(t))
+    if not reads:
+        return []
+    arg = fdef.signature.input_arg.add()
+    arg.name = VNODE_INDEX
+    arg.type = types_pb2.DT_INT64
+    g = FunctionGraph(fdef, library)
+    for name in reads:
+        dtype = g.nodes[name].attr["dtype"].type
+        value = g.outputs(name)[0]
+        shift = 32 if dtype == types_pb2.DT_INT64 else 16
+        base = f"vf/split-vnodes/{name}"
+        g.add_node(_node(f"{base}/stride", "Const", [], dtype=dtype,
+                         value=make_tensor_proto(np.array([0, 1 << shift], dtype=tf_dtype(dtype).as_numpy_dtype))))
+        g.add_node(_node(f"{base}/index", "Cast", [VNODE_INDEX], SrcT=types_pb2.DT_INT64, DstT=dtype, Truncate=False))
+        g.add_node(_node(f"{base}/offset", "Mul", [f"{base}/stride:output:0", f"{base}/index:y:0"], T=dtype))
+        g.replace_all_uses_with(value, TensorRef(f"{base}/seed", "z", 0))
+        g.add_node(_node(f"{base}/seed", "AddV2", [str(value), f"{base}/offset:z:0"], T=dtype))
+    g.verify()
+    fdef.CopyFrom(g.to_function_def())
+    return reads
+
+
+def _node(name: str, op: str, inputs: List[str], **attrs):
+    node = node_def_pb2.NodeDef(name=name, op=op, input=inputs)
+    for k, v in attrs.items():
+        if isinstance(v, bool):
+            node.attr[k].b = v
+        elif k in ("dtype", "T", "SrcT", "DstT"):
+            node.attr[k].type = v
+        else:
+            node.attr[k].tensor.CopyFrom(v)
+    return node
+
+
 def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int):
     """The Python body traced into the replacement training function."""
     import tensorflow as tf
@@ -102,6 +172,7 @@ def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: in
     keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
     vnode_outs = [o for o in step.outputs if o.side == "vnode"]
     v_types = [tf_dtype(a.type) for a in vdef.signature.output_arg]
+    v_args = [a.name for a in vdef.signature.input_arg]
     u_types = [tf_dtype(a.type) for a in udef.signature.output_arg]
     cut_shapes = [c.shape for c in step.cut]
     out_shapes = [g.shape(o.ref) for o in vnode_outs]
@@ -143,7 +214,11 @@ def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: in
         def loop(i, *carry):
             start = i * per
             slices = [x[start:start + per] for x in batch]
-            got = tf.raw_ops.StatefulPartitionedCall(args=slices + res, Tout=v_types, f=vdef.signature.name)
+            by_name = dict(zip(sig.batch_args, slices))
+            by_name.update(zip(sig.resource_args, res))
+            by_name[VNODE_INDEX] = tf.cast(i, tf.int64)
+            got = tf.raw_ops.StatefulPartitionedCall(args=[by_name[a] for a in v_args], Tout=v_types,
+                                                     f=vdef.signature.name)
             new_outs = []
             for k, (o, acc) in enumerate(zip(vnode_outs, carry[:n_out])):
                 if o.combine == "mean":

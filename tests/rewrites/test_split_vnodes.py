@@ -153,3 +153,18 @@ def test_sparse_gradient_is_concatenated_not_densified(models):
     roles = sorted(g["role"] for g in rec["gradients"])
     assert roles.count("indices") == 1
     assert any(g["shape"][0] == -1 and g["role"] == "gradient" for g in rec["gradients"])
+
+
+def test_dropout_masks_differ_between_vnodes(models, rewritten):
+    """Four virtual nodes fed four copies of one slice must not reuse one dropout mask: the
+    step then differs from one virtual node on that slice. One virtual node stays exact."""
+    orig = models("dropout")
+    assert compare_models(orig, rewritten("dropout", 1), steps=2, batch=16).worst_param == 0.0
+    one = tf.saved_model.load(rewritten("dropout", 1))
+    four = tf.saved_model.load(rewritten("dropout", 4, 8))
+    inputs = make_inputs(one.signatures["train"], 8, seed=5)
+    one.signatures["train"](**inputs)
+    four.signatures["train"](**{k: np.concatenate([v] * 4) for k, v in inputs.items()})
+    a, b = variable_values(one.signatures["train"]), variable_values(four.signatures["train"])
+    kernels = [k for k in a if "kernel" in k]
+    assert kernels and max(float(np.max(np.abs(a[k] - b[k]))) for k in kernels) > 1e-4
