@@ -216,7 +216,8 @@ def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: in
             slices = [x[start:start + per] for x in batch]
             by_name = dict(zip(sig.batch_args, slices))
             by_name.update(zip(sig.resource_args, res))
-            by_name[VNODE_INDEX] = tf.cast(i, tf.int64)
+            if VNODE_INDEX in v_args:
+                by_name[VNODE_INDEX] = tf.cast(i, tf.int64)
             got = tf.raw_ops.StatefulPartitionedCall(args=[by_name[a] for a in v_args], Tout=v_types,
                                                      f=vdef.signature.name)
             new_outs = []
