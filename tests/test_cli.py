@@ -152,3 +152,34 @@ def test_train_resume_and_result(rewritten, digits, tmp_path):
     assert bad.returncode != 0 and not (tmp_path / "bad").exists()
     missing = vf("train", out, "--data", tmp_path / "nope.npz", "--steps", 2, "--batch-size", 32, "-o", tmp_path / "m")
     assert missing.returncode == 2 and "nope.npz" in error_line(missing)
+
+
+def test_killed_training_resumes_to_the_same_parameters(rewritten, digits, tmp_path):
+    import signal
+    import time
+
+    import tensorflow as tf
+
+    model = rewritten("mlp:sgd", 4, 8)
+    common = ["--data", digits["train"], "--steps", 400, "--batch-size", 32, "--no-progress"]
+    assert vf("train", model, *common, "-o", tmp_path / "straight").returncode == 0
+    out = tmp_path / "resumed"
+    cmd = [sys.executable, "-m", "vfgraph.cli", "train", model, *map(str, common), "-o", str(out),
+           "--checkpoint-every", "20"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    progress = tmp_path / "resumed.ckpt" / "progress.json"
+    deadline = time.time() + 120
+    while not progress.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert progress.exists() and not out.exists(), "the run was not interrupted mid-training"
+    res = vf("train", model, *common, "-o", out, "--resume", "--checkpoint-every", "20")
+    assert res.returncode == 0, res.stderr
+    a = tf.saved_model.load(str(tmp_path / "straight"))
+    b = tf.saved_model.load(str(out))
+    va = {v.name: v.numpy() for v in a.signatures["train"].variables}
+    vb = {v.name: v.numpy() for v in b.signatures["train"].variables}
+    assert va.keys() == vb.keys()
+    for k in va:
+        np.testing.assert_array_equal(va[k], vb[k], err_msg=k)

@@ -80,7 +80,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     if resume and os.path.isfile(state_file):
         with open(state_file) as f:
             state = json.load(f)
-        ckpt.restore(state["checkpoint"]).assert_existing_objects_matched()
+        ckpt.read(state["checkpoint"]).assert_consumed()
         start, losses = state["step"], state["losses"]
         log.info("resuming at step %d", start)
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=not progress, unit="step")
@@ -103,6 +103,10 @@ def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float]) -> None:
     with open(tmp, "w") as f:
         json.dump({"step": step, "checkpoint": path, "losses": losses}, f)
     os.replace(tmp, os.path.join(ckpt_dir, "progress.json"))
+    keep = os.path.basename(path)
+    for f in os.listdir(ckpt_dir):  # only the checkpoint progress.json names is kept
+        if f.startswith("step-") and not f.startswith(keep + ".") and f != keep:
+            os.remove(os.path.join(ckpt_dir, f))
 
 
 def _save_trained(loaded, model: str, out: str, losses: List[float]) -> None:
