@@ -104,9 +104,10 @@ def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float]) -> None:
         json.dump({"step": step, "checkpoint": path, "losses": losses}, f)
     os.replace(tmp, os.path.join(ckpt_dir, "progress.json"))
     keep = os.path.basename(path)
-    for f in os.listdir(ckpt_dir):  # only the checkpoint progress.json names is kept
-        if f.startswith("step-") and not f.startswith(keep + ".") and f != keep:
-            os.remove(os.path.join(ckpt_dir, f))
+    for f in os.listdir(ckpt_dir):  # keep only the checkpoint progress.json names
+        if f.startswith("step-") and not f.startswith(keep + "."):
+            p = os.path.join(ckpt_dir, f)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
 
 def _save_trained(loaded, model: str, out: str, losses: List[float]) -> None:
