@@ -138,6 +138,7 @@ def trace_replacement(
     traced = tf.function(body, input_signature=specs, autograph=False).get_concrete_function()
     main = function_pb2.FunctionDef()
     main.CopyFrom(traced.function_def)
+    annotate_shapes(main, traced.graph)
     nested = [f for f in traced.graph.as_graph_def().library.function]
     renames: Dict[str, str] = {main.signature.name: original.signature.name}
     used: Dict[str, int] = {}
@@ -174,6 +175,19 @@ def trace_replacement(
     for k, v in original.attr.items():
         main.attr[k].CopyFrom(v)
     return out
+
+
+def annotate_shapes(fdef: function_pb2.FunctionDef, graph) -> None:
+    """Record each node's static output shapes (``_output_shapes``), as TensorFlow's own
+    SavedModel export does, so later passes and ``inspect`` can read them."""
+    ops = {op.name: op for op in graph.get_operations()}
+    for node in fdef.node_def:
+        op = ops.get(node.name)
+        if op is None or not op.outputs or "_output_shapes" in node.attr:
+            continue
+        shapes = node.attr["_output_shapes"].list.shape
+        for t in op.outputs:
+            shapes.add().CopyFrom(t.shape.as_proto())
 
 
 def _rename_everywhere(fdef: function_pb2.FunctionDef, renames: Dict[str, str]) -> None:
