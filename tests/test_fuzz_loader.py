@@ -27,3 +27,25 @@ def test_mutated_saved_model(models, tmp_path_factory, data):
         vfgraph.load(d)
     except VfgraphError:
         pass
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_mutated_graph_def(tmp_path_factory, data):
+    import tensorflow as tf
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="x")])
+    def f(x):
+        return tf.nn.relu(tf.matmul(x, tf.ones([3, 2])))
+
+    raw = bytearray(f.get_concrete_function().graph.as_graph_def().SerializeToString())
+    raw = raw[: data.draw(st.integers(0, len(raw)))]
+    for _ in range(data.draw(st.integers(0, 8))):
+        if raw:
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    path = tmp_path_factory.mktemp("fuzzgd") / "g.pb"
+    path.write_bytes(bytes(raw))
+    try:
+        vfgraph.load(path)
+    except VfgraphError:
+        pass

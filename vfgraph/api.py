@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 from vfgraph import __version__
 from vfgraph.errors import InputError
-from vfgraph.io import savedmodel
+from vfgraph.io import graphdef, savedmodel
 from vfgraph.ir.graph import FunctionGraph
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, Sequential, parse_pipeline
@@ -14,20 +14,29 @@ from vfgraph.passes.base import Pass, Sequential, parse_pipeline
 ModelLike = Union[str, os.PathLike, GraphItem]
 
 
-def load(path: Union[str, os.PathLike]) -> GraphItem:
-    """Load an exported model (a SavedModel directory) without modifying it."""
+def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None) -> GraphItem:
+    """Load an exported model without modifying it: a SavedModel directory, or a frozen
+    GraphDef (.pb / .pbtxt; ``outputs`` names its output tensors, default: unconsumed nodes)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise InputError(f"{path}: no such file or directory")
     if savedmodel.is_saved_model_dir(path):
         return savedmodel.load_saved_model(path)
-    if path.endswith(".pbtxt") and os.path.isfile(path):
-        return savedmodel.load_saved_model_text(path)
+    if os.path.isfile(path) and path.endswith((".pb", ".pbtxt")):
+        if path.endswith(".pbtxt") and _is_saved_model_text(path):
+            return savedmodel.load_saved_model_text(path)
+        return graphdef.load_graph_def(path, outputs)
     if os.path.isdir(path):
         raise InputError(f"{path}: not a SavedModel directory (no saved_model.pb); give the directory "
                          "that tf.saved_model.save or model.export() wrote")
-    raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory "
-                     "(or a SavedModel in protobuf text form, .pbtxt)")
+    raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory or a frozen "
+                     "GraphDef (.pb, .pbtxt)")
+
+
+def _is_saved_model_text(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return b"meta_graphs" in head or b"saved_model_schema_version" in head
 
 
 def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "",
@@ -43,9 +52,10 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
 
 
 def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: Optional[str] = None,
-            train_signature: str = "", after_each: Optional[Callable[[Pass, GraphItem], None]] = None) -> GraphItem:
+            train_signature: str = "", after_each: Optional[Callable[[Pass, GraphItem], None]] = None,
+            outputs: Optional[Sequence[str]] = None) -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed)."""
-    item = model if isinstance(model, GraphItem) else load(model)
+    item = model if isinstance(model, GraphItem) else load(model, outputs)
     if pipeline is None:
         has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
         pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training)
@@ -53,8 +63,8 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     out, notes = seq(item)
     verify(out)
     history = list(out.metadata.get("history", []))
-    history.append({"pipeline": seq.spec(), "source_fingerprint": savedmodel.source_fingerprint(item.source)
-                    if os.path.isdir(item.source) else None, "vfgraph_version": __version__})
+    history.append({"pipeline": seq.spec(), "source_fingerprint": savedmodel.source_fingerprint(item.source),
+                    "vfgraph_version": __version__})
     out.metadata["history"] = history
     out.metadata["notes"] = notes
     return out
@@ -70,5 +80,7 @@ def verify(item: GraphItem) -> None:
 
 
 def save(item: GraphItem, out: Union[str, os.PathLike], force: bool = False) -> str:
-    """Write ``item`` as a SavedModel directory at ``out`` (atomically)."""
+    """Write ``item`` atomically: a SavedModel directory, or a GraphDef file for graph inputs."""
+    if item.kind == "graph_def":
+        return graphdef.save_graph_def(item, os.fspath(out), force=force)
     return savedmodel.save_saved_model(item, os.fspath(out), force=force)

@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("rewrite", help="rewrite a model with virtual nodes")
-    r.add_argument("model", help="SavedModel directory")
+    r.add_argument("model", help="SavedModel directory or frozen GraphDef (.pb, .pbtxt)")
     r.add_argument("--vnodes", type=int, default=1, help="virtual nodes per training step (V)")
     r.add_argument("--vnode-batch", type=int, default=0,
                    help="examples per virtual node (b); default: static batch / V, or fed batch / V")
@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--train-signature", default="", help="name of the training signature (default: 'train')")
     r.add_argument("--print-after-all", action="store_true", help="print the canonical graph after each pass")
     r.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    r.add_argument("--outputs", help="frozen GraphDefs: comma-separated output tensors (default: unconsumed nodes)")
 
     i = sub.add_parser("inspect", help="show what vfgraph detects in a model")
     i.add_argument("model")
@@ -101,7 +102,8 @@ def cmd_rewrite(args) -> int:
 
     if args.vnodes < 1:
         raise InputError(f"--vnodes {args.vnodes}: needs at least 1 virtual node")
-    out = args.output or os.path.normpath(args.model) + f"_vnodes{args.vnodes}"
+    stem, ext = os.path.splitext(os.path.normpath(args.model))
+    out = args.output or (stem + f"_vf{ext}" if ext in (".pb", ".pbtxt") else stem + ext + f"_vnodes{args.vnodes}")
     prepare_output(out, args.force)
     after = None
     if args.print_after_all:
@@ -109,7 +111,8 @@ def cmd_rewrite(args) -> int:
             print(f"// ----- after {p.spec()}")
             print(canonical_text(item))
     item = vfgraph.rewrite(args.model, vnodes=args.vnodes, vnode_batch=args.vnode_batch,
-                           pipeline=args.pipeline, train_signature=args.train_signature, after_each=after)
+                           pipeline=args.pipeline, train_signature=args.train_signature, after_each=after,
+                           outputs=args.outputs.split(",") if args.outputs else None)
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)

@@ -171,8 +171,12 @@ def read_metadata(path: str) -> Optional[dict]:
 
 
 def source_fingerprint(path: str) -> str:
-    """sha256 over the SavedModel protobuf and the variables of ``path``."""
+    """sha256 over the SavedModel protobuf and the variables of ``path`` (or over a file)."""
     h = hashlib.sha256()
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            h.update(f.read())
+        return h.hexdigest()
     for rel in [SAVED_MODEL_PB] + sorted(
             os.path.join("variables", f) for f in (os.listdir(os.path.join(path, "variables"))
                                                    if os.path.isdir(os.path.join(path, "variables")) else [])):

@@ -1,0 +1,153 @@
+"""Frozen GraphDefs (.pb binary, .pbtxt text): inference graphs without variables.
+
+On load, the graph between its placeholders and its outputs becomes one library function
+(``__vf_graph``) behind a signature named ``graph``, so the same passes that rewrite
+SavedModel signatures rewrite it. On save, the GraphDef has the original placeholders, one
+call of that function, and Identity nodes named after the original outputs: users feed and
+fetch the same tensor names as before.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import List, Optional, Sequence
+
+from google.protobuf import text_format
+from google.protobuf.message import DecodeError
+from tensorflow.core.framework import graph_pb2, types_pb2
+from tensorflow.core.protobuf import saved_model_pb2
+
+from vfgraph.errors import InputError, OutputError
+from vfgraph.ir.graph import function_dependencies
+from vfgraph.item import GraphItem, SignatureInfo
+
+GRAPH_FUNCTION = "__vf_graph"
+GRAPH_SIGNATURE = "graph"
+_NOT_OUTPUTS = {"NoOp", "Assert", "Const", "Placeholder", "PlaceholderWithDefault", "SaveV2", "RestoreV2"}
+
+
+def read_graph_def(path: str) -> graph_pb2.GraphDef:
+    gd = graph_pb2.GraphDef()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        if path.endswith(".pbtxt"):
+            text_format.Parse(data.decode("utf-8"), gd)
+        else:
+            gd.ParseFromString(data)
+    except (DecodeError, text_format.ParseError, UnicodeDecodeError, RuntimeError, ValueError) as e:
+        raise InputError(f"{path}: not a GraphDef ({str(e)[:200]}); give a frozen graph (.pb or .pbtxt)") from None
+    if not gd.node:
+        raise InputError(f"{path}: the GraphDef has no nodes")
+    return gd
+
+
+def graph_outputs(gd: graph_pb2.GraphDef) -> List[str]:
+    """Output tensors of a frozen graph: output 0 of every node nothing else consumes."""
+    consumed = {s.lstrip("^").split(":")[0] for n in gd.node for s in n.input}
+    return [f"{n.name}:0" for n in gd.node if n.name not in consumed and n.op not in _NOT_OUTPUTS]
+
+
+def load_graph_def(path: str, outputs: Optional[Sequence[str]] = None) -> GraphItem:
+    """Load a frozen GraphDef as an item with one inference signature."""
+    import tensorflow as tf
+
+    path = os.path.abspath(path)
+    gd = read_graph_def(path)
+    placeholders = [n for n in gd.node if n.op == "Placeholder"]
+    if not placeholders:
+        raise InputError(f"{path}: the graph has no Placeholder inputs")
+    outs = list(outputs) if outputs else graph_outputs(gd)
+    if not outs:
+        raise InputError(f"{path}: no output found (every node is consumed); name them with --outputs")
+    names = {n.name for n in gd.node}
+    for o in outs:
+        node, _, idx = o.partition(":")
+        if node not in names:
+            raise InputError(f"{path}: output {o!r} names no node of the graph")
+        if idx not in ("", "0"):
+            raise InputError(f"{path}: output {o!r}: only output 0 of a node can be kept under its name")
+    outs = [o if ":" in o else o + ":0" for o in outs]
+    specs = []
+    for p in placeholders:
+        shape = p.attr["shape"].shape
+        dims = None if shape.unknown_rank else [None if d.size < 0 else d.size for d in shape.dim]
+        specs.append(tf.TensorSpec(dims, tf.dtypes.as_dtype(p.attr["dtype"].type), name=p.name))
+
+    def body(*args):
+        return tf.graph_util.import_graph_def(
+            gd, input_map={f"{p.name}:0": a for p, a in zip(placeholders, args)}, return_elements=outs, name="graph")
+
+    from vfgraph.builder import annotate_shapes
+
+    try:
+        traced = tf.function(body, input_signature=specs, autograph=False).get_concrete_function()
+    except (ValueError, TypeError, tf.errors.OpError) as e:
+        raise InputError(f"{path}: TensorFlow cannot import this graph ({str(e).splitlines()[0][:200]})") from None
+    fdef = traced.function_def
+    annotate_shapes(fdef, traced.graph)
+    lib = {f.signature.name: f for f in traced.graph.as_graph_def().library.function}
+    fdef.signature.name = GRAPH_FUNCTION
+    sm = saved_model_pb2.SavedModel()
+    mg = sm.meta_graphs.add()
+    mg.graph_def.CopyFrom(gd)
+    mg.graph_def.library.function.add().CopyFrom(fdef)
+    for name in sorted(lib):
+        if not any(f.signature.name == name for f in mg.graph_def.library.function):
+            mg.graph_def.library.function.add().CopyFrom(lib[name])
+    args = [a.name for a in fdef.signature.input_arg]
+    sig = SignatureInfo(key=GRAPH_SIGNATURE, function=GRAPH_FUNCTION, batch_args=args,
+                        input_keys={a: p.name for a, p in zip(args, placeholders)}, resource_args=[], variables={})
+    item = GraphItem(source=path, kind="graph_def", saved_model=sm, signatures={GRAPH_SIGNATURE: sig})
+    item.metadata = {"graph_outputs": outs}
+    return item
+
+
+def save_graph_def(item: GraphItem, out: str, force: bool = False) -> str:
+    """Write the rewritten graph as a GraphDef (.pbtxt: text, otherwise binary), atomically."""
+    from vfgraph.io.savedmodel import prepare_output
+
+    out = os.path.abspath(out)
+    prepare_output(out, force)
+    if out == os.path.abspath(item.source):
+        raise OutputError(f"{out}: output would overwrite the input graph; choose another path")
+    src = item.meta_graph.graph_def
+    lib = item.library
+    fdef = lib[GRAPH_FUNCTION]
+    gd = graph_pb2.GraphDef()
+    gd.versions.CopyFrom(src.versions)
+    placeholders = [n for n in src.node if n.op == "Placeholder"]
+    gd.node.extend(placeholders)
+    call = gd.node.add()
+    call.name = "vf/graph"
+    call.op = "StatefulPartitionedCall"
+    call.input.extend(p.name for p in placeholders)
+    call.attr["f"].func.name = GRAPH_FUNCTION
+    call.attr["Tin"].list.type.extend(a.type for a in fdef.signature.input_arg)
+    call.attr["Tout"].list.type.extend(a.type for a in fdef.signature.output_arg)
+    for k, o in enumerate(item.metadata["graph_outputs"]):
+        ident = gd.node.add()
+        ident.name = o.split(":")[0]
+        ident.op = "Identity"
+        ident.input.append(f"vf/graph:{k}")
+        ident.attr["T"].type = fdef.signature.output_arg[k].type or types_pb2.DT_FLOAT
+    for name in sorted(function_dependencies(GRAPH_FUNCTION, lib)):
+        gd.library.function.add().CopyFrom(lib[name])
+    data = (text_format.MessageToString(gd).encode() if out.endswith(".pbtxt")
+            else gd.SerializeToString(deterministic=True))
+    fd, tmp = tempfile.mkstemp(prefix=".vfgraph-", dir=os.path.dirname(out))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return out
