@@ -37,6 +37,8 @@ def models(tmp_path_factory):
                 export.digits_cnn(path, optimizer=opt or "momentum")
             elif kind in ("embedding", "lstm", "transformer", "dropout"):
                 getattr(export, f"digits_{kind}")(path, **({"optimizer": opt} if opt else {}))
+            elif kind == "tf1":
+                export.tf1_momentum_bn(path, **({"optimizer": opt} if opt else {}))
             elif kind == "keras-export":
                 export.keras_export(path)
             else:

@@ -40,6 +40,8 @@ class SignatureInfo:
     variables: Dict[str, VariableInfo]  # resource arg name -> variable
     inputs: List[TensorSpecInfo] = field(default_factory=list)
     outputs: List[TensorSpecInfo] = field(default_factory=list)
+    call_inputs: List[str] = field(default_factory=list)  # TF1: graph nodes feeding ``function``
+    output_keys: List[str] = field(default_factory=list)  # TF1: signature output keys, in order
 
     @property
     def is_training(self) -> bool:

@@ -168,3 +168,40 @@ def test_dropout_masks_differ_between_vnodes(models, rewritten):
     a, b = variable_values(one.signatures["train"]), variable_values(four.signatures["train"])
     kernels = [k for k in a if "kernel" in k]
     assert kernels and max(float(np.max(np.abs(a[k] - b[k]))) for k in kernels) > 1e-4
+
+
+@pytest.mark.parametrize("opt", ["sgd", "momentum", "adam"])
+def test_tf1_graph_one_vnode_exact(models, rewritten, opt):
+    rep = compare_models(models(f"tf1:{opt}"), rewritten(f"tf1:{opt}", 1), steps=2, batch=32)
+    assert rep.params and rep.worst_param == 0.0, rep.params
+    assert rep.serving["serving_default"] == 0.0
+
+
+@pytest.mark.parametrize("vnodes", [2, 4])
+def test_tf1_batch_norm_per_vnode_statistics(models, rewritten, vnodes):
+    """TF1 graph: batch-norm moving averages updated under control dependencies."""
+    orig = models("tf1:momentum")
+    original = tf.saved_model.load(orig)
+    inputs = make_inputs(original.signatures["train"], 32, seed=3)
+    ref, ref_loss = _per_slice_reference(orig, inputs, vnodes)
+    model = tf.saved_model.load(rewritten("tf1:momentum", vnodes))
+    fn = model.signatures["train"]
+    assert float(fn(**inputs)["loss"]) == pytest.approx(ref_loss, rel=1e-5)
+    got = variable_values(fn)
+    for name, value in ref.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_tf1_train_op_runs_the_virtual_node_loop(models, rewritten):
+    """A TF1 user runs the train_op collection's op in a Session: it is the rewritten step."""
+    out = rewritten("tf1:sgd", 4, 8)
+    inputs = make_inputs(tf.saved_model.load(out).signatures["train"], 32, seed=1)
+    via_signature = tf.saved_model.load(out)
+    via_signature.signatures["train"](**inputs)
+    expected = variable_values(via_signature.signatures["train"])
+    with tf.Graph().as_default() as g, tf.compat.v1.Session(graph=g) as sess:
+        meta = tf.compat.v1.saved_model.load(sess, ["serve"], out)
+        (train_op,) = meta.collection_def["train_op"].node_list.value[:1]
+        sess.run(train_op, {"x:0": inputs["x"], "y:0": inputs["y"]})
+        for v in tf.compat.v1.global_variables():
+            np.testing.assert_array_equal(sess.run(v), expected[v.name], err_msg=v.name)

@@ -306,7 +306,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
         combine = cuttable.sparse.get(ref, "mean")
         c = CutTensor(ref=ref, dtype=g.dtype(ref), shape=shapes.get(ref) or g.shape(ref) or [], writes=fed,
                       combine=combine)
-        grads_of = [r for r in fed if r in forward_reads and (combine != "mean" or sig.variables[r].shape == c.shape)]
+        grads_of = [r for r in fed if r in forward_reads and (combine != "mean" or _same_shape(sig.variables[r].shape, c.shape))]
         if combine == "concat":
             c.role = "indices"
         elif grads_of:
@@ -370,6 +370,11 @@ def _region(flow: nx.DiGraph, cut: Set[TensorRef]) -> Set[str]:
             seen.add(v)
             stack.append(v)
     return {n[1] for n in seen if isinstance(n, tuple) and n[0] == "op"}
+
+
+def _same_shape(a: Optional[List[int]], b: Optional[List[int]]) -> bool:
+    """Equal up to dimensions of size 1 (a bias gradient summed with keepdims)."""
+    return a is not None and b is not None and [d for d in a if d != 1] == [d for d in b if d != 1]
 
 
 def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, List[str]],

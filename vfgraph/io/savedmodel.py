@@ -13,6 +13,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
 from vfgraph.errors import InputError, OutputError
+from vfgraph.io import tf1
 from vfgraph.ir.graph import parse_input
 from vfgraph.item import GraphItem, SignatureInfo, TensorSpecInfo, VariableInfo
 
@@ -48,9 +49,9 @@ def load_saved_model(path: str) -> GraphItem:
     path = os.path.abspath(path)
     sm = read_saved_model_proto(path)
     mg = sm.meta_graphs[0]
-    if mg.object_graph_def.nodes:
-        var_dir = os.path.join(path, "variables")
-        if not os.path.isfile(os.path.join(var_dir, "variables.index")) and _has_variables(mg):
+    var_dir = os.path.join(path, "variables")
+    if not os.path.isfile(os.path.join(var_dir, "variables.index")):
+        if _has_variables(mg) or (tf1.is_tf1(sm) and mg.HasField("saver_def")):
             raise InputError(f"{var_dir}: variables are missing (no variables.index); copy the whole SavedModel directory")
     try:
         item = item_from_proto(sm, path)
@@ -91,6 +92,8 @@ def item_from_proto(sm: saved_model_pb2.SavedModel, path: str) -> GraphItem:
         info = _signature_info(path, key, mg.signature_def[key], graph_nodes, library)
         if info is not None:
             signatures[key] = info
+    if not signatures and tf1.is_tf1(sm):
+        return tf1.convert(sm, path)
     return GraphItem(source=path, kind="saved_model", saved_model=sm, signatures=signatures)
 
 
@@ -213,8 +216,9 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
         extra = os.path.join(item.source, "assets.extra")
         if os.path.isdir(extra):
             shutil.copytree(extra, os.path.join(tmp, "assets.extra"))
+        proto = tf1.emit(item) if item.kind == "tf1_saved_model" else item.saved_model
         with open(os.path.join(tmp, SAVED_MODEL_PB), "wb") as f:
-            f.write(item.saved_model.SerializeToString(deterministic=True))
+            f.write(proto.SerializeToString(deterministic=True))
         if item.metadata:
             os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
             with open(os.path.join(tmp, METADATA_FILE), "w") as f:
