@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -82,13 +83,29 @@ def sparse_ce(y, logits):
     return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
 
 
-def digits_mlp(out: str, optimizer: str = "sgd", lr: float = 0.1, hidden: int = 64) -> None:
+def digits_mlp(out: str, optimizer: str = "sgd", lr: float = 0.1, hidden: int = 64,
+               batch: Optional[int] = None) -> None:
+    """``batch``: export with a static batch dimension instead of None."""
     import keras
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(hidden, activation="relu"),
                               keras.layers.Dense(10)])
-    _digits_module(out, model, optimizer, lr)
+    _digits_module(out, model, optimizer, lr, batch)
+
+
+def resnet50(out: str, optimizer: str = "momentum", lr: float = 0.05, size: int = 64) -> None:
+    """keras.applications.ResNet50 (weights=None) on size x size RGB images, 10 classes."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ResNet50(weights=None, input_shape=(size, size, 3), classes=10,
+                                        classifier_activation=None)
+    specs = {"x": tf.TensorSpec([None, size, size, 3], tf.float32, name="x"),
+             "y": tf.TensorSpec([None], tf.int32, name="y")}
+    m = build_module(model, specs, optimizer, lr, sparse_ce)
+    tf.saved_model.save(m, out, signatures={"train": m.train, "serving_default": m.serve})
 
 
 def digits_cnn(out: str, optimizer: str = "momentum", lr: float = 0.05) -> None:
@@ -103,10 +120,10 @@ def digits_cnn(out: str, optimizer: str = "momentum", lr: float = 0.05) -> None:
     _digits_module(out, model, optimizer, lr)
 
 
-def _digits_module(out: str, model, optimizer: str, lr: float) -> None:
+def _digits_module(out: str, model, optimizer: str, lr: float, batch: Optional[int] = None) -> None:
     import tensorflow as tf
 
-    specs = {"x": tf.TensorSpec([None, 64], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
+    specs = {"x": tf.TensorSpec([batch, 64], tf.float32, name="x"), "y": tf.TensorSpec([batch], tf.int32, name="y")}
     m = build_module(model, specs, optimizer, lr, sparse_ce)
     tf.saved_model.save(m, out, signatures={"train": m.train, "serving_default": m.serve})
 
@@ -218,7 +235,7 @@ def tf1_momentum_bn(out: str, optimizer: str = "momentum", lr: float = 0.05) -> 
 
 MODELS = {"digits-mlp": digits_mlp, "digits-cnn": digits_cnn, "digits-embedding": digits_embedding,
           "digits-lstm": digits_lstm, "digits-transformer": digits_transformer, "digits-dropout": digits_dropout,
-          "tf1-bn": tf1_momentum_bn}
+          "tf1-bn": tf1_momentum_bn, "resnet50": resnet50}
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from tensorflow.core.framework import node_def_pb2, types_pb2
 from tensorflow.python.framework.tensor_util import make_tensor_proto
 from typing import ClassVar, List
 
-from vfgraph.analysis.train_step import TrainStep, analyze_train_step
+from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, with_dynamic_batch
 from vfgraph.builder import extract_function, tf_dtype, trace_replacement
 from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
@@ -50,10 +50,13 @@ class SplitVnodesPass(Pass):
         if sig.key in done:
             return PassResult(item, False, [f"signature {sig.key!r} already has virtual nodes"])
         item = item.copy()
-        g = FunctionGraph(item.function(sig.function), item.library)
-        g.verify()
+        original = FunctionGraph(item.function(sig.function), item.library)
+        original.verify()
+        check_batch_inputs(original, sig)
+        b = self._vnode_batch(original, sig)
+        static = any(original.arg_shape(a)[0] > 0 for a in sig.batch_args)
+        g = with_dynamic_batch(original, sig, b) if static else original
         step = analyze_train_step(g, sig)
-        b = self._vnode_batch(g, sig)
         vnode_fn = function_name(sig.function, "vnode")
         update_fn = function_name(sig.function, "update")
         vnode_outputs = [o for o in step.outputs if o.side == "vnode"]

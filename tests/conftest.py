@@ -33,6 +33,8 @@ def models(tmp_path_factory):
             path = str(root / name.replace(":", "_"))
             if kind == "mlp":
                 export.digits_mlp(path, optimizer=opt or "sgd", lr=0.05, hidden=32)
+            elif kind == "mlp32":  # static batch dimension of 32
+                export.digits_mlp(path, optimizer=opt or "sgd", lr=0.05, hidden=32, batch=32)
             elif kind == "cnn":
                 export.digits_cnn(path, optimizer=opt or "momentum")
             elif kind in ("embedding", "lstm", "transformer", "dropout"):

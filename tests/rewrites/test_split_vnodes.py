@@ -205,3 +205,39 @@ def test_tf1_train_op_runs_the_virtual_node_loop(models, rewritten):
         sess.run(train_op, {"x:0": inputs["x"], "y:0": inputs["y"]})
         for v in tf.compat.v1.global_variables():
             np.testing.assert_array_equal(sess.run(v), expected[v.name], err_msg=v.name)
+
+
+def test_static_batch(models, tmp_path):
+    """b derives from a static batch; a graph with that batch baked into its constants (what
+    Keras exports) cannot run on smaller slices and says so instead of failing at run time."""
+    import vfgraph
+
+    item = vfgraph.rewrite(models("mlp32:adam"), vnodes=1)
+    assert item.metadata["rewrites"]["split-vnodes"]["train"]["vnode_batch"] == 32
+    rep = compare_models(models("mlp32:adam"), vfgraph.save(item, tmp_path / "o"), steps=2, batch=32)
+    assert rep.worst_param == 0.0, rep.params
+    with pytest.raises(vfgraph.VfgraphError, match="static batch of 32 that its graph depends on.*None batch"):
+        vfgraph.rewrite(models("mlp32:adam"), vnodes=4)
+    with pytest.raises(vfgraph.VfgraphError, match="static batch 32 is not divisible by vnodes=5"):
+        vfgraph.rewrite(models("mlp32:adam"), vnodes=5)
+
+
+def test_training_input_without_batch_dimension(tmp_path):
+    import vfgraph
+
+    class Scalar(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(1.0)
+
+        @tf.function(input_signature=[tf.TensorSpec([], tf.float32, name="x")])
+        def train(self, x):
+            with tf.GradientTape() as t:
+                loss = tf.square(self.w * x)
+            self.w.assign_sub(0.1 * t.gradient(loss, self.w))
+            return {"loss": loss}
+
+    m = Scalar()
+    tf.saved_model.save(m, str(tmp_path / "m"), signatures={"train": m.train})
+    with pytest.raises(vfgraph.VfgraphError, match="input 'x' has no batch dimension"):
+        vfgraph.rewrite(tmp_path / "m", vnodes=2)

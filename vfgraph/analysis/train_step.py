@@ -238,8 +238,8 @@ def _walk_back(g: FunctionGraph, ref: TensorRef, through: Set[str], dep: Set[str
     return ref
 
 
-def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
-    """Find the cut of ``g`` (the training signature's function)."""
+def check_batch_inputs(g: FunctionGraph, sig: SignatureInfo) -> None:
+    """Every training input needs a leading batch dimension."""
     if not sig.batch_args:
         raise DetectionError(f"signature {sig.key!r}: function {g.name!r} has no batch inputs")
     for a in sig.batch_args:
@@ -248,6 +248,11 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
             raise DetectionError(
                 f"signature {sig.key!r}: input {sig.input_keys.get(a, a)!r} has no batch dimension "
                 f"(shape {shape}); every training input needs a leading batch dimension")
+
+
+def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
+    """Find the cut of ``g`` (the training signature's function)."""
+    check_batch_inputs(g, sig)
     writes: Dict[str, List[str]] = {}
     for name in g.topological_order():
         node = g.nodes[name]
@@ -437,3 +442,57 @@ def _unbounded_message(g, sig, flow, sinks) -> str:
     return (f"signature {sig.key!r}: the update {w!r} depends on the batch through tensors whose shape "
             f"depends on the batch ({', '.join(tensors[-3:])}); vfgraph cannot match its gradient to a "
             "variable (sparse or per-example gradients are not supported for this update)")
+
+
+def with_dynamic_batch(g: FunctionGraph, sig: SignatureInfo, vnode_batch: int) -> FunctionGraph:
+    """``g`` with its static shapes re-inferred for a batch dimension of unknown size.
+
+    A signature exported with a static batch (``[32, 64]``) records activations as
+    ``[32, 32]``, indistinguishable from a parameter's shape. TensorFlow's own shape
+    inference is re-run on the body with the batch arguments' leading dimension unknown and
+    each resource argument fed by a handle that knows its variable's shape.
+    """
+    import tensorflow as tf
+    from tensorflow.python.framework.function_def_to_graph import function_def_to_graph_def
+
+    fdef = g.to_function_def()
+    for node in fdef.node_def:
+        if "_output_shapes" in node.attr:
+            del node.attr["_output_shapes"]
+    gd, _ = function_def_to_graph_def(fdef)
+
+    def infer(batch):
+        graph = tf.Graph()
+        with graph.as_default():
+            feeds = {}
+            for a in g.arg_names:
+                if a in sig.batch_args:
+                    shape = g.arg_shape(a)
+                    feeds[a] = tf.compat.v1.placeholder(tf.dtypes.as_dtype(g.arg_type(a)), [batch] + list(shape[1:]))
+                else:
+                    var = sig.variables[a]
+                    feeds[a] = tf.raw_ops.VarHandleOp(dtype=var.dtype, shape=var.shape, shared_name=f"vf_{a}")
+            tf.graph_util.import_graph_def(gd, input_map={f"{a}:0": t for a, t in feeds.items()}, name="vf")
+        return {op.name[len("vf/"):]: op for op in graph.get_operations() if op.name.startswith("vf/")}
+
+    try:  # a graph with the exported batch size baked into constants cannot run on slices
+        infer(vnode_batch)
+    except ValueError as e:
+        raise DetectionError(
+            f"signature {sig.key!r} was exported with a static batch of {g.arg_shape(sig.batch_args[0])[0]} that "
+            f"its graph depends on, so it cannot run on slices of {vnode_batch} ({str(e).splitlines()[0][:160]}); "
+            "re-export the training function with a None batch dimension") from None
+    ops = infer(None)
+    out = g.to_function_def()
+    for node in out.node_def:
+        op = ops.get(node.name)
+        if op is None:
+            continue
+        shapes = node.attr["_output_shapes"].list
+        del shapes.shape[:]
+        for t in op.outputs:
+            shapes.shape.add().CopyFrom(t.shape.as_proto())
+    for i, a in enumerate(out.signature.input_arg):
+        if a.name in sig.batch_args and i in out.arg_attr and "_output_shapes" in out.arg_attr[i].attr:
+            out.arg_attr[i].attr["_output_shapes"].list.shape[0].dim[0].size = -1
+    return FunctionGraph(out, g.library)
