@@ -183,3 +183,17 @@ def test_killed_training_resumes_to_the_same_parameters(rewritten, digits, tmp_p
     assert va.keys() == vb.keys()
     for k in va:
         np.testing.assert_array_equal(va[k], vb[k], err_msg=k)
+
+
+def test_print_after_all_and_json_inspect(models, tmp_path):
+    import json
+
+    res = vf("rewrite", models("mlp:sgd"), "--pipeline", "split-vnodes{vnodes=2},microbatch-inference{vnode-batch=4}",
+             "--print-after-all", "-o", tmp_path / "o")
+    assert res.returncode == 0, res.stderr
+    assert "// ----- after split-vnodes{vnodes=2}" in res.stdout
+    assert "// ----- after microbatch-inference{vnode-batch=4}" in res.stdout
+    assert res.stdout.count('op: "While"') >= 2
+    info = json.loads(vf("inspect", models("mlp:adam"), "--json").stdout)
+    grads = info["signatures"]["train"]["training"]["gradients"]
+    assert len(grads) == 4 and all(g["role"] == "gradient" for g in grads)
