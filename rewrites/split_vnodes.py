@@ -164,26 +164,26 @@ def _node(name: str, op: str, inputs: List[str], **attrs):
     return node
 
 
-def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int):
-    """The Python body traced into the replacement training function."""
-    import tensorflow as tf
+class _Loop:
+    """The virtual-node loop shared by the training step and the step-wise accumulate."""
 
-    sig = step.signature
-    names = g.arg_names
-    batch_idx = [names.index(a) for a in sig.batch_args]
-    res_idx = [names.index(a) for a in sig.resource_args]
-    keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
-    vnode_outs = [o for o in step.outputs if o.side == "vnode"]
-    v_types = [tf_dtype(a.type) for a in vdef.signature.output_arg]
-    v_args = [a.name for a in vdef.signature.input_arg]
-    u_types = [tf_dtype(a.type) for a in udef.signature.output_arg]
-    cut_shapes = [c.shape for c in step.cut]
-    out_shapes = [g.shape(o.ref) for o in vnode_outs]
-    n_out = len(vnode_outs)
+    def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int):
+        self.g, self.step, self.vdef, self.vnodes, self.b = g, step, vdef, vnodes, b
+        sig = step.signature
+        self.keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
+        self.vnode_outs = [o for o in step.outputs if o.side == "vnode"]
+        self.v_types = [tf_dtype(a.type) for a in vdef.signature.output_arg]
+        self.v_args = [a.name for a in vdef.signature.input_arg]
+        self.cut_shapes = [c.shape for c in step.cut]
+        self.out_shapes = [g.shape(o.ref) for o in self.vnode_outs]
 
-    def body(*args):
-        batch = [args[i] for i in batch_idx]
-        res = [args[i] for i in res_idx]
+    def run(self, batch: List, res: List):
+        """Run every virtual node of the fed batch; returns (per-output results, gradient
+        sums (or concatenations), number of virtual nodes)."""
+        import tensorflow as tf
+
+        sig, b, vnodes, keys = self.step.signature, self.b, self.vnodes, self.keys
+        n_out = len(self.vnode_outs)
         n = tf.shape(batch[0])[0]
         checks = [tf.debugging.assert_equal(tf.shape(x)[0], n, message=(
             f"vfgraph: training inputs {keys[0]!r} and {k!r} have different leading (batch) dimensions"))
@@ -203,68 +203,76 @@ def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: in
         with tf.control_dependencies(checks):
             nv = tf.identity(nv)
         accs = [tf.zeros(s, t) if c.combine == "mean" else tf.TensorArray(t, size=nv, infer_shape=False)
-                for c, s, t in zip(step.cut, cut_shapes, v_types[n_out:])]
-        outs = []
-        for o, t, s in zip(vnode_outs, v_types, out_shapes):
-            if o.combine == "mean":
-                outs.append(tf.zeros(s, t))
-            else:
-                outs.append(tf.TensorArray(t, size=nv, infer_shape=False))
+                for c, s, t in zip(self.step.cut, self.cut_shapes, self.v_types[n_out:])]
+        outs = [tf.zeros(s, t) if o.combine == "mean" else tf.TensorArray(t, size=nv, infer_shape=False)
+                for o, t, s in zip(self.vnode_outs, self.v_types, self.out_shapes)]
 
         def cond(i, *_):
             return i < nv
 
         def loop(i, *carry):
             start = i * per
-            slices = [x[start:start + per] for x in batch]
-            by_name = dict(zip(sig.batch_args, slices))
+            by_name = dict(zip(sig.batch_args, [x[start:start + per] for x in batch]))
             by_name.update(zip(sig.resource_args, res))
-            if VNODE_INDEX in v_args:
+            if VNODE_INDEX in self.v_args:
                 by_name[VNODE_INDEX] = tf.cast(i, tf.int64)
-            got = tf.raw_ops.StatefulPartitionedCall(args=[by_name[a] for a in v_args], Tout=v_types,
-                                                     f=vdef.signature.name)
-            new_outs = []
-            for k, (o, acc) in enumerate(zip(vnode_outs, carry[:n_out])):
-                if o.combine == "mean":
-                    new_outs.append(acc + tf.ensure_shape(got[k], out_shapes[k]))
-                else:
-                    new_outs.append(acc.write(i, got[k]))
-            new_accs = [acc + tf.ensure_shape(v, s) if c.combine == "mean" else acc.write(i, v)
-                        for c, acc, v, s in zip(step.cut, carry[n_out:], got[n_out:], cut_shapes)]
-            return [i + 1] + new_outs + new_accs
+            got = tf.raw_ops.StatefulPartitionedCall(args=[by_name[a] for a in self.v_args], Tout=self.v_types,
+                                                     f=self.vdef.signature.name)
+            new = []
+            for k, (o, acc) in enumerate(zip(self.vnode_outs, carry[:n_out])):
+                new.append(acc + tf.ensure_shape(got[k], self.out_shapes[k]) if o.combine == "mean"
+                           else acc.write(i, got[k]))
+            new += [acc + tf.ensure_shape(v, s) if c.combine == "mean" else acc.write(i, v)
+                    for c, acc, v, s in zip(self.step.cut, carry[n_out:], got[n_out:], self.cut_shapes)]
+            return [i + 1] + new
 
         final = tf.while_loop(cond, loop, [tf.constant(0, tf.int32)] + outs + accs,
                               parallel_iterations=1, name="vnodes")
-        count = nv
+        results = []
+        for o, v in zip(self.vnode_outs, final[1:1 + n_out]):
+            if o.combine == "mean":
+                v = v / tf.cast(nv, v.dtype)
+            elif o.combine == "concat":
+                v = v.concat()
+            else:
+                v = v.stack()[-1]
+            results.append(v)
+        return results, list(final[1 + n_out:]), nv
+
+
+def _assemble(step: TrainStep, vnode_results: List, updated) -> List:
+    """The function's outputs in the original order."""
+    vi = iter(vnode_results)
+    ui = iter(updated if isinstance(updated, (list, tuple)) else [])
+    return [next(vi) if o.side == "vnode" else next(ui) for o in step.outputs]
+
+
+def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int):
+    """The Python body traced into the replacement training function."""
+    import tensorflow as tf
+
+    sig = step.signature
+    names = g.arg_names
+    batch_idx = [names.index(a) for a in sig.batch_args]
+    res_idx = [names.index(a) for a in sig.resource_args]
+    u_types = [tf_dtype(a.type) for a in udef.signature.output_arg]
+    loop = _Loop(g, step, vdef, vnodes, b)
+
+    def body(*args):
+        res = [args[i] for i in res_idx]
+        results, sums, nv = loop.run([args[i] for i in batch_idx], res)
         means = []
-        for c, a in zip(step.cut, final[1 + n_out:]):
+        for c, a in zip(step.cut, sums):
             if c.combine == "mean":
-                a = a / tf.cast(count, a.dtype)
+                a = a / tf.cast(nv, a.dtype)
             elif c.combine == "concat_scaled":  # rows of a sparse gradient: the step's mean
-                a = a.concat() / tf.cast(count, a.dtype)
+                a = a.concat() / tf.cast(nv, a.dtype)
             else:
                 a = a.concat()
             means.append(a)
         updated = tf.raw_ops.StatefulPartitionedCall(args=means + res, Tout=u_types, f=udef.signature.name)
-        results: List = []
-        vi = ui = 0
-        for o in step.outputs:
-            if o.side == "vnode":
-                v = final[1 + vi]
-                if o.combine == "mean":
-                    v = v / tf.cast(count, v.dtype)
-                elif o.combine == "concat":
-                    v = v.concat()
-                else:
-                    v = v.stack()[-1]
-                results.append(v)
-                vi += 1
-            else:
-                results.append(updated[ui])
-                ui += 1
         deps = list(updated) if isinstance(updated, (list, tuple)) else [updated]
         with tf.control_dependencies(deps):
-            return [tf.identity(r) for r in results]
+            return [tf.identity(r) for r in _assemble(step, results, updated)]
 
     return body
-

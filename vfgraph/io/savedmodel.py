@@ -217,6 +217,14 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
         if os.path.isdir(extra):
             shutil.copytree(extra, os.path.join(tmp, "assets.extra"))
         proto = tf1.emit(item) if item.kind == "tf1_saved_model" else item.saved_model
+        prefix = os.path.join("variables", "variables")
+        if os.path.isfile(os.path.join(item.source, prefix + ".index")):
+            from vfgraph.io.checkpoint import extend_checkpoint
+
+            staged = os.path.join(tmp, ".variables-new", "variables")
+            if extend_checkpoint(os.path.join(item.source, prefix), staged, proto.meta_graphs[0].object_graph_def):
+                shutil.rmtree(os.path.join(tmp, "variables"))
+                os.rename(os.path.dirname(staged), os.path.join(tmp, "variables"))
         with open(os.path.join(tmp, SAVED_MODEL_PB), "wb") as f:
             f.write(proto.SerializeToString(deterministic=True))
         if item.metadata:
