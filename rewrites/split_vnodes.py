@@ -34,6 +34,7 @@ class SplitVnodesPass(Pass):
     vnodes: int = 1
     vnode_batch: int = 0
     signature: str = ""
+    stepwise: bool = True
 
     def call(self, item: GraphItem) -> PassResult:
         if self.vnodes < 1:
@@ -74,6 +75,7 @@ class SplitVnodesPass(Pass):
             item.set_function(f)
         FunctionGraph(item.function(sig.function), item.library).verify()
         item.preserve.add(sig.function)
+        notes = add_stepwise(item, g, step, vdef, udef, self.vnodes, b) if self.stepwise else []
         record = item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})
         record[sig.key] = {
             "function": sig.function,
@@ -82,10 +84,11 @@ class SplitVnodesPass(Pass):
             "vnode_function": vnode_fn,
             "update_function": update_fn,
             "per_vnode_seeds": seeded,
+            "stepwise": not notes and self.stepwise,
             "gradients": [{"tensor": str(c.ref), "variable": sig.variables[c.variable].name if c.variable else None,
                            "role": c.role, "shape": c.shape} for c in step.cut],
         }
-        return PassResult(item, True)
+        return PassResult(item, True, notes)
 
     def _vnode_batch(self, g: FunctionGraph, sig) -> int:
         if self.vnode_batch:
@@ -276,3 +279,158 @@ def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: in
             return [tf.identity(r) for r in _assemble(step, results, updated)]
 
     return body
+
+
+# --------------------------------------------------------------------------- step-wise mode
+ACCUMULATORS = "vf_accumulators"
+
+
+def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int) -> List[str]:
+    """Add ``<train>_accumulate`` (run the fed batch's virtual nodes, add their gradient sums
+    and count into accumulator variables, return their mean loss) and ``<train>_apply``
+    (average the accumulators, apply the original update once, reset them): the step-wise
+    mode for runtimes that feed virtual nodes one call at a time. Returns notes."""
+    from tensorflow.python.saved_model import nested_structure_coder
+
+    sig = step.signature
+    og = item.meta_graph.object_graph_def
+    if item.kind != "saved_model" or not og.nodes:
+        return [f"step-wise signatures: not added to {item.kind} models"]
+    if any(c.combine != "mean" for c in step.cut):
+        return ["step-wise signatures: not added (sparse gradients have no fixed-size accumulator)"]
+    if any(o.side != "vnode" for o in step.outputs):
+        return ["step-wise signatures: not added (an output is computed by the update)"]
+    found = _signature_wrapper(item, sig.key)
+    if found is None:
+        return [f"step-wise signatures: signature {sig.key!r} has no wrapper vfgraph can extend"]
+    wrapper, forward, bare_id = found
+    cf = og.concrete_functions[wrapper.signature.name]
+    # Accumulator variables in the object graph, under the root's "vf_accumulators".
+    holder_id = len(og.nodes)
+    holder = og.nodes.add()
+    holder.user_object.identifier = "_generic_user_object"
+    holder.user_object.version.producer = 1
+    holder.user_object.version.min_consumer = 1
+    og.nodes[0].children.add(node_id=holder_id, local_name=ACCUMULATORS)
+    acc_ids = []
+    specs = [(f"grad_{k}", c.dtype, c.shape) for k, c in enumerate(step.cut)] + [("count", types_pb2.DT_FLOAT, [])]
+    for local, dtype, shape in specs:
+        node = og.nodes.add()
+        node.variable.dtype = dtype
+        for d in shape:
+            node.variable.shape.dim.add().size = d
+        node.variable.name = f"{ACCUMULATORS}/{local}"
+        node.variable.trainable = False
+        holder.children.add(node_id=len(og.nodes) - 1, local_name=local)
+        acc_ids.append(len(og.nodes) - 1)
+    acc_args = [f"vf_accumulator_{k}" for k in range(len(step.cut))] + ["vf_count"]
+    # Library functions, with the wrapper's argument order (inputs, then bound variables).
+    inner = [forward[a.name] for a in wrapper.signature.input_arg]
+    n_inputs = len(inner) - len(cf.bound_inputs)
+    # Names of object-graph functions end in an integer (TensorFlow's fingerprinting needs it).
+    acc_fn = function_name(sig.function, "accumulate", "0")
+    apply_fn = function_name(sig.function, "apply", "0")
+    acc_header = _header(g, acc_fn, inner, acc_args, [a.name for a in wrapper.signature.output_arg],
+                         [g.dtype(o.ref) for o in step.outputs])
+    apply_header = _header(g, apply_fn, inner[n_inputs:], acc_args, [], [])
+    loop = _Loop(g, step, vdef, vnodes, b)
+    u_types = [tf_dtype(a.type) for a in udef.signature.output_arg]
+    cut_types = [tf_dtype(c.dtype) for c in step.cut]
+
+    def accumulate(*args):
+        import tensorflow as tf
+
+        by = dict(zip(inner + acc_args, args))
+        results, sums, nv = loop.run([by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
+        ops = [tf.raw_ops.AssignAddVariableOp(resource=by[a], value=s) for a, s in zip(acc_args, sums)]
+        ops.append(tf.raw_ops.AssignAddVariableOp(resource=by["vf_count"], value=tf.cast(nv, tf.float32)))
+        with tf.control_dependencies(ops):
+            return [tf.identity(r) for r in _assemble(step, results, [])]
+
+    def apply(*args):
+        import tensorflow as tf
+
+        by = dict(zip(inner[n_inputs:] + acc_args, args))
+        count = tf.raw_ops.ReadVariableOp(resource=by["vf_count"], dtype=tf.float32)
+        means = [tf.raw_ops.ReadVariableOp(resource=by[a], dtype=t) / tf.cast(count, t)
+                 for a, t in zip(acc_args, cut_types)]
+        updated = tf.raw_ops.StatefulPartitionedCall(args=means + [by[a] for a in sig.resource_args], Tout=u_types,
+                                                     f=udef.signature.name)
+        deps = list(updated) if isinstance(updated, (list, tuple)) else [updated]
+        with tf.control_dependencies(deps):
+            resets = [tf.raw_ops.AssignVariableOp(resource=by[a], value=tf.zeros(c.shape, t))
+                      for a, c, t in zip(acc_args, step.cut, cut_types)]
+            resets.append(tf.raw_ops.AssignVariableOp(resource=by["vf_count"], value=tf.constant(0.0)))
+        with tf.control_dependencies(resets):
+            return []
+
+    for header, body in ((acc_header, accumulate), (apply_header, apply)):
+        for f in trace_replacement(header, body, header.signature.name):
+            item.set_function(f)
+    # Signatures: bare concrete functions beside the training one.
+    sigs = next(og.nodes[c.node_id] for c in og.nodes[0].children if c.local_name == "signatures")
+    for key, fn, kind in ((f"{sig.key}_accumulate", acc_fn, "accumulate"), (f"{sig.key}_apply", apply_fn, "apply")):
+        node = og.nodes.add()
+        node.CopyFrom(og.nodes[bare_id])
+        node.bare_concrete_function.concrete_function_name = fn
+        entry = og.concrete_functions[fn]
+        entry.CopyFrom(cf)
+        entry.bound_inputs.extend(acc_ids)
+        if kind == "apply":
+            del node.bare_concrete_function.argument_keywords[:]
+            _clear_kwonly(node.bare_concrete_function.function_spec)
+            entry.canonicalized_input_signature.CopyFrom(nested_structure_coder.encode_structure(((), {})))
+            entry.output_signature.CopyFrom(nested_structure_coder.encode_structure({}))
+        sigs.children.add(node_id=len(og.nodes) - 1, local_name=key)
+    item.preserve.update({acc_fn, apply_fn})
+    return []
+
+
+def _signature_wrapper(item: GraphItem, key: str):
+    """(wrapper FunctionDef, wrapper arg -> inner arg, object-graph node id) for signature ``key``."""
+    mg = item.meta_graph
+    out = next(iter(mg.signature_def[key].outputs.values())).name.split(":")[0]
+    call = next((n for n in mg.graph_def.node if n.name == out), None)
+    if call is None or "f" not in call.attr:
+        return None
+    wrapper = item.function(call.attr["f"].func.name)
+    calls = [n for n in wrapper.node_def if n.op in ("StatefulPartitionedCall", "PartitionedCall")]
+    if len(calls) != 1:
+        return None
+    inner = item.function(calls[0].attr["f"].func.name)
+    forwarded = [s.split(":")[0] for s in calls[0].input if not s.startswith("^")]
+    forward = {w: i.name for w, i in zip(forwarded, inner.signature.input_arg)}
+    if len(forward) != len(wrapper.signature.input_arg) or any(a.name not in forward for a in wrapper.signature.input_arg):
+        return None
+    og = mg.object_graph_def
+    for i, node in enumerate(og.nodes):
+        if node.WhichOneof("kind") == "bare_concrete_function" and \
+                node.bare_concrete_function.concrete_function_name == wrapper.signature.name:
+            return wrapper, forward, i
+    return None
+
+
+def _header(g: FunctionGraph, name: str, args: List[str], resources: List[str], outputs: List[str], out_types):
+    """A FunctionDef signature to trace into: ``args`` taken from ``g``, then resources."""
+    from tensorflow.core.framework import function_pb2
+
+    fdef = function_pb2.FunctionDef()
+    fdef.signature.name = name
+    fdef.signature.is_stateful = True
+    src = g.to_function_def()
+    index = {a.name: i for i, a in enumerate(src.signature.input_arg)}
+    for a in args:
+        fdef.signature.input_arg.add().CopyFrom(src.signature.input_arg[index[a]])
+        if index[a] in src.arg_attr:
+            fdef.arg_attr[len(fdef.signature.input_arg) - 1].CopyFrom(src.arg_attr[index[a]])
+    for a in resources:
+        fdef.signature.input_arg.add(name=a, type=types_pb2.DT_RESOURCE)
+    for o, t in zip(outputs, out_types):
+        fdef.signature.output_arg.add(name=o, type=t)
+    return fdef
+
+
+def _clear_kwonly(spec) -> None:
+    for v in spec.fullargspec.named_tuple_value.values:
+        if v.key == "kwonlyargs":
+            del v.value.list_value.values[:]

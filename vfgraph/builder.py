@@ -147,7 +147,7 @@ def trace_replacement(
         k = used.get(role, 0)
         used[role] = k + 1
         renames[f.signature.name] = f"{prefix}_{role}" + (f"_{k}" if k else "")
-    out = [main] + nested
+    out = [main] + sorted(nested, key=lambda f: renames[f.signature.name])  # stable library order
     for f in out:
         _rename_everywhere(f, renames)
     # Drop-in signature: the original's argument names, attributes and output names.

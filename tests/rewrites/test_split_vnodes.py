@@ -241,3 +241,32 @@ def test_training_input_without_batch_dimension(tmp_path):
     tf.saved_model.save(m, str(tmp_path / "m"), signatures={"train": m.train})
     with pytest.raises(vfgraph.VfgraphError, match="input 'x' has no batch dimension"):
         vfgraph.rewrite(tmp_path / "m", vnodes=2)
+
+
+@pytest.mark.parametrize("name", ["mlp:adam", "cnn:momentum"])
+def test_stepwise_signatures_match_the_loop(rewritten, name):
+    """accumulate(8 examples) x 4 + apply() gives the parameters of one looped step of 32,
+    the accumulators persist between calls as saved variables and reset after apply."""
+    path = rewritten(name, 4, 8)
+    looped, stepped = tf.saved_model.load(path), tf.saved_model.load(path)
+    assert {"train_accumulate", "train_apply"} <= set(stepped.signatures)
+    for step in range(2):
+        inputs = make_inputs(looped.signatures["train"], 32, seed=step)
+        want = float(looped.signatures["train"](**inputs)["loss"])
+        losses = [float(stepped.signatures["train_accumulate"](**{k: v[i * 8:(i + 1) * 8] for k, v in inputs.items()})["loss"])
+                  for i in range(4)]
+        assert stepped.signatures["train_apply"]() == {}
+        assert np.mean(losses) == pytest.approx(want, rel=1e-6)
+    a, b = variable_values(looped.signatures["train"]), variable_values(stepped.signatures["train"])
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    accs = [v for v in stepped.signatures["train_apply"].variables if "vf_accumulators" in v.name]
+    assert accs and all(float(tf.reduce_max(tf.abs(v))) == 0.0 for v in accs)
+
+
+def test_no_stepwise_for_sparse_gradients(models):
+    import vfgraph
+
+    item = vfgraph.rewrite(models("embedding:adam"), vnodes=2)
+    assert not item.metadata["rewrites"]["split-vnodes"]["train"]["stepwise"]
+    assert any("sparse" in n for n in item.metadata["notes"])

@@ -253,6 +253,11 @@ def _write_fingerprint(path: str) -> None:
 
     fp = fingerprint_pb2.FingerprintDef()
     fp.ParseFromString(fingerprinting.CreateFingerprintDef(path))
+    # TensorFlow's object-graph hash varies between runs once functions share a canonical name
+    # (accumulate_0 / apply_0); a hash of the serialized object graph is stable.
+    sm = read_saved_model_proto(path)
+    og = sm.meta_graphs[0].object_graph_def.SerializeToString(deterministic=True)
+    fp.saved_object_graph_hash = int(hashlib.sha256(og).hexdigest()[:16], 16)
     fp.ClearField("uuid")
     fp.uuid = str(int(hashlib.sha256(fp.SerializeToString(deterministic=True)).hexdigest()[:30], 16))
     with open(os.path.join(path, "fingerprint.pb"), "wb") as f:
