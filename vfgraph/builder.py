@@ -148,7 +148,8 @@ def trace_replacement(
         used[role] = k + 1
         renames[f.signature.name] = f"{prefix}_{role}" + (f"_{k}" if k else "")
     out = [main] + sorted(nested, key=lambda f: renames[f.signature.name])  # stable library order
-    for f in out:
+    _rename_references(main, renames)
+    for f in out[1:]:  # loop bodies and conditions: TensorFlow also derived argument names from them
         _rename_everywhere(f, renames)
     # Drop-in signature: the original's argument names, attributes and output names.
     arg_map = {a.name: b.name for a, b in zip(main.signature.input_arg, original.signature.input_arg)}
@@ -188,6 +189,17 @@ def annotate_shapes(fdef: function_pb2.FunctionDef, graph) -> None:
         shapes = node.attr["_output_shapes"].list.shape
         for t in op.outputs:
             shapes.add().CopyFrom(t.shape.as_proto())
+
+
+def _rename_references(fdef: function_pb2.FunctionDef, renames: Dict[str, str]) -> None:
+    """Rename ``fdef`` and the functions its nodes call (op types and function attributes)."""
+    from vfgraph.ir.graph import iter_func_attrs
+
+    fdef.signature.name = renames.get(fdef.signature.name, fdef.signature.name)
+    for node in fdef.node_def:
+        node.op = renames.get(node.op, node.op)
+        for fa in iter_func_attrs(node):
+            fa.name = renames.get(fa.name, fa.name)
 
 
 def _rename_everywhere(fdef: function_pb2.FunctionDef, renames: Dict[str, str]) -> None:

@@ -384,7 +384,7 @@ def _same_shape(a: Optional[List[int]], b: Optional[List[int]]) -> bool:
 
 def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, List[str]],
                  vnode_nodes: Set[str]) -> Dict[TensorRef, List[str]]:
-    """For each cut tensor, the resource args whose writes it feeds (data edges)."""
+    """For each cut tensor, the resource args whose updates it is the nearest cut tensor to."""
     write_res = {w: r for r, ws in writes.items() for w in ws}
     reads_after: Dict[str, List[TensorRef]] = {}
     for name, node in g.nodes.items():
@@ -392,27 +392,33 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
             res = resource_root(g, g.data_inputs(name)[0])
             if res in writes:
                 reads_after.setdefault(res, []).extend(g.outputs(name))
-    out: Dict[TensorRef, List[str]] = {}
-    for ref in cut_refs:
-        seen, frontier, hit = {ref}, deque([ref]), []
-        while frontier:  # breadth first: ``hit`` is ordered by distance from the cut tensor
-            t = frontier.popleft()
-            for consumer, slot in g.consumers(t):
-                if consumer in write_res and write_res[consumer] not in hit:
-                    hit.append(write_res[consumer])
-                    # Optimizers write a slot, then read it back for the parameter update.
-                    for r in reads_after.get(write_res[consumer], []):
-                        if r not in seen:
-                            seen.add(r)
-                            frontier.append(r)
-                outs = g.outputs(consumer)
-                if g.nodes[consumer].op == "IdentityN":  # output k forwards input k only
-                    outs = [outs[slot]]
-                for o in outs:
-                    if o not in seen:
-                        seen.add(o)
-                        frontier.append(o)
-        out[ref] = hit
+    # One breadth-first pass from all cut tensors at once: every tensor downstream takes the
+    # label of the nearest cut tensor, and each variable is claimed by the first label that
+    # reaches one of its writes (linear in the size of the update, not quadratic).
+    label: Dict[TensorRef, TensorRef] = {ref: ref for ref in cut_refs}
+    out: Dict[TensorRef, List[str]] = {ref: [] for ref in cut_refs}
+    claimed: Set[str] = set()
+    frontier = deque(cut_refs)
+    while frontier:
+        t = frontier.popleft()
+        src = label[t]
+        for consumer, slot in g.consumers(t):
+            res = write_res.get(consumer)
+            if res is not None and res not in claimed:
+                claimed.add(res)
+                out[src].append(res)
+                # Optimizers write a slot, then read it back for the parameter update.
+                for r in reads_after.get(res, []):
+                    if r not in label:
+                        label[r] = src
+                        frontier.append(r)
+            outs = g.outputs(consumer)
+            if g.nodes[consumer].op == "IdentityN":  # output k forwards input k only
+                outs = [outs[slot]]
+            for o in outs:
+                if o not in label:
+                    label[o] = src
+                    frontier.append(o)
     return out
 
 

@@ -89,6 +89,7 @@ class FunctionGraph:
             self.nodes[n.name] = copy.deepcopy(n)
         self._consumers: Optional[Dict[TensorRef, List[Tuple[str, int]]]] = None
         self._layout_cache: Dict[str, List[Tuple[str, int, DataType]]] = {}
+        self._outputs_cache: Dict[str, List[TensorRef]] = {}
 
     # ----------------------------------------------------------------- boundary
     @classmethod
@@ -158,7 +159,9 @@ class FunctionGraph:
         return self._layout_cache[node]
 
     def outputs(self, node: str) -> List[TensorRef]:
-        return [TensorRef(node, a, k) for a, k, _ in self.layout(node)]
+        if node not in self._outputs_cache:
+            self._outputs_cache[node] = [TensorRef(node, a, k) for a, k, _ in self.layout(node)]
+        return self._outputs_cache[node]
 
     def flat_index(self, ref: TensorRef) -> int:
         for i, (a, k, _) in enumerate(self.layout(ref.node)):
@@ -228,6 +231,7 @@ class FunctionGraph:
             raise VerifyError(f"node name {node.name!r} already used in function {self.name!r}")
         self.nodes[node.name] = node
         self._layout_cache.pop(node.name, None)
+        self._outputs_cache.pop(node.name, None)
         self._dirty()
         return node
 
@@ -235,6 +239,7 @@ class FunctionGraph:
         for n in list(names):
             self.nodes.pop(n, None)
             self._layout_cache.pop(n, None)
+            self._outputs_cache.pop(n, None)
         self._dirty()
 
     def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> int:
