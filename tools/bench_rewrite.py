@@ -1,0 +1,445 @@
+"""Rewrite speed: the time of ``vfgraph.rewrite(...)`` (load + pass pipeline + verify) against
+TensorFlow's own ``tf.graph_util.import_graph_def`` of the same training function, measured in
+the same process.
+
+Cases:
+  resnet50   keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10),
+             wrapped like examples/export.py's build_module, SGD with momentum
+             (--quick: MobileNetV2(alpha=0.35) instead)
+  dense-N    generated training graphs of about N nodes: a deep stack of small dense layers
+             (tf.Variables, matmul + bias + relu) in a tf.Module train function with Keras SGD;
+             the layer count is calibrated so the train function in the SavedModel library has
+             about N nodes (``len(fdef.node_def)``). Full run: 1k, 2.5k, 10k, 100k; --quick:
+             250, 500, 1k.
+
+Each case runs in its own subprocess (export, a tiny warm-up rewrite, then timing), with
+intra/inter-op threads set to 1. The import baseline converts the train function's FunctionDef
+to a GraphDef (function_def_to_graph_def) and times importing it into a fresh tf.Graph (median
+of several). The rewrite is ``vfgraph.rewrite(path, vnodes=8, vnode_batch=16)`` from the
+SavedModel directory (repeated only while that stays cheap; the median is reported). A case's
+rewrite phase gets ``--budget`` seconds (default 180); a case that runs past it is stopped and
+reported as a lower bound, and the larger dense cases after it are skipped.
+
+Reported: pipeline time / import time (target <= 1) per case, and how pipeline time scales
+from ~10k to ~100k nodes (target: 10x nodes costs <= 12x time), plus the scaling between
+every pair of consecutive dense sizes measured.
+
+    python tools/bench_rewrite.py [--quick] [--json PATH] [--budget SECONDS]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+
+VNODES, VNODE_BATCH = 8, 16
+WIDTH = 16  # units of every generated dense layer
+
+
+def git_state():
+    """The commit the benchmark ran against, and whether tracked files differed from it."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return {"commit": head or None, "tracked_files_modified": bool(dirty)}
+    except OSError:
+        return {"commit": None, "tracked_files_modified": None}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="short run: MobileNetV2(0.35) and dense graphs of 250..1k nodes")
+    p.add_argument("--json", default="/tmp/vfgraph_bench_rewrite.json")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds allowed for one case's rewrite timing (default 180; --quick 60)")
+    p.add_argument("--export-timeout", type=float, default=900, help="seconds allowed for one case's export")
+    p.add_argument("--sizes", default=None, help="comma-separated dense graph sizes in nodes (overrides the default)")
+    p.add_argument("--no-keras-app", action="store_true", help="skip the keras.applications case")
+    p.add_argument("--keep-going", action="store_true", help="run larger dense sizes even after one ran out of budget")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.budget is None:
+        a.budget = 60.0 if a.quick else 180.0
+    if a.sizes is None:
+        a.sizes = "250,500,1000" if a.quick else "1000,2500,10000,100000"
+    a.sizes = [int(s) for s in a.sizes.split(",") if s]
+    return a
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+def dense_module(layers: int):
+    """A tf.Module whose 'train' signature trains ``layers`` dense+relu layers with Keras SGD."""
+    import keras
+    import tensorflow as tf
+
+    class DenseStack(tf.Module):
+        def __init__(self):
+            super().__init__()
+            init = tf.random.stateless_normal
+            self.ws = [tf.Variable(init([WIDTH, WIDTH], seed=[k, 0]) * 0.25, name=f"w{k}") for k in range(layers)]
+            self.bs = [tf.Variable(tf.zeros([WIDTH]), name=f"b{k}") for k in range(layers)]
+            self.head = tf.Variable(init([WIDTH, 10], seed=[layers, 1]) * 0.25, name="head")
+            self.vars = self.ws + self.bs + [self.head]
+            self.opt = keras.optimizers.SGD(0.01)
+            self.opt.build(self.vars)
+
+        def logits(self, x):
+            h = x
+            for w, b in zip(self.ws, self.bs):
+                h = tf.nn.relu(tf.matmul(h, w) + b)
+            return tf.matmul(h, self.head)
+
+        @tf.function(input_signature=[{"x": tf.TensorSpec([None, WIDTH], tf.float32, name="x"),
+                                       "y": tf.TensorSpec([None], tf.int32, name="y")}])
+        def train(self, batch):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=batch["y"], logits=self.logits(batch["x"])))
+            grads = tape.gradient(loss, self.vars)
+            self.opt.apply_gradients(zip(grads, self.vars))
+            return {"loss": loss}
+
+        @tf.function(input_signature=[tf.TensorSpec([None, WIDTH], tf.float32, name="x")])
+        def serve(self, x):
+            return {"logits": self.logits(x)}
+
+    return DenseStack()
+
+
+def export_dense(path: str, layers: int) -> None:
+    import tensorflow as tf
+
+    m = dense_module(layers)
+    tf.saved_model.save(m, path, signatures={"train": m.train, "serving_default": m.serve})
+
+
+def export_keras_app(path: str, which: str) -> None:
+    import keras
+    import tensorflow as tf
+    from export import build_module, sparse_ce
+
+    keras.utils.set_random_seed(0)
+    if which == "resnet50":
+        model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10,
+                                            classifier_activation=None)
+    else:  # mobilenetv2-0.35
+        model = keras.applications.MobileNetV2(weights=None, input_shape=(64, 64, 3), alpha=0.35, classes=10,
+                                               classifier_activation=None)
+    specs = {"x": tf.TensorSpec([None, 64, 64, 3], tf.float32, name="x"),
+             "y": tf.TensorSpec([None], tf.int32, name="y")}
+    m = build_module(model, specs, "momentum", 0.05, sparse_ce)
+    tf.saved_model.save(m, path, signatures={"train": m.train, "serving_default": m.serve})
+
+
+def train_fdef(path: str):
+    """The library function that holds the training step's ops (what vfgraph rewrites)."""
+    import vfgraph
+
+    item = vfgraph.load(path)
+    sig = item.training_signature()
+    return item.library[sig.function], item
+
+
+def referenced_functions(fdef, library):
+    """Names of the library functions ``fdef`` calls (transitively), so its GraphDef imports."""
+    found, stack = set(), [fdef]
+    while stack:
+        f = stack.pop()
+        for n in f.node_def:
+            for v in n.attr.values():
+                names = [v.func.name] if v.HasField("func") else [x.name for x in v.list.func]
+                for name in names:
+                    if name and name not in found and name in library:
+                        found.add(name)
+                        stack.append(library[name])
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- child
+
+def emit(event: str, **kw) -> None:
+    print(json.dumps({"event": event, **kw}), flush=True)
+
+
+def child(args) -> None:
+    """Runs one case: ``dense:LAYERS`` or ``app:NAME``; reports JSON lines on stdout."""
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from tensorflow.python.framework.function_def_to_graph import function_def_to_graph_def
+
+    import vfgraph
+
+    kind, _, arg = args.child.partition(":")
+    work = args.workdir
+    # One-time costs (imports, first tf.function trace inside the pass) out of the timed runs.
+    warm = os.path.join(work, "warmup")
+    export_dense(warm, 2)
+    vfgraph.rewrite(warm, vnodes=VNODES, vnode_batch=VNODE_BATCH)
+
+    path = os.path.join(work, "model")
+    t0 = time.perf_counter()
+    if kind == "dense":
+        export_dense(path, int(arg))
+    else:
+        export_keras_app(path, arg)
+    export_s = time.perf_counter() - t0
+    fdef, item = train_fdef(path)
+    lib = item.library
+    calls = referenced_functions(fdef, lib)
+    emit("exported", export_s=export_s, nodes=len(fdef.node_def), function=fdef.signature.name,
+         called_functions=len(calls), called_function_nodes=sum(len(lib[c].node_def) for c in calls),
+         saved_model_pb_bytes=os.path.getsize(os.path.join(path, "saved_model.pb")))
+
+    t0 = time.perf_counter()
+    gd, _ = function_def_to_graph_def(fdef)
+    convert_s = time.perf_counter() - t0
+    for name in sorted(calls):  # called functions travel with the GraphDef, as in a real import
+        gd.library.function.add().CopyFrom(lib[name])
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        with tf.Graph().as_default():
+            tf.graph_util.import_graph_def(gd, name="")
+        times.append(time.perf_counter() - t0)
+    emit("import", import_s=statistics.median(times), import_reps=times, graphdef_nodes=len(gd.node),
+         convert_s=convert_s)
+
+    t0 = time.perf_counter()
+    vfgraph.load(path)
+    load_s = time.perf_counter() - t0
+    emit("rewrite_start", load_s=load_s)
+    reps, total = [], 0.0
+    while True:
+        marks = []
+        t0 = time.perf_counter()
+        out = vfgraph.rewrite(path, vnodes=VNODES, vnode_batch=VNODE_BATCH,
+                              after_each=lambda p, _i: marks.append((p.name, time.perf_counter())))
+        t1 = time.perf_counter()
+        reps.append(t1 - t0)
+        total += t1 - t0
+        segs, prev = {}, t0
+        for name, t in marks:
+            segs[name + (" (incl. load)" if not segs else "")] = t - prev
+            prev = t
+        segs["verify+record"] = t1 - prev
+        emit("rewrite", seconds=t1 - t0, segments=segs)
+        del out
+        if len(reps) >= 3 or total + reps[-1] > min(30.0, args.budget / 3):
+            break
+    emit("done", rewrite_s=statistics.median(reps), rewrite_reps=reps)
+
+
+# ---------------------------------------------------------------------------------------------- parent
+
+def run_case(args, spec: str, label: str):
+    """Run one case in a subprocess with deadlines; returns its collected events."""
+    work = tempfile.mkdtemp(prefix="vfgraph-bench-rewrite-")
+    log_path = os.path.join(work, "child.log")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--workdir", work,
+           "--budget", str(args.budget)]
+    res = {"case": label, "spec": spec}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        lines: "queue.Queue" = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout] + [lines.put(None)], daemon=True).start()
+        deadline = time.monotonic() + args.export_timeout
+        phase = "export"
+        t_start = t_rw = time.monotonic()
+        while True:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                line = "TIMEOUT"
+            if line == "TIMEOUT" or time.monotonic() > deadline:
+                proc.kill()  # our own child, by its handle
+                proc.wait()
+                res["timed_out"] = phase
+                res["timed_out_after_s"] = time.monotonic() - (t_rw if phase == "rewrite" else t_start)
+                break
+            if line is None:
+                proc.wait()
+                break
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            kind = ev.pop("event")
+            if kind == "rewrite":
+                res.setdefault("rewrite_runs", []).append(ev)
+            else:
+                res.update(ev)
+            if kind == "exported":
+                print(f"    exported: {ev['nodes']} nodes in the train function ({ev['export_s']:.1f} s)", flush=True)
+            if kind == "import":
+                print(f"    import_graph_def: {ev['import_s']:.3f} s", flush=True)
+            if kind == "rewrite_start":
+                phase, t_rw = "rewrite", time.monotonic()
+                deadline = t_rw + args.budget
+            if kind == "rewrite":
+                print(f"    rewrite: {ev['seconds']:.2f} s", flush=True)
+    res["returncode"] = proc.returncode
+    if proc.returncode not in (0, None) and "timed_out" not in res:
+        with open(log_path) as f:
+            res["error_tail"] = f.read()[-3000:]
+        print("    FAILED:\n" + res["error_tail"], flush=True)
+    if "timed_out" in res:
+        print(f"    stopped: {res['timed_out']} phase ran past its limit "
+              f"({res['timed_out_after_s']:.0f} s)", flush=True)
+    subprocess.run(["rm", "-rf", work])
+    return res
+
+
+def calibrate():
+    """Nodes in the train function as a linear function of the dense layer count."""
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    counts = {}
+    with tempfile.TemporaryDirectory(prefix="vfgraph-bench-calib-") as d:
+        for layers in (4, 12):
+            p = os.path.join(d, str(layers))
+            export_dense(p, layers)
+            counts[layers] = len(train_fdef(p)[0].node_def)
+    per = (counts[12] - counts[4]) / 8
+    base = counts[4] - 4 * per
+    return per, base, counts
+
+
+def main():
+    args = parse_args()
+    if args.child:
+        child(args)
+        return
+    import tensorflow as tf
+
+    print(f"vfgraph bench_rewrite: rewrite(vnodes={VNODES}, vnode_batch={VNODE_BATCH}) vs "
+          f"tf.graph_util.import_graph_def "
+          f"of the same train function; TF {tf.__version__}; each case in its own process, intra/inter-op threads = 1; "
+          f"rewrite budget {args.budget:.0f} s per case", flush=True)
+    per, base, counts = calibrate()
+    print(f"  calibration: {per:.1f} nodes per dense layer + {base:.0f} (from {counts})", flush=True)
+    cases = []
+    if not args.no_keras_app:
+        app = "mobilenetv2-0.35" if args.quick else "resnet50"
+        cases.append((f"app:{app}", app))
+    for n in args.sizes:
+        layers = max(1, round((n - base) / per))
+        cases.append((f"dense:{layers}", f"dense-{n}"))
+
+    results, stopped = [], None
+    for spec, label in cases:
+        if stopped and label.startswith("dense-") and not args.keep_going:
+            results.append({"case": label, "spec": spec, "skipped": f"{stopped} ran past the budget"})
+            print(f"  {label}: skipped ({stopped} ran past the budget)", flush=True)
+            continue
+        print(f"  {label} ({spec}) ...", flush=True)
+        r = run_case(args, spec, label)
+        if "import_s" in r and "rewrite_s" in r:
+            r["rewrite_over_import"] = r["rewrite_s"] / r["import_s"]
+            r["meets_target"] = r["rewrite_over_import"] <= 1.0
+        elif "import_s" in r and r.get("timed_out") == "rewrite":
+            r["rewrite_over_import_lower_bound"] = r["timed_out_after_s"] / r["import_s"]
+            r["meets_target"] = False
+        if r.get("timed_out") and label.startswith("dense-"):
+            stopped = label
+        results.append(r)
+
+    # Scaling between consecutive dense sizes, and the ~10k -> ~100k target.
+    dense = [r for r in results if r["case"].startswith("dense-") and "nodes" in r]
+    scaling = []
+    for a, b in zip(dense, dense[1:]):
+        if "rewrite_s" not in a:
+            continue
+        tb = b.get("rewrite_s")
+        lower = tb is None
+        if lower:
+            if b.get("timed_out") != "rewrite":
+                continue
+            tb = b["timed_out_after_s"]
+        nr, tr = b["nodes"] / a["nodes"], tb / a["rewrite_s"]
+        scaling.append({"from": a["case"], "to": b["case"], "nodes_ratio": nr, "time_ratio": tr,
+                        "time_ratio_is_lower_bound": lower, "exponent": math.log(tr) / math.log(nr),
+                        "time_ratio_per_10x_nodes": 10 ** (math.log(tr) / math.log(nr))})
+    target = next((s for s in scaling if s["from"] == "dense-10000" and s["to"] == "dense-100000"), None)
+
+    print("\nper case (rewrite = vfgraph.rewrite from the SavedModel directory: load + passes + verify;")
+    print("import = tf.graph_util.import_graph_def of the train function's GraphDef; target rewrite/import <= 1)")
+    head = (f"{'case':<18}{'nodes':>8}{'export s':>10}{'load s':>9}{'import s':>10}{'rewrite s':>11}"
+            f"{'rewrite/import':>16}  note")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        if "skipped" in r:
+            print(f"{r['case']:<18}{'':>8}{'':>10}{'':>9}{'':>10}{'':>11}{'':>16}  skipped: {r['skipped']}")
+            continue
+        rw = f"{r['rewrite_s']:.2f}" if "rewrite_s" in r else (
+            f">{r['timed_out_after_s']:.0f}" if r.get("timed_out") == "rewrite" else "-")
+        ratio = (f"{r['rewrite_over_import']:.1f}" if "rewrite_over_import" in r else
+                 f">{r['rewrite_over_import_lower_bound']:.0f}" if "rewrite_over_import_lower_bound" in r else "-")
+        note = []
+        if r.get("timed_out"):
+            note.append(f"{r['timed_out']} stopped after {r['timed_out_after_s']:.0f} s")
+        if r.get("error_tail"):
+            note.append("FAILED (see JSON)")
+        if "meets_target" in r and not r["meets_target"]:
+            note.append("above target")
+        fmt = lambda k, f: (f % r[k]) if k in r else "-"  # noqa: E731
+        print(f"{r['case']:<18}{fmt('nodes', '%d'):>8}{fmt('export_s', '%.1f'):>10}{fmt('load_s', '%.2f'):>9}"
+              f"{fmt('import_s', '%.3f'):>10}{rw:>11}{ratio:>16}  {'; '.join(note)}")
+    seg_rows = [r for r in results if r.get("rewrite_runs")]
+    if seg_rows:
+        print("\nwhere the rewrite time goes (first timed run, seconds):")
+        for r in seg_rows:
+            segs = r["rewrite_runs"][0]["segments"]
+            print(f"  {r['case']:<18}" + "  ".join(f"{k} {v:.2f}" for k, v in segs.items()))
+    if scaling:
+        print("\nscaling of rewrite time between dense sizes (target for ~10k -> ~100k: <= 12x time for 10x nodes):")
+        for s in scaling:
+            lb = ">=" if s["time_ratio_is_lower_bound"] else ""
+            note = " (lower bounds: the larger case was stopped)" if lb else ""
+            print(f"  {s['from']} -> {s['to']}: nodes x{s['nodes_ratio']:.2f}, time x{lb}{s['time_ratio']:.2f}, "
+                  f"time ~ nodes^{lb}{s['exponent']:.2f} (= x{lb}{s['time_ratio_per_10x_nodes']:.1f} per 10x nodes)"
+                  f"{note}")
+    if target is None:
+        print("  ~10k -> ~100k: not measured in this run (see above)")
+
+    report = {"benchmark": "bench_rewrite", "config": {
+        "vnodes": VNODES, "vnode_batch": VNODE_BATCH, "quick": args.quick, "budget_s": args.budget,
+        "sizes": args.sizes, "dense_nodes_per_layer": per, "dense_nodes_base": base, "threads": 1,
+        "tensorflow": tf.__version__, "python": platform.python_version(), "git": git_state(),
+        "cpu_count": os.cpu_count(),
+        "targets": {"rewrite_over_import": 1.0, "time_ratio_for_10x_nodes": 12.0}},
+        "results": results, "scaling": scaling, "target_10k_to_100k": target}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
