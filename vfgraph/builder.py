@@ -40,8 +40,7 @@ def extract_function(
     writes) are kept as control outputs; otherwise only data ancestors of the outputs stay.
     """
     work = FunctionGraph(g.to_function_def(), g.library)
-    for arg_name, ref in new_args:
-        work.replace_all_uses_with(ref, TensorRef(arg_name))
+    work.replace_uses({ref: TensorRef(arg_name) for arg_name, ref in new_args})
     roots = [r.node for _, r in outputs if not r.is_function_arg]
     effects: List[str] = []
     if side_effects:
@@ -204,13 +203,26 @@ def _rename_references(fdef: function_pb2.FunctionDef, renames: Dict[str, str]) 
 
 def _rename_everywhere(fdef: function_pb2.FunctionDef, renames: Dict[str, str]) -> None:
     """Rename functions, and every argument or node name TensorFlow derived from them."""
-    from google.protobuf import text_format
+    if not renames:
+        return
+    pattern = re.compile("|".join(re.escape(k) for k in sorted(renames, key=len, reverse=True)))
 
-    text = text_format.MessageToString(fdef)
-    for old in sorted(renames, key=len, reverse=True):
-        text = text.replace(old, renames[old])
-    fdef.Clear()
-    text_format.Parse(text, fdef)
+    def sub(text: str) -> str:
+        return pattern.sub(lambda m: renames[m.group(0)], text)
+
+    _rename_references(fdef, renames)
+    sig = fdef.signature
+    for arg in list(sig.input_arg) + list(sig.output_arg):
+        arg.name = sub(arg.name)
+    sig.control_output[:] = [sub(c) for c in sig.control_output]
+    for node in fdef.node_def:
+        node.name = sub(node.name)
+        node.input[:] = [sub(x) for x in node.input]
+    for field in (fdef.ret, fdef.control_ret):
+        items = [(sub(k), sub(v)) for k, v in field.items()]
+        field.clear()
+        for k, v in items:
+            field[k] = v
 
 
 def _trace_order(name: str) -> Tuple[int, str]:

@@ -292,7 +292,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     for w in sinks:
         flow.add_edge(("op", w), _SNK)
     try:
-        _, (source_side, _) = nx.minimum_cut(flow, _SRC, _SNK)
+        _, (source_side, _) = nx.minimum_cut(flow, _SRC, _SNK, flow_func=nx.flow.boykov_kolmogorov)
     except nx.NetworkXUnbounded:
         raise DetectionError(_unbounded_message(g, sig, flow, sinks)) from None
     sink_most = sorted({n[1] for n in source_side if n[0] == "in" and ("out", n[1]) not in source_side})

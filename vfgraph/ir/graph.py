@@ -244,16 +244,20 @@ class FunctionGraph:
 
     def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> int:
         """Point every data consumer of ``old`` (and function outputs) at ``new``."""
+        return self.replace_uses({old: new})
+
+    def replace_uses(self, mapping: Dict[TensorRef, TensorRef]) -> int:
+        """Several ``replace_all_uses_with`` in one pass over the graph."""
+        table = {str(k): str(v) for k, v in mapping.items()}
         count = 0
-        old_s, new_s = str(old), str(new)
         for node in self.nodes.values():
             for i, s in enumerate(node.input):
-                if s == old_s:
-                    node.input[i] = new_s
+                if s in table:
+                    node.input[i] = table[s]
                     count += 1
         for k, v in self._header.ret.items():
-            if v == old_s:
-                self._header.ret[k] = new_s
+            if v in table:
+                self._header.ret[k] = table[v]
                 count += 1
         self._dirty()
         return count
