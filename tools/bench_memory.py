@@ -41,22 +41,12 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from benchlib import git_state  # noqa: E402
 
 TARGET = 0.30
 MIB = 1024.0 * 1024.0
-
-
-def git_state():
-    """The commit the benchmark ran against, and whether tracked files differed from it."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-        return {"commit": head or None, "tracked_files_modified": bool(dirty)}
-    except OSError:
-        return {"commit": None, "tracked_files_modified": None}
 
 
 def parse_args():
