@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from benchlib import git_state  # noqa: E402
+from benchlib import git_state, write_report  # noqa: E402
 
 TARGET = 0.30
 MIB = 1024.0 * 1024.0
@@ -254,10 +254,7 @@ def main():
         "git": git_state(), "cpu_count": os.cpu_count(), "target_ratio": TARGET, "units": "bytes"},
         "results": results, "ratios": ratios, "headline_ratio": headline,
         "meets_target": None if headline is None else headline <= TARGET}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nwrote {args.json}")
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":

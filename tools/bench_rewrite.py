@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from benchlib import git_state  # noqa: E402
+from benchlib import git_state, write_report  # noqa: E402
 
 VNODES, VNODE_BATCH = 8, 16
 WIDTH = 16  # units of every generated dense layer
@@ -425,10 +425,7 @@ def main():
         "cpu_count": os.cpu_count(),
         "targets": {"rewrite_over_import": 1.0, "time_ratio_for_10x_nodes": 12.0}},
         "results": results, "scaling": scaling, "target_10k_to_100k": target}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nwrote {args.json}")
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":

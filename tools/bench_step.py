@@ -26,7 +26,6 @@ turn (round robin, so load from other processes hits all variants alike); the me
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -43,7 +42,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from benchlib import git_state  # noqa: E402
+from benchlib import git_state, write_report  # noqa: E402
 
 BATCH = 128
 VNODES = 8
@@ -310,10 +309,7 @@ def main():
         "min_rep_seconds": args.min_rep_seconds,
         "quick": args.quick, "tensorflow": tf.__version__, "python": platform.python_version(),
         "git": git_state(), "cpu_count": os.cpu_count(), "targets": TARGETS}, "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nwrote {args.json}")
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":

@@ -14,3 +14,13 @@ def git_state():
         return {"commit": head or None, "tracked_files_modified": bool(dirty)}
     except OSError:
         return {"commit": None, "tracked_files_modified": None}
+
+
+def write_report(path: str, report: dict) -> None:
+    """Write a benchmark's JSON report and say where."""
+    import json
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwrote {path}")
