@@ -197,3 +197,14 @@ def test_print_after_all_and_json_inspect(models, tmp_path):
     info = json.loads(vf("inspect", models("mlp:adam"), "--json").stdout)
     grads = info["signatures"]["train"]["training"]["gradients"]
     assert len(grads) == 4 and all(g["role"] == "gradient" for g in grads)
+
+
+def test_inspect_names_every_gradient_with_batch_norm(models):
+    import json
+
+    info = json.loads(vf("inspect", models("cnn:momentum"), "--json").stdout)["signatures"]["train"]["training"]
+    # Keras numbers layers per process ("sequential_3/dense_2/kernel"): compare without numbers
+    named = {re.sub(r"_\d+", "", "/".join(g["variable"].split("/")[-2:])) for g in info["gradients"] if g["variable"]}
+    assert named == {"batch_normalization/gamma", "batch_normalization/beta", "dense/kernel", "dense/bias",
+                     "conv2d/kernel"}
+    assert sorted(v.split("/")[-1] for v in info["batch_dependent_updates"]) == ["moving_mean", "moving_variance"]

@@ -303,7 +303,9 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
         raise DetectionError(f"signature {sig.key!r}: could not separate the update {reached[0]!r} from the "
                              "per-example computation")
     reach = _write_reach(g, cut_refs, writes, vnode_nodes)
-    forward_reads = _forward_read_args(g, vnode_nodes)
+    forward = g.ancestors([r.node for _, r in g.output_refs() if not r.is_function_arg],
+                          lambda n: [t.node for t in g.data_inputs(n)])
+    forward_reads = _forward_read_args(g, forward | vnode_nodes)
     order = {r: i for i, r in enumerate(sig.resource_args)}
     cut: List[CutTensor] = []
     for ref in cut_refs:
@@ -423,7 +425,7 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
 
 
 def _forward_read_args(g: FunctionGraph, vnode_nodes: Set[str]) -> Set[str]:
-    """Resource args read by per-virtual-node computation (the model's parameters)."""
+    """Resource args read by the forward pass (the model's parameters)."""
     found = set()
     for name in vnode_nodes:
         for t in g.data_inputs(name):
