@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from tensorflow.core.framework import node_def_pb2, types_pb2
 from tensorflow.python.framework.tensor_util import make_tensor_proto
-from typing import ClassVar, List
+from typing import ClassVar, List, Tuple
 
 from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, with_dynamic_batch
 from vfgraph.builder import extract_function, tf_dtype, trace_replacement
@@ -70,7 +70,9 @@ class SplitVnodesPass(Pass):
                                 drop=frozenset(step.vnode_nodes), side_effects=True)
         item.set_function(vdef)
         item.set_function(udef)
-        body = _loop_body(g, step, vdef, udef, self.vnodes, b)
+        reduce_fn = function_name(sig.function, "reduce")
+        item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step)))
+        body = _loop_body(g, step, vdef, udef, self.vnodes, b, reduce_fn)
         for f in trace_replacement(item.function(sig.function), body, function_name(sig.function, "vnodes")):
             item.set_function(f)
         FunctionGraph(item.function(sig.function), item.library).verify()
@@ -85,6 +87,8 @@ class SplitVnodesPass(Pass):
             "update_function": update_fn,
             "per_vnode_seeds": seeded,
             "stepwise": not notes and self.stepwise,
+            "reduce_functions": [f for f in (reduce_fn, function_name(sig.function, "apply_reduce"))
+                                 if f in item.library],
             "gradients": [{"tensor": str(c.ref), "variable": sig.variables[c.variable].name if c.variable else None,
                            "role": c.role, "shape": c.shape} for c in step.cut],
         }
@@ -231,16 +235,37 @@ class _Loop:
 
         final = tf.while_loop(cond, loop, [tf.constant(0, tf.int32)] + outs + accs,
                               parallel_iterations=1, name="vnodes")
+        return list(final[1:1 + n_out]), list(final[1 + n_out:]), nv
+
+    def outputs(self, outs: List, count) -> List:
+        """The loop's per-output results: sums divided by ``count``, concatenations, last values."""
+        import tensorflow as tf
+
         results = []
-        for o, v in zip(self.vnode_outs, final[1:1 + n_out]):
+        for o, v in zip(self.vnode_outs, outs):
             if o.combine == "mean":
-                v = v / tf.cast(nv, v.dtype)
+                v = v / tf.cast(count, v.dtype)
             elif o.combine == "concat":
                 v = v.concat()
             else:
                 v = v.stack()[-1]
             results.append(v)
-        return results, list(final[1 + n_out:]), nv
+        return results
+
+    def reduce(self, outs: List, sums: List, nv, reduce_fn) -> Tuple[List, List, object]:
+        """Hand the loop's sums to the step's reduce function (identity on one process; the
+        all-reduce over ranks once ``insert-allreduce`` has run). Returns (output sums,
+        gradient sums or concatenations, number of virtual nodes as float32)."""
+        import tensorflow as tf
+
+        cut = self.step.cut
+        mean_outs = [v for o, v in zip(self.vnode_outs, outs) if o.combine == "mean"]
+        grads = [a if c.combine == "mean" else a.concat() for c, a in zip(cut, sums)]
+        args = mean_outs + grads + [tf.cast(nv, tf.float32)]
+        got = list(tf.raw_ops.StatefulPartitionedCall(args=args, Tout=[a.dtype for a in args], f=reduce_fn))
+        it = iter(got[:len(mean_outs)])
+        outs = [next(it) if o.combine == "mean" else v for o, v in zip(self.vnode_outs, outs)]
+        return outs, got[len(mean_outs):-1], got[-1]
 
 
 def _assemble(step: TrainStep, vnode_results: List, updated) -> List:
@@ -250,7 +275,7 @@ def _assemble(step: TrainStep, vnode_results: List, updated) -> List:
     return [next(vi) if o.side == "vnode" else next(ui) for o in step.outputs]
 
 
-def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int):
+def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int, reduce_fn: str):
     """The Python body traced into the replacement training function."""
     import tensorflow as tf
 
@@ -263,22 +288,50 @@ def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: in
 
     def body(*args):
         res = [args[i] for i in res_idx]
-        results, sums, nv = loop.run([args[i] for i in batch_idx], res)
-        means = []
-        for c, a in zip(step.cut, sums):
-            if c.combine == "mean":
-                a = a / tf.cast(nv, a.dtype)
-            elif c.combine == "concat_scaled":  # rows of a sparse gradient: the step's mean
-                a = a.concat() / tf.cast(nv, a.dtype)
-            else:
-                a = a.concat()
-            means.append(a)
+        outs, sums, nv = loop.run([args[i] for i in batch_idx], res)
+        outs, sums, count = loop.reduce(outs, sums, nv, reduce_fn)
+        results = loop.outputs(outs, count)
+        means = [a if c.combine == "concat" else a / tf.cast(count, a.dtype)  # sparse rows: scaled too
+                 for c, a in zip(step.cut, sums)]
         updated = tf.raw_ops.StatefulPartitionedCall(args=means + res, Tout=u_types, f=udef.signature.name)
         deps = list(updated) if isinstance(updated, (list, tuple)) else [updated]
         with tf.control_dependencies(deps):
             return [tf.identity(r) for r in _assemble(step, results, updated)]
 
     return body
+
+
+# --------------------------------------------------------------------------- reduce point
+def _reduce_specs(g: FunctionGraph, step: TrainStep, with_outputs: bool = True) -> List[Tuple[str, int, list]]:
+    """(argument name, dtype, shape) of what a step reduces over processes: the loop's output
+    sums, the gradient sums (``sum_k``) or sparse rows (``gather_k``), and the number of
+    virtual nodes (last, float32)."""
+    specs = []
+    if with_outputs:
+        specs += [(g.dtype(o.ref), g.shape(o.ref), "sum") for o in step.outputs
+                  if o.side == "vnode" and o.combine == "mean"]
+    specs += [(c.dtype, c.shape, "sum" if c.combine == "mean" else "gather") for c in step.cut]
+    specs.append((types_pb2.DT_FLOAT, [], "sum"))
+    return [(f"{kind}_{k}", dtype, shape) for k, (dtype, shape, kind) in enumerate(specs)]
+
+
+def reduce_function(name: str, specs: List[Tuple[str, int, list]]):
+    """The identity function a step calls at its reduce point: one process reduces nothing.
+    ``insert-allreduce`` replaces its body; the arguments name what each one needs
+    (``sum_k``: summed over processes, ``gather_k``: rows concatenated)."""
+    from tensorflow.core.framework import function_pb2
+
+    fdef = function_pb2.FunctionDef()
+    fdef.signature.name = name
+    for k, (arg, dtype, shape) in enumerate(specs):
+        fdef.signature.input_arg.add(name=arg, type=dtype)
+        fdef.signature.output_arg.add(name=f"reduced_{k}", type=dtype)
+        fdef.ret[f"reduced_{k}"] = arg
+        if shape is not None:
+            proto = fdef.arg_attr[k].attr["_output_shapes"].list.shape.add()
+            for d in shape:
+                proto.dim.add().size = d
+    return fdef
 
 
 # --------------------------------------------------------------------------- step-wise mode
@@ -335,25 +388,28 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, udef,
     apply_header = _header(g, apply_fn, inner[n_inputs:], acc_args, [], [])
     loop = _Loop(g, step, vdef, vnodes, b)
     u_types = [tf_dtype(a.type) for a in udef.signature.output_arg]
+    reduce_fn = function_name(sig.function, "apply_reduce")
+    item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step, with_outputs=False)))
     cut_types = [tf_dtype(c.dtype) for c in step.cut]
 
     def accumulate(*args):
         import tensorflow as tf
 
         by = dict(zip(inner + acc_args, args))
-        results, sums, nv = loop.run([by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
+        outs, sums, nv = loop.run([by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
         ops = [tf.raw_ops.AssignAddVariableOp(resource=by[a], value=s) for a, s in zip(acc_args, sums)]
         ops.append(tf.raw_ops.AssignAddVariableOp(resource=by["vf_count"], value=tf.cast(nv, tf.float32)))
         with tf.control_dependencies(ops):
-            return [tf.identity(r) for r in _assemble(step, results, [])]
+            return [tf.identity(r) for r in _assemble(step, loop.outputs(outs, nv), [])]
 
     def apply(*args):
         import tensorflow as tf
 
         by = dict(zip(inner[n_inputs:] + acc_args, args))
-        count = tf.raw_ops.ReadVariableOp(resource=by["vf_count"], dtype=tf.float32)
-        means = [tf.raw_ops.ReadVariableOp(resource=by[a], dtype=t) / tf.cast(count, t)
-                 for a, t in zip(acc_args, cut_types)]
+        sums = [tf.raw_ops.ReadVariableOp(resource=by[a], dtype=t) for a, t in zip(acc_args, cut_types + [tf.float32])]
+        got = tf.raw_ops.StatefulPartitionedCall(args=sums, Tout=[s.dtype for s in sums], f=reduce_fn)
+        count = got[-1]
+        means = [s / tf.cast(count, t) for s, t in zip(got[:-1], cut_types)]
         updated = tf.raw_ops.StatefulPartitionedCall(args=means + [by[a] for a in sig.resource_args], Tout=u_types,
                                                      f=udef.signature.name)
         deps = list(updated) if isinstance(updated, (list, tuple)) else [updated]
