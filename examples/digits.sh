@@ -10,7 +10,7 @@ batch=${BATCH:-128}
 mkdir -p "$work"
 $py "$here/export.py" digits-data "$work/data"
 $py "$here/export.py" digits-mlp "$work/mlp" --optimizer momentum --lr 0.05
-vfgraph rewrite "$work/mlp" --vnodes 8 -o "$work/mlp_v8" --force
+vfgraph rewrite "$work/mlp" --vnodes 8 --vnode-batch $((batch / 8)) -o "$work/mlp_v8" --force
 vfgraph inspect "$work/mlp_v8" | head -20
 vfgraph train "$work/mlp_v8" --data "$work/data/train.npz" --steps "$steps" --batch-size "$batch" -o "$work/mlp_v8_trained" --force --no-progress
 vfgraph train "$work/mlp" --data "$work/data/train.npz" --steps "$steps" --batch-size "$batch" -o "$work/mlp_trained" --force --no-progress

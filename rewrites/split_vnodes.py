@@ -343,8 +343,6 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, udef,
     and count into accumulator variables, return their mean loss) and ``<train>_apply``
     (average the accumulators, apply the original update once, reset them): the step-wise
     mode for runtimes that feed virtual nodes one call at a time. Returns notes."""
-    from tensorflow.python.saved_model import nested_structure_coder
-
     sig = step.signature
     og = item.meta_graph.object_graph_def
     if item.kind != "saved_model" or not og.nodes:
@@ -423,23 +421,33 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, udef,
     for header, body in ((acc_header, accumulate), (apply_header, apply)):
         for f in trace_replacement(header, body, header.signature.name):
             item.set_function(f)
-    # Signatures: bare concrete functions beside the training one.
-    sigs = next(og.nodes[c.node_id] for c in og.nodes[0].children if c.local_name == "signatures")
-    for key, fn, kind in ((f"{sig.key}_accumulate", acc_fn, "accumulate"), (f"{sig.key}_apply", apply_fn, "apply")):
-        node = og.nodes.add()
-        node.CopyFrom(og.nodes[bare_id])
-        node.bare_concrete_function.concrete_function_name = fn
-        entry = og.concrete_functions[fn]
-        entry.CopyFrom(cf)
-        entry.bound_inputs.extend(acc_ids)
-        if kind == "apply":
-            del node.bare_concrete_function.argument_keywords[:]
-            _clear_kwonly(node.bare_concrete_function.function_spec)
-            entry.canonicalized_input_signature.CopyFrom(nested_structure_coder.encode_structure(((), {})))
-            entry.output_signature.CopyFrom(nested_structure_coder.encode_structure({}))
-        sigs.children.add(node_id=len(og.nodes) - 1, local_name=key)
-    item.preserve.update({acc_fn, apply_fn})
+    add_signature(item, f"{sig.key}_accumulate", acc_fn, cf, bare_id, acc_ids, takes_inputs=True)
+    add_signature(item, f"{sig.key}_apply", apply_fn, cf, bare_id, acc_ids, takes_inputs=False)
     return []
+
+
+def add_signature(item: GraphItem, key: str, fn: str, cf, bare_id: int, extra_bound: List[int],
+                  takes_inputs: bool) -> None:
+    """Register library function ``fn`` as signature ``key``: a bare concrete function like
+    the training signature's (object-graph entry ``cf``, node ``bare_id``), bound to the same
+    variables plus ``extra_bound``; without ``takes_inputs`` it takes no inputs and returns {}."""
+    from tensorflow.python.saved_model import nested_structure_coder
+
+    og = item.meta_graph.object_graph_def
+    sigs = next(og.nodes[c.node_id] for c in og.nodes[0].children if c.local_name == "signatures")
+    node = og.nodes.add()
+    node.CopyFrom(og.nodes[bare_id])
+    node.bare_concrete_function.concrete_function_name = fn
+    entry = og.concrete_functions[fn]
+    entry.CopyFrom(cf)
+    entry.bound_inputs.extend(extra_bound)
+    if not takes_inputs:
+        del node.bare_concrete_function.argument_keywords[:]
+        _clear_kwonly(node.bare_concrete_function.function_spec)
+        entry.canonicalized_input_signature.CopyFrom(nested_structure_coder.encode_structure(((), {})))
+        entry.output_signature.CopyFrom(nested_structure_coder.encode_structure({}))
+    sigs.children.add(node_id=len(og.nodes) - 1, local_name=key)
+    item.preserve.add(fn)
 
 
 def _signature_wrapper(item: GraphItem, key: str):

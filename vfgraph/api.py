@@ -40,25 +40,36 @@ def _is_saved_model_text(path: str) -> bool:
 
 
 def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "",
-                     has_training: bool = True) -> str:
+                     has_training: bool = True, allreduce: bool = False, fusion_mb: float = 64) -> str:
     parts = []
     if has_training:
         opts = [f"vnodes={vnodes}"] + ([f"vnode-batch={vnode_batch}"] if vnode_batch else [])
         if train_signature:
             opts.append(f"signature={train_signature}")
         parts.append("split-vnodes{" + ",".join(opts) + "}")
+        if allreduce:
+            parts.append("insert-allreduce" + (f"{{fusion-mb={fusion_mb:g}}}" if fusion_mb != 64 else ""))
     parts.append("microbatch-inference" + (f"{{vnode-batch={vnode_batch}}}" if vnode_batch else ""))
     return ",".join(parts)
 
 
 def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: Optional[str] = None,
             train_signature: str = "", after_each: Optional[Callable[[Pass, GraphItem], None]] = None,
-            outputs: Optional[Sequence[str]] = None) -> GraphItem:
-    """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed)."""
+            outputs: Optional[Sequence[str]] = None, allreduce: str = "auto", fusion_mb: float = 64) -> GraphItem:
+    """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
+
+    ``allreduce``: "mpi" adds the all-reduce over MPI ranks to the training step, "none" leaves
+    it out, "auto" adds it when vfgraph's MPI ops are available here."""
+    if allreduce not in ("auto", "mpi", "none"):
+        raise InputError(f"allreduce={allreduce!r}: choose 'mpi', 'none' or 'auto'")
     item = model if isinstance(model, GraphItem) else load(model, outputs)
     if pipeline is None:
         has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
-        pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training)
+        if allreduce == "auto":
+            from vfgraph import ops
+
+            allreduce = "mpi" if has_training and item.kind == "saved_model" and ops.available() else "none"
+        pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, allreduce == "mpi", fusion_mb)
     seq = Sequential(parse_pipeline(pipeline), after_each=after_each)
     out, notes = seq(item)
     verify(out)

@@ -1,4 +1,4 @@
-"""vfgraph command line: rewrite | inspect | diff | verify | train."""
+"""vfgraph command line: rewrite | inspect | diff | verify | train | build-ops."""
 from __future__ import annotations
 
 import argparse
@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--print-after-all", action="store_true", help="print the canonical graph after each pass")
     r.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     r.add_argument("--outputs", help="frozen GraphDefs: comma-separated output tensors (default: unconsumed nodes)")
+    r.add_argument("--allreduce", choices=("auto", "mpi", "none"), default="auto",
+                   help="data-parallel all-reduce over MPI ranks in the training step (auto: mpi when "
+                        "vfgraph's MPI ops are available)")
+    r.add_argument("--fusion-mb", type=float, default=64, help="largest fused all-reduce buffer, MiB")
 
     i = sub.add_parser("inspect", help="show what vfgraph detects in a model")
     i.add_argument("model")
@@ -70,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--vnodes-per-rank", help="under mpiexec: virtual nodes of each rank, e.g. 5,3 "
+                   "(default: the global batch's virtual nodes split evenly)")
+
+    sub.add_parser("build-ops", help="build (or find) vfgraph's MPI ops for this TensorFlow and MPI")
     return p
 
 
@@ -85,7 +93,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         return {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
-                "verify": cmd_verify, "train": cmd_train}[args.command](args)
+                "verify": cmd_verify, "train": cmd_train, "build-ops": cmd_build_ops}[args.command](args)
     except VfgraphError as e:
         print(f"vfgraph {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -112,7 +120,8 @@ def cmd_rewrite(args) -> int:
             print(canonical_text(item))
     item = vfgraph.rewrite(args.model, vnodes=args.vnodes, vnode_batch=args.vnode_batch,
                            pipeline=args.pipeline, train_signature=args.train_signature, after_each=after,
-                           outputs=args.outputs.split(",") if args.outputs else None)
+                           outputs=args.outputs.split(",") if args.outputs else None,
+                           allreduce=args.allreduce, fusion_mb=args.fusion_mb)
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
@@ -212,13 +221,27 @@ def cmd_verify(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from vfgraph.errors import InputError
     from vfgraph.runtime.train import train
 
+    per_rank = None
+    if args.vnodes_per_rank:
+        try:
+            per_rank = [int(v) for v in args.vnodes_per_rank.split(",")]
+        except ValueError:
+            raise InputError(f"--vnodes-per-rank {args.vnodes_per_rank}: give comma-separated integers, e.g. 5,3")
     res = train(args.model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
                 force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
-                seed=args.seed, progress=not args.no_progress)
-    print(f"trained {res.steps} steps: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}; wrote {res.out}")
+                seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank)
+    if res is not None:  # rank 0 (or the only process)
+        print(f"trained {res.steps} steps: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}; wrote {res.out}")
     return 0
+
+
+def cmd_build_ops(args) -> int:
+    from vfgraph.ops import build_ops_main
+
+    return build_ops_main([])
 
 
 if __name__ == "__main__":

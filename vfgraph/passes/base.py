@@ -57,6 +57,7 @@ def _fmt(v) -> str:
 REGISTRY: Dict[str, str] = {
     "split-vnodes": "split_vnodes",
     "microbatch-inference": "microbatch_inference",
+    "insert-allreduce": "insert_allreduce",
 }
 
 

@@ -1,4 +1,4 @@
-"""Single-process training of a (rewritten) SavedModel on arrays from an .npz file."""
+"""Training a (rewritten) SavedModel on arrays from an .npz file, on one process or on the ranks of\n``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
 from __future__ import annotations
 
 import json
@@ -7,12 +7,13 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from vfgraph.errors import InputError
 from vfgraph.io import savedmodel
+from vfgraph.runtime.world import shares, world
 
 log = logging.getLogger("vfgraph.train")
 
@@ -44,53 +45,97 @@ def batches_for(data: Dict[str, np.ndarray], keys: List[str], batch_size: int, s
     return {key: data[key][idx] for key in keys}
 
 
+def vnode_layout(model: str, signature: str) -> Tuple[int, bool]:
+    """(examples per virtual node b, or 0 when the graph divides the fed batch itself;
+    whether the step all-reduces over ranks), from the rewrite record of ``model``."""
+    meta = savedmodel.read_metadata(model) or {}
+    rewrites = meta.get("rewrites", {})
+    rec = rewrites.get("split-vnodes", {}).get(signature)
+    return (rec["vnode_batch"] if rec else 0), signature in rewrites.get("insert-allreduce", {})
+
+
 def train(model: str, data_path: str, steps: int, batch_size: int, out: str, resume: bool = False,
           force: bool = False, signature: str = "train", checkpoint_every: int = 100, seed: int = 0,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, vnodes_per_rank: Optional[List[int]] = None) -> Optional[TrainResult]:
+    """Train ``model`` for ``steps`` global batches of ``batch_size`` examples. Under ``mpiexec``
+    every rank feeds its share of each global batch (whole virtual nodes, from the same global
+    order), the step all-reduces, and rank 0 writes checkpoints and the result; other ranks
+    return None."""
     if not savedmodel.is_saved_model_dir(model):
         raise InputError(f"{model}: not a SavedModel directory")
-    savedmodel.prepare_output(out, force or resume)
-    data = load_npz(data_path)
+    b, reduces = vnode_layout(model, signature)
+    w = world(need_mpi=reduces)
+
+    def prepare():
+        if w.is_root:
+            savedmodel.prepare_output(out, force or resume)
+        return load_npz(data_path)
+
+    data = w.agree(prepare)
     import tensorflow as tf
     from tqdm import tqdm
 
-    loaded = tf.saved_model.load(model)
-    if signature not in loaded.signatures:
-        raise InputError(f"{model}: no signature {signature!r} (has: {', '.join(sorted(loaded.signatures))}); "
-                         "pass --train-signature NAME")
-    fn = loaded.signatures[signature]
-    _, specs = fn.structured_input_signature
-    missing = [k for k in specs if k not in data]
-    if missing:
-        raise InputError(f"{data_path}: arrays {missing} are missing; the {signature!r} signature takes "
-                         f"{sorted(specs)} (have {sorted(data)})")
-    keys = sorted(specs)
-    lengths = {k: len(data[k]) for k in keys}
-    if len(set(lengths.values())) != 1:
-        raise InputError(f"{data_path}: arrays have different lengths {lengths}")
-    n = next(iter(lengths.values()))
-    if batch_size < 1 or batch_size > n:
-        raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {data_path}")
-    for k in keys:
-        data[k] = data[k].astype(specs[k].dtype.as_numpy_dtype, copy=False)
+    def open_model():
+        loaded = tf.saved_model.load(model)
+        if signature not in loaded.signatures:
+            raise InputError(f"{model}: no signature {signature!r} (has: {', '.join(sorted(loaded.signatures))}); "
+                             "pass --train-signature NAME")
+        fn = loaded.signatures[signature]
+        _, specs = fn.structured_input_signature
+        missing = [k for k in specs if k not in data]
+        if missing:
+            raise InputError(f"{data_path}: arrays {missing} are missing; the {signature!r} signature takes "
+                             f"{sorted(specs)} (have {sorted(data)})")
+        keys = sorted(specs)
+        lengths = {k: len(data[k]) for k in keys}
+        if len(set(lengths.values())) != 1:
+            raise InputError(f"{data_path}: arrays have different lengths {lengths}")
+        n = next(iter(lengths.values()))
+        if batch_size < 1 or batch_size > n:
+            raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {data_path}")
+        for k in keys:
+            data[k] = data[k].astype(specs[k].dtype.as_numpy_dtype, copy=False)
+        rows = (0, batch_size)
+        if w.size > 1 or vnodes_per_rank:
+            if not b:
+                raise InputError(f"{model}: its virtual-node batch is derived from the fed batch, so ranks cannot "
+                                 "share a global batch; rewrite it with --vnode-batch B")
+            if batch_size % b:
+                raise InputError(f"--batch-size {batch_size}: not a multiple of the virtual-node batch b={b} "
+                                 f"of {model}")
+            per = shares(batch_size // b, w.size, vnodes_per_rank)
+            rows = (sum(per[:w.rank]) * b, sum(per[:w.rank + 1]) * b)
+        return loaded, fn, keys, rows
+
+    loaded, fn, keys, (lo, hi) = w.agree(open_model)
     ckpt_dir = os.path.abspath(out) + ".ckpt"
     ckpt = tf.train.Checkpoint(variables=list(fn.variables))
     state_file = os.path.join(ckpt_dir, "progress.json")
     start, losses = 0, []
-    if resume and os.path.isfile(state_file):
+    if w.is_root and resume and os.path.isfile(state_file):
         with open(state_file) as f:
             state = json.load(f)
         ckpt.read(state["checkpoint"]).assert_consumed()
         start, losses = state["step"], state["losses"]
         log.info("resuming at step %d", start)
-    bar = tqdm(range(start, steps), initial=start, total=steps, disable=not progress, unit="step")
+    start, losses = w.bcast((start, losses))
+    broadcast = f"{signature}_broadcast"
+    if w.size > 1:
+        table = w.describe()
+        if w.is_root:
+            log.info("%d ranks: %s", w.size, "; ".join(table))
+        loaded.signatures[broadcast]()  # same graph everywhere, then rank 0's variables
+    bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
     for step in bar:
-        result = fn(**batches_for(data, keys, batch_size, step, seed))
+        batch = batches_for(data, keys, batch_size, step, seed)
+        result = fn(**{k: v[lo:hi] for k, v in batch.items()})
         loss = float(result["loss"]) if "loss" in result else float("nan")
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4f}")
-        if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+        if w.is_root and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
             _checkpoint(ckpt, ckpt_dir, step + 1, losses)
+    if not w.is_root:
+        return None
     _save_trained(loaded, model, out, losses)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return TrainResult(os.path.abspath(out), steps, losses)

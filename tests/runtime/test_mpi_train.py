@@ -1,0 +1,164 @@
+"""Data-parallel training under real ``mpiexec``: the same result on any number of ranks."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+BIN = os.path.dirname(sys.executable)
+MPIEXEC = os.path.join(BIN, "mpiexec")
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0", OMP_NUM_THREADS="1")
+BATCH, B = 64, 8  # global batch, examples per virtual node: V = 8
+
+pytestmark = pytest.mark.mpi
+
+
+def train_cmd(ranks, model, data, out, steps, *extra):
+    launcher = [MPIEXEC, "-n", str(ranks)] if ranks else []
+    return launcher + [sys.executable, "-m", "vfgraph.cli", "-v", "train", model, "--data", data,
+                       "--steps", str(steps), "--batch-size", str(BATCH), "-o", out, "--no-progress", *extra]
+
+
+def run_train(ranks, model, data, out, steps=4, *extra, timeout=300):
+    res = subprocess.run(train_cmd(ranks, model, data, out, steps, *extra), capture_output=True, text=True,
+                         env=ENV, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def params(path):
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(path)
+    return {v.name: v.numpy() for v in loaded.signatures["train"].variables}
+
+
+def losses(path):
+    with open(os.path.join(path, "assets.extra", "vfgraph.json")) as f:
+        return json.load(f)["training"]["losses"]
+
+
+def assert_same_params(a, b, rtol):
+    from vfgraph.testing.compare import rel_diff
+
+    pa, pb = params(a), params(b)
+    assert sorted(pa) == sorted(pb)
+    worst = max((rel_diff(pa[k], pb[k]), k) for k in pa)
+    assert worst[0] <= rtol, f"{worst[1]} differs by {worst[0]:.3g} ({a} vs {b})"
+
+
+@pytest.fixture(scope="module")
+def v8(models, tmp_path_factory):
+    """Models rewritten with 8 virtual nodes of 8 examples and the all-reduce."""
+    import vfgraph
+
+    root = tmp_path_factory.mktemp("mpi_models")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            out = str(root / name.replace(":", "_"))
+            vfgraph.save(vfgraph.rewrite(models(name), vnodes=8, vnode_batch=B, allreduce="mpi"), out)
+            made[name] = out
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["mlp:momentum", "cnn:momentum"])
+def test_same_parameters_on_any_number_of_ranks(name, v8, digits, tmp_path):
+    model = v8(name)
+    runs = {"1x8": (0, ()), "2x4": (2, ()), "4x2": (4, ()), "2 ranks 5+3": (2, ("--vnodes-per-rank", "5,3"))}
+    if name.startswith("cnn"):
+        del runs["4x2"]  # four TensorFlow processes on two cores: the MLP covers it
+    outs = {}
+    for label, (ranks, extra) in runs.items():
+        outs[label] = str(tmp_path / label.replace(" ", "_"))
+        run_train(ranks, model, digits["train"], outs[label], 4, *extra)
+    for label, out in outs.items():
+        if label != "1x8":
+            assert_same_params(outs["1x8"], out, 1e-6)
+            np.testing.assert_allclose(losses(out), losses(outs["1x8"]), rtol=1e-6)
+
+
+def test_loss_curve_matches_the_original_at_the_global_batch(models, v8, digits, tmp_path):
+    """2 ranks x 4 virtual nodes of 8 against the unmodified model fed all 64 examples at once."""
+    original, rewritten = str(tmp_path / "original"), str(tmp_path / "rewritten")
+    run_train(0, models("mlp:momentum"), digits["train"], original, 6)
+    run_train(2, v8("mlp:momentum"), digits["train"], rewritten, 6)
+    np.testing.assert_allclose(losses(rewritten), losses(original), rtol=1e-5)
+    assert_same_params(original, rewritten, 1e-5)
+
+
+def test_model_without_allreduce_refuses_several_ranks(models, digits, tmp_path):
+    res = subprocess.run(train_cmd(2, models("mlp:momentum"), digits["train"], str(tmp_path / "o"), 2),
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 2
+    assert "no all-reduce" in res.stderr and "Traceback" not in res.stderr
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_bad_vnodes_per_rank_is_a_clear_error_on_every_rank(v8, digits, tmp_path):
+    res = subprocess.run(train_cmd(2, v8("mlp:momentum"), digits["train"], str(tmp_path / "o"), 2,
+                                   "--vnodes-per-rank", "6,3"), capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 2
+    assert "--vnodes-per-rank 6,3" in res.stderr and "Traceback" not in res.stderr
+
+
+def _rank_pid(rank, marker):
+    """The process id of MPI rank ``rank`` whose command line contains ``marker``."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if marker in cmd and "vfgraph.cli" in cmd and f"PMI_RANK={rank}" in env:
+            return int(pid)
+    return None
+
+
+def test_killed_rank_stops_the_job_and_resume_reaches_the_same_parameters(v8, digits, tmp_path):
+    model, steps = v8("mlp:momentum"), 1500
+    out = str(tmp_path / "killed")
+    state = out + ".ckpt/progress.json"
+    proc = subprocess.Popen(train_cmd(2, model, digits["train"], out, steps, "--checkpoint-every", "50"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.isfile(state) and json.load(open(state))["step"] >= 200:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "training finished before the kill; raise the step count"
+        victim = _rank_pid(1, out)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        out_text, err_text = proc.communicate(timeout=60)
+        err = out_text + err_text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.time() - killed_at < 60
+    assert proc.returncode != 0
+    # The launcher names the lost process; vfgraph's rank table (-v) names its rank.
+    assert f"PID {victim}" in err, err[-2000:]
+    assert f"rank 1: " in err and f"pid {victim}" in err, err[-2000:]
+    assert not os.path.exists(out)
+    with open(state) as f:
+        saved = json.load(f)
+    assert saved["step"] >= 200 and saved["step"] % 50 == 0
+    run_train(2, model, digits["train"], out, steps, "--checkpoint-every", "50", "--resume")
+    reference = str(tmp_path / "uninterrupted")
+    run_train(2, model, digits["train"], reference, steps, "--checkpoint-every", "50")
+    assert_same_params(reference, out, 1e-6)
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-6)

@@ -1,0 +1,93 @@
+"""The set of processes a run spans: one process, or the ranks ``mpiexec`` started."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, TypeVar
+
+from vfgraph.errors import InputError, VfgraphError
+
+T = TypeVar("T")
+
+# Environment variables MPI launchers set in every process they start.
+_LAUNCHER_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
+
+
+def launched_by_mpi() -> bool:
+    """Whether this process was started by an MPI launcher (mpiexec, mpirun, srun)."""
+    return any(k in os.environ for k in _LAUNCHER_SIZE)
+
+
+@dataclass
+class World:
+    """``rank`` of ``size`` processes; ``comm`` is the mpi4py communicator (None on one process)."""
+
+    rank: int = 0
+    size: int = 1
+    comm: Any = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank; if it fails on any rank, raise the first failure on all
+        of them (so no rank waits forever in a collective its peers never reach)."""
+        err: Optional[VfgraphError] = None
+        result = None
+        try:
+            result = fn()
+        except VfgraphError as e:
+            err = e
+        if self.comm is None:
+            if err is not None:
+                raise err
+            return result
+        errors = self.comm.allgather(None if err is None else (type(err).__name__, str(err)))
+        for r, e in enumerate(errors):
+            if e is not None:
+                if err is not None:
+                    raise err
+                raise VfgraphError(f"rank {r} failed: {e[1]}")
+        return result
+
+    def bcast(self, value: T) -> T:
+        return value if self.comm is None else self.comm.bcast(value, root=0)
+
+    def describe(self) -> List[str]:
+        """One line per rank: host and process id (to match a launcher's report of a lost process)."""
+        me = f"{socket.gethostname()} pid {os.getpid()}"
+        table = [me] if self.comm is None else self.comm.allgather(me)
+        return [f"rank {r}: {t}" for r, t in enumerate(table)]
+
+
+def world(need_mpi: bool) -> World:
+    """This run's world. Under an MPI launcher (or when the model contains MPI ops), MPI is
+    started through mpi4py and the ops use a private duplicate of ``COMM_WORLD``."""
+    if not (need_mpi or launched_by_mpi()):
+        return World()
+    from vfgraph import ops
+
+    ops.load()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    ops.set_communicator(comm.Dup())
+    if comm.Get_size() > 1 and not need_mpi:
+        raise InputError("this model has no all-reduce, so its ranks would train separate copies; rewrite it "
+                         "with virtual nodes and --allreduce mpi (the default when vfgraph's MPI ops build)")
+    return World(comm.Get_rank(), comm.Get_size(), comm)
+
+
+def shares(total: int, size: int, given: Optional[List[int]] = None) -> List[int]:
+    """Virtual nodes per rank: ``given``, or ``total`` split as evenly as possible."""
+    if given is not None:
+        if len(given) != size or any(v < 1 for v in given) or sum(given) != total:
+            raise InputError(f"--vnodes-per-rank {','.join(map(str, given))}: needs {size} positive counts "
+                             f"(one per rank) that add up to the {total} virtual nodes of the global batch")
+        return list(given)
+    if total < size:
+        raise InputError(f"the global batch holds {total} virtual nodes, fewer than the {size} ranks; "
+                         "raise --batch-size or run fewer ranks")
+    return [total // size + (1 if r < total % size else 0) for r in range(size)]
