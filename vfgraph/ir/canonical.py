@@ -45,9 +45,10 @@ def canonical_function(fdef: function_pb2.FunctionDef, library: Dict[str, functi
 
 
 def canonical_text(item: GraphItem, roots: Iterable[str] = ()) -> str:
-    """Text of every function reachable from the signatures (or ``roots``), canonicalised."""
+    """Text of every function reachable from the signatures and the functions passes added
+    for the runtime (or from ``roots``), canonicalised."""
     lib = item.library
-    roots = list(roots) or [s.function for s in item.signatures.values()]
+    roots = list(roots) or [s.function for s in item.signatures.values()] + sorted(item.preserve)
     names: List[str] = []
     for r in roots:
         for f in function_dependencies(r, lib):
