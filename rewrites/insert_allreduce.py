@@ -28,6 +28,7 @@ from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult
 from vfgraph.rewrites.split_vnodes import _header, _signature_wrapper, add_signature
 
+ALIGN = 64  # bytes: TensorFlow's CPU split shares the input buffer for outputs aligned to this
 _BYTES = {types_pb2.DT_HALF: 2, types_pb2.DT_BFLOAT16: 2, types_pb2.DT_FLOAT: 4, types_pb2.DT_DOUBLE: 8,
           types_pb2.DT_INT32: 4, types_pb2.DT_INT64: 8}
 
@@ -111,17 +112,24 @@ def _reduce_body(header, limit: int):
     def reduce_all(xs):
         out, prev = list(xs), []
         for buf in buffers:
+            static = all(specs[i].shape.is_fully_defined() for i in buf)
+            lane = ALIGN // _BYTES.get(header.signature.input_arg[buf[0]].type, 8) if static else 1
+            sizes = [specs[i].shape.num_elements() if static else tf.size(xs[i]) for i in buf]
+            padded = [-(-n // lane) * lane for n in sizes] if static else sizes
             with tf.control_dependencies(prev):
-                flat = [tf.reshape(xs[i], [-1]) for i in buf]
-                packed = tf.concat(flat, 0) if len(flat) > 1 else tf.identity(flat[0])
+                pieces = []
+                for i, n, p in zip(buf, sizes, padded):
+                    pieces.append(tf.reshape(xs[i], [-1]))
+                    if p > n:  # each tensor starts aligned, so splitting the sum back copies nothing
+                        pieces.append(tf.zeros([p - n], xs[i].dtype))
+                packed = tf.concat(pieces, 0) if len(pieces) > 1 else tf.identity(pieces[0])
             summed = ops.allreduce(packed)
             prev = [summed]
-            sizes = [specs[i].shape.num_elements() if specs[i].shape.is_fully_defined() else tf.size(xs[i])
-                     for i in buf]
-            parts = tf.split(summed, tf.stack(sizes) if any(tf.is_tensor(s) for s in sizes) else sizes) \
-                if len(buf) > 1 else [summed]
-            for i, p in zip(buf, parts):
-                out[i] = tf.reshape(p, tf.shape(xs[i]))
+            parts = tf.split(summed, padded if static else tf.stack(padded)) if len(buf) > 1 else [summed]
+            for i, n, p, part in zip(buf, sizes, padded, parts):
+                if static and p > n:
+                    part = part[:n]
+                out[i] = tf.reshape(part, tf.shape(xs[i]))
         for i in gathers:
             with tf.control_dependencies(prev):
                 x = tf.identity(xs[i])

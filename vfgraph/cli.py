@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a SavedModel on arrays from an .npz file")
     t.add_argument("model")
-    t.add_argument("--data", required=True, help=".npz whose array names match the training signature's inputs")
+    t.add_argument("--data", required=True, help=".npz whose array names match the training signature's inputs, "
+                   "or TFRecord files (.tfrecord, or a glob) of tf.train.Example records with those features")
     t.add_argument("--steps", type=int, required=True)
     t.add_argument("--batch-size", type=int, required=True, help="global batch per step")
     t.add_argument("-o", "--output", required=True)

@@ -95,6 +95,23 @@ def test_loss_curve_matches_the_original_at_the_global_batch(models, v8, digits,
     assert_same_params(original, rewritten, 1e-5)
 
 
+def test_tfrecord_data_on_two_ranks_equals_npz_on_one(v8, digits, tmp_path):
+    import tensorflow as tf
+
+    with np.load(digits["train"]) as z:
+        x, y = z["x"], z["y"]
+    records = str(tmp_path / "train.tfrecord")
+    with tf.io.TFRecordWriter(records) as f:
+        for xi, yi in zip(x, y):
+            feat = {"x": tf.train.Feature(float_list=tf.train.FloatList(value=xi.ravel())),
+                    "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(yi)]))}
+            f.write(tf.train.Example(features=tf.train.Features(feature=feat)).SerializeToString())
+    a, b = str(tmp_path / "npz"), str(tmp_path / "tfrecord")
+    run_train(0, v8("mlp:momentum"), digits["train"], a, 3)
+    run_train(2, v8("mlp:momentum"), records, b, 3)
+    assert_same_params(a, b, 1e-6)
+
+
 def test_model_without_allreduce_refuses_several_ranks(models, digits, tmp_path):
     res = subprocess.run(train_cmd(2, models("mlp:momentum"), digits["train"], str(tmp_path / "o"), 2),
                          capture_output=True, text=True, env=ENV, timeout=120)

@@ -1,6 +1,7 @@
 """Training a (rewritten) SavedModel on arrays from an .npz file, on one process or on the ranks of\n``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -26,6 +27,40 @@ def load_npz(path: str) -> Dict[str, np.ndarray]:
         raise InputError(f"{path}: no such data file") from None
     except (ValueError, OSError, EOFError) as e:
         raise InputError(f"{path}: not a readable .npz file ({e})") from None
+
+
+TFRECORD = (".tfrecord", ".tfrecords", ".tfr")
+
+
+def load_data(path: str, specs) -> Dict[str, np.ndarray]:
+    """The training arrays: an .npz file, or TFRecord files of ``tf.train.Example`` records
+    (a path or a glob pattern) whose features are named like the signature's inputs
+    (``specs``: name -> TensorSpec) and hold one example each."""
+    if not path.endswith(TFRECORD) and not glob.has_magic(path):
+        return load_npz(path)
+    import tensorflow as tf
+
+    files = sorted(glob.glob(path))
+    if not files:
+        raise InputError(f"{path}: no such TFRecord file")
+    features = {}
+    for k, spec in specs.items():
+        dtype = tf.float32 if spec.dtype.is_floating else tf.string if spec.dtype == tf.string else tf.int64
+        if not spec.shape[1:].is_fully_defined():
+            raise InputError(f"input {k!r} has shape {spec.shape}: TFRecord features need a fixed per-example "
+                             "shape; convert the data to .npz")
+        features[k] = tf.io.FixedLenFeature(spec.shape[1:], dtype)
+    parts: Dict[str, list] = {k: [] for k in specs}
+    try:
+        for batch in tf.data.TFRecordDataset(files).batch(4096).map(lambda r: tf.io.parse_example(r, features)):
+            for k, v in batch.items():
+                parts[k].append(v.numpy())
+    except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as e:
+        raise InputError(f"{path}: records do not hold the features {sorted(specs)} of the training signature "
+                         f"({e.message.splitlines()[0]})") from None
+    if not parts or not next(iter(parts.values())):
+        raise InputError(f"{path}: no records")
+    return {k: np.concatenate(v) for k, v in parts.items()}
 
 
 @dataclass
@@ -69,9 +104,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     def prepare():
         if w.is_root:
             savedmodel.prepare_output(out, force or resume)
-        return load_npz(data_path)
 
-    data = w.agree(prepare)
+    w.agree(prepare)
     import tensorflow as tf
     from tqdm import tqdm
 
@@ -82,6 +116,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                              "pass --train-signature NAME")
         fn = loaded.signatures[signature]
         _, specs = fn.structured_input_signature
+        data = load_data(data_path, specs)
         missing = [k for k in specs if k not in data]
         if missing:
             raise InputError(f"{data_path}: arrays {missing} are missing; the {signature!r} signature takes "
@@ -105,9 +140,9 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                                  f"of {model}")
             per = shares(batch_size // b, w.size, vnodes_per_rank)
             rows = (sum(per[:w.rank]) * b, sum(per[:w.rank + 1]) * b)
-        return loaded, fn, keys, rows
+        return loaded, fn, data, keys, rows
 
-    loaded, fn, keys, (lo, hi) = w.agree(open_model)
+    loaded, fn, data, keys, (lo, hi) = w.agree(open_model)
     ckpt_dir = os.path.abspath(out) + ".ckpt"
     ckpt = tf.train.Checkpoint(variables=list(fn.variables))
     state_file = os.path.join(ckpt_dir, "progress.json")

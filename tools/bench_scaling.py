@@ -1,0 +1,186 @@
+"""Data-parallel scaling and all-reduce fusion, measured under mpiexec in one invocation.
+
+scaling  The digits MLP (hidden width --hidden, default 1024) and the batch-norm digits
+         CNN of examples/export.py, rewritten with ``vnode_batch=16`` and the all-reduce, trained
+         at a global batch of 128 (8 virtual nodes) with one intra-op thread per process:
+         examples/s on 2 ranks (4 virtual nodes each) against 1 rank (8), both launched with
+         ``mpiexec`` by this script. Target: ratio >= 1.8.
+fusion   The gradients of keras.applications.ResNet50 (weights=None, 10 classes: 161 tensors,
+         23.6M parameters) summed over 2 ranks by insert-allreduce's reduce function, fused
+         (``fusion-mb=64``) against one all-reduce per tensor (a buffer limit of one byte), in
+         the same processes. Reported as a ratio.
+
+    python tools/bench_scaling.py [--quick] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from benchlib import git_state, write_report  # noqa: E402
+
+BATCH, VNODE_BATCH = 128, 16
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
+    p.add_argument("--json", default="/tmp/vfgraph_bench_scaling.json")
+    p.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
+    p.add_argument("--worker", choices=("scaling", "fusion"), help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=60, help=argparse.SUPPRESS)
+    p.add_argument("--reps", type=int, default=5, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _threads():
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)  # a collective blocks one inter-op thread
+
+
+def worker_scaling(args) -> dict:
+    """Time training steps of ``args.model`` on this rank's share of a global batch."""
+    import numpy as np
+
+    import vfgraph  # noqa: F401  (registers the ops)
+    from vfgraph.runtime.train import load_npz
+    from vfgraph.runtime.world import shares, world
+
+    _threads()
+    import tensorflow as tf
+
+    w = world(need_mpi=True)
+    loaded = tf.saved_model.load(args.model)
+    fn = loaded.signatures["train"]
+    data = load_npz(args.data)
+    per = shares(BATCH // VNODE_BATCH, w.size)
+    lo, hi = sum(per[:w.rank]) * VNODE_BATCH, sum(per[:w.rank + 1]) * VNODE_BATCH
+    feed = {"x": tf.constant(data["x"][lo:hi].astype(np.float32)), "y": tf.constant(data["y"][lo:hi].astype(np.int32))}
+    if w.size > 1:
+        loaded.signatures["train_broadcast"]()
+    for _ in range(5):
+        fn(**feed)
+    times = []
+    for _ in range(args.reps):
+        w.comm.Barrier()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            out = fn(**feed)
+        float(out["loss"])
+        times.append(w.comm.allreduce(time.perf_counter() - t, op=_max()))
+    return {"ranks": w.size, "examples_per_s": BATCH * args.steps / statistics.median(times)}
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def worker_fusion(args) -> dict:
+    """Time ResNet-50's gradients through the reduce function, fused and one op per tensor."""
+    import keras
+    import tensorflow as tf
+
+    from vfgraph.builder import arg_specs, tf_dtype
+    from vfgraph.rewrites.insert_allreduce import _reduce_body
+    from vfgraph.rewrites.split_vnodes import reduce_function
+    from vfgraph.runtime.world import world
+
+    _threads()
+    w = world(need_mpi=True)
+    model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
+    shapes = [list(v.shape) for v in model.trainable_variables]
+    specs = [(f"sum_{k}", 1, s) for k, s in enumerate(shapes)] + [(f"sum_{len(shapes)}", 1, [])]
+    header = reduce_function("bench_reduce", specs)
+    values = [tf.ones(s.shape, tf_dtype(1)) for s in arg_specs(header)]
+    result = {"tensors": len(shapes), "parameters": int(sum(v.numpy().size for v in values))}
+    for label, limit in (("fused", 64 << 20), ("per_tensor", 1)):
+        body, buffers = _reduce_body(header, limit)
+        fn = tf.function(body, input_signature=arg_specs(header)).get_concrete_function()
+        for _ in range(3):
+            fn(*values)
+        times = []
+        for _ in range(args.reps * 2):
+            w.comm.Barrier()
+            t = time.perf_counter()
+            out = fn(*values)
+            float(out[-1])
+            times.append(w.comm.allreduce(time.perf_counter() - t, op=_max()))
+        result[label] = {"buffers": len(buffers), "ms": 1e3 * statistics.median(times)}
+    result["per_tensor/fused"] = result["per_tensor"]["ms"] / result["fused"]["ms"]
+    return result
+
+
+def _launch(n: int, *argv) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, os.path.abspath(__file__), *argv],
+                         capture_output=True, text=True, env=env, timeout=1800)
+    if res.returncode:
+        raise SystemExit(f"worker failed ({n} ranks):\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    args = parse_args()
+    if args.worker:
+        from mpi4py import MPI
+
+        got = worker_scaling(args) if args.worker == "scaling" else worker_fusion(args)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(json.dumps(got))
+        return 0
+    import export
+
+    import vfgraph
+
+    steps, reps = (20, 3) if args.quick else (args.steps, args.reps)
+    report = {"git": git_state(), "batch": BATCH, "vnode_batch": VNODE_BATCH, "scaling": {}, "targets":
+              {"scaling 2 ranks / 1 rank": 1.8}}
+    with tempfile.TemporaryDirectory() as tmp:
+        export.digits_data(os.path.join(tmp, "data"))
+        data = os.path.join(tmp, "data", "train.npz")
+        models = {"mlp": lambda p: export.digits_mlp(p, optimizer="momentum", hidden=args.hidden),
+                  "cnn": lambda p: export.digits_cnn(p)}
+        print(f"{'model':8} {'1 rank ex/s':>12} {'2 ranks ex/s':>13} {'ratio':>7}")
+        for name, make in models.items():
+            src, out = os.path.join(tmp, name), os.path.join(tmp, name + "_v8")
+            make(src)
+            vfgraph.save(vfgraph.rewrite(src, vnodes=BATCH // VNODE_BATCH, vnode_batch=VNODE_BATCH,
+                                         allreduce="mpi"), out)
+            common = ["--worker", "scaling", "--model", out, "--data", data, "--steps", str(steps), "--reps", str(reps)]
+            one, two = _launch(1, *common), _launch(2, *common)
+            ratio = two["examples_per_s"] / one["examples_per_s"]
+            report["scaling"][name] = {"1 rank": one["examples_per_s"], "2 ranks": two["examples_per_s"],
+                                       "ratio": ratio}
+            print(f"{name:8} {one['examples_per_s']:12.0f} {two['examples_per_s']:13.0f} {ratio:7.2f}")
+    fusion = _launch(2, "--worker", "fusion", "--reps", str(reps))
+    report["fusion"] = fusion
+    print(f"\nResNet-50 gradients ({fusion['tensors']} tensors, {fusion['parameters'] / 1e6:.1f}M parameters), "
+          f"2 ranks: fused {fusion['fused']['ms']:.1f} ms in {fusion['fused']['buffers']} buffer(s), one op per "
+          f"tensor {fusion['per_tensor']['ms']:.1f} ms: ratio {fusion['per_tensor/fused']:.2f}")
+    write_report(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
