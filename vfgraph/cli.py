@@ -177,6 +177,12 @@ def cmd_inspect(args) -> int:
         rw = report["rewrites"].get("split-vnodes", {}).get(key)
         if rw:
             print(f"  virtual nodes: V={rw['vnodes']} b={rw['vnode_batch'] or 'fed batch / V'}")
+        ar = report["rewrites"].get("insert-allreduce", {}).get(key)
+        if ar:
+            fused = [b for b in ar["buffers"][0] if b[0].startswith("sum_")]
+            print(f"  all-reduce over MPI ranks: {len(fused)} fused buffer(s) of at most {ar['fusion_mb']:g} MiB "
+                  f"({sum(map(len, fused))} tensors), {len(ar['buffers'][0]) - len(fused)} gathered; "
+                  f"start with signature {ar['broadcast_signature']!r}; graph fingerprint {ar['fingerprint'][:16]}")
         if "training" in e:
             t = e["training"]
             print("  gradients (tensor -> variable):")
