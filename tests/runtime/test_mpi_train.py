@@ -184,3 +184,36 @@ def test_killed_rank_stops_the_job_and_resume_reaches_the_same_parameters(v8, di
     run_train(2, model, digits["train"], reference, steps, "--checkpoint-every", "50")
     assert_same_params(reference, out, 1e-6)
     assert losses(out) == pytest.approx(losses(reference), rel=1e-6)
+
+
+CHECK = """
+import sys
+import vfgraph
+import tensorflow as tf
+from mpi4py import MPI
+from vfgraph.runtime.world import world
+w = world(need_mpi=True)
+loaded = tf.saved_model.load(sys.argv[1 + w.rank])
+try:
+    loaded.signatures["train_broadcast"]()
+except tf.errors.OpError as e:
+    print(f"rank {w.rank}: {e.message}")
+    sys.exit(3)
+print(f"rank {w.rank}: ok")
+"""
+
+
+def test_ranks_with_different_graphs_fail_at_start_instead_of_deadlocking(v8, models, tmp_path):
+    import vfgraph
+
+    other = str(tmp_path / "fused_differently")
+    vfgraph.save(vfgraph.rewrite(models("mlp:momentum"), vnodes=8, vnode_batch=B, allreduce="mpi", fusion_mb=1e-5),
+                 other)
+    same = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", CHECK, v8("mlp:momentum"), v8("mlp:momentum")],
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert same.returncode == 0 and "rank 1: ok" in same.stdout, same.stderr[-2000:]
+    res = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", CHECK, v8("mlp:momentum"), other],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode != 0
+    for r in (0, 1):
+        assert f"rank {r}: " in res.stdout and "different graphs" in res.stdout, res.stdout + res.stderr[-2000:]

@@ -1,6 +1,7 @@
 """Training a (rewritten) SavedModel on arrays from an .npz file, on one process or on the ranks of\n``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -12,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from vfgraph.errors import InputError
+from vfgraph.errors import InputError, VfgraphError
 from vfgraph.io import savedmodel
 from vfgraph.runtime.world import shares, world
 
@@ -27,6 +28,10 @@ def load_npz(path: str) -> Dict[str, np.ndarray]:
         raise InputError(f"{path}: no such data file") from None
     except (ValueError, OSError, EOFError) as e:
         raise InputError(f"{path}: not a readable .npz file ({e})") from None
+
+
+class TrainingError(VfgraphError):
+    """Training stopped: the ranks disagree or a collective failed."""
 
 
 TFRECORD = (".tfrecord", ".tfrecords", ".tfr")
@@ -159,11 +164,13 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         table = w.describe()
         if w.is_root:
             log.info("%d ranks: %s", w.size, "; ".join(table))
-        loaded.signatures[broadcast]()  # same graph everywhere, then rank 0's variables
+        with _collective_errors(w.rank, "start"):
+            loaded.signatures[broadcast]()  # same graph everywhere, then rank 0's variables
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
     for step in bar:
         batch = batches_for(data, keys, batch_size, step, seed)
-        result = fn(**{k: v[lo:hi] for k, v in batch.items()})
+        with _collective_errors(w.rank, f"step {step}"):
+            result = fn(**{k: v[lo:hi] for k, v in batch.items()})
         loss = float(result["loss"]) if "loss" in result else float("nan")
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4f}")
@@ -174,6 +181,22 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     _save_trained(loaded, model, out, losses)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return TrainResult(os.path.abspath(out), steps, losses)
+
+
+@contextlib.contextmanager
+def _collective_errors(rank: int, where: str):
+    """Report a failed collective (different graphs on the ranks, an MPI error) as a user-facing
+    error naming the rank, not a TensorFlow traceback."""
+    import tensorflow as tf
+
+    try:
+        yield
+    except tf.errors.OpError as e:
+        lines = [x.strip() for x in e.message.splitlines()]
+        ours = [x for x in lines if x.startswith("Vf")]
+        if not ours:
+            raise
+        raise TrainingError(f"rank {rank}, {where}: {ours[0]}") from None
 
 
 def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float]) -> None:
