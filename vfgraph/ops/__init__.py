@@ -1,0 +1,193 @@
+"""MPI collectives as TensorFlow ops, for graphs that run on several processes at once.
+
+Ops (registered by the library this package builds and loads):
+
+- ``VfAllreduce(input: T) -> output: T``: elementwise sum over every rank
+  (T: half, bfloat16, float, double, int32, int64).
+- ``VfBroadcast(input: T, root: int = 0) -> output: T``: rank ``root``'s value on every rank
+  (T: the above and uint8, int8, bool).
+- ``VfAllgather(input: T) -> output: T``: the inputs of all ranks concatenated along dimension 0
+  in rank order; dimension 0 may differ between ranks (T: as VfBroadcast).
+- ``VfCheck(fingerprint: string, what: string)``: no inputs or outputs; fails on every rank
+  unless every rank has the same ``fingerprint`` (used as a control dependency).
+- ``VfRank() -> int32``, ``VfSize() -> int32``: this process's rank, the number of ranks.
+
+Every op is stateful, runs on the CPU and uses one communicator per process (MPI_COMM_WORLD
+unless :func:`set_communicator` chose another). Ranks must issue their collectives in the same
+order, which a graph ensures with control dependencies. MPI itself is initialised and finalised
+by mpi4py, which :func:`load` imports.
+
+The library is compiled on first use for this process's TensorFlow and MPI and cached (see
+:mod:`vfgraph.ops.toolchain`); ``import vfgraph`` builds and loads it when mpi4py is installed, so a
+SavedModel containing these ops loads with ``tf.saved_model.load`` after ``import vfgraph``.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import logging
+import sys
+import threading
+from typing import List, Optional
+
+from vfgraph.errors import VfgraphError
+from vfgraph.ops import toolchain as _toolchain
+from vfgraph.ops.toolchain import OpsUnavailableError, cache_dir
+
+__all__ = [
+    "OpsUnavailableError", "allgather", "allreduce", "available", "broadcast", "build",
+    "build_ops_main", "cache_dir", "check", "library_path", "load", "rank", "register_at_import",
+    "set_communicator", "size",
+]
+
+log = logging.getLogger("vfgraph.ops")
+
+_lock = threading.RLock()
+_module = None  # the loaded op module
+_loaded_path: Optional[str] = None
+_communicator = None  # kept alive while the library uses it
+_warned = False
+
+
+def build(force: bool = False) -> str:
+    """Build the op library unless the cache already holds it (``force``: build again, even
+    after a failed import-time build); returns the library's path. Raises OpsUnavailableError
+    saying what is missing (mpi4py, a C++ compiler, an MPI compiler wrapper) or why the
+    compiler failed."""
+    return _toolchain.build(force=force)
+
+
+def library_path() -> str:
+    """Path of the op library this process uses (loaded, or where a build puts it)."""
+    if _loaded_path is not None:
+        return _loaded_path
+    return _toolchain.plan().library
+
+
+def load():
+    """The op module (``tf.load_op_library``'s result), building the library if needed; loaded
+    once per process. Imports ``mpi4py.MPI`` first, which initialises MPI."""
+    return _load(retry_failed=True)
+
+
+def _load(retry_failed: bool):
+    global _module, _loaded_path
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is None:
+            _toolchain.import_mpi()
+            path = _toolchain.build(retry_failed=retry_failed)
+            import tensorflow as tf
+
+            try:
+                module = tf.load_op_library(path)
+            except Exception as e:  # tf.errors.NotFoundError for missing symbols
+                raise OpsUnavailableError(
+                    f"loading the MPI op library {path} failed ({e}); rebuild it with "
+                    "`vfgraph build-ops --force`") from e
+            _module, _loaded_path = module, path
+    return _module
+
+
+def available() -> bool:
+    """Whether the ops can be used in this process (building them if needed and not known to
+    fail here). Never raises."""
+    try:
+        _load(retry_failed=False)
+        return True
+    except Exception:
+        return False
+
+
+def set_communicator(comm) -> None:
+    """Make every op use the mpi4py communicator ``comm`` from now on (the default is
+    ``MPI.COMM_WORLD``). Call it before running graphs with these ops, with the same kind of
+    communicator on every rank that takes part."""
+    global _communicator
+    MPI = _toolchain.import_mpi()
+    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        raise ValueError(f"set_communicator needs an mpi4py communicator, not {comm!r}")
+    load()
+    lib = ctypes.CDLL(library_path())
+    lib.vf_mpi_set_comm.argtypes = [ctypes.c_int]
+    lib.vf_mpi_set_comm.restype = ctypes.c_int
+    rc = lib.vf_mpi_set_comm(comm.py2f())
+    if rc != 0:
+        reason = {-1: "MPI is not initialized", -2: "the communicator is MPI_COMM_NULL"}.get(
+            rc, f"MPI error {rc}: {MPI.Get_error_string(rc) if rc > 0 else ''}")
+        raise VfgraphError(f"cannot use communicator {comm!r} for vfgraph's MPI ops: {reason}")
+    _communicator = comm
+
+
+def allreduce(x, name: Optional[str] = None):
+    """Elementwise sum of ``x`` over all ranks (a ``VfAllreduce`` op)."""
+    return load().vf_allreduce(x, name=name)
+
+
+def broadcast(x, root: int = 0, name: Optional[str] = None):
+    """Rank ``root``'s ``x`` on every rank (a ``VfBroadcast`` op)."""
+    return load().vf_broadcast(x, root=root, name=name)
+
+
+def allgather(x, name: Optional[str] = None):
+    """Every rank's ``x`` concatenated along dimension 0 in rank order (a ``VfAllgather`` op)."""
+    return load().vf_allgather(x, name=name)
+
+
+def check(fingerprint: str, what: str, name: Optional[str] = None):
+    """A ``VfCheck`` op: fails on every rank unless all ranks pass the same ``fingerprint`` (a
+    hex digest; ``what`` says what it identifies, for the error message). Returns the
+    operation in a graph (use it as a control dependency), None when run eagerly."""
+    return load().vf_check(fingerprint=fingerprint, what=what, name=name)
+
+
+def rank(name: Optional[str] = None):
+    """This process's rank in the communicator, as an int32 scalar tensor (a ``VfRank`` op)."""
+    return load().vf_rank(name=name)
+
+
+def size(name: Optional[str] = None):
+    """The number of ranks in the communicator, as an int32 scalar tensor (a ``VfSize`` op)."""
+    return load().vf_size(name=name)
+
+
+def register_at_import() -> None:
+    """Build (if needed) and load the op library when mpi4py is installed, so that graphs with
+    these ops load in this process. Never raises: a failure is logged once as a warning and
+    recorded, so that later imports do not compile again (``build(force=True)``, ``load()``
+    and ``vfgraph build-ops`` do)."""
+    global _warned
+    try:
+        if importlib.util.find_spec("mpi4py") is None:
+            return
+    except (ImportError, ValueError):
+        return
+    try:
+        _load(retry_failed=False)
+    except _toolchain.RecordedBuildFailure as e:
+        log.info("vfgraph MPI ops unavailable (an earlier build failed): %s", e)
+    except Exception as e:  # never let an import fail because of the optional ops
+        if not _warned:
+            _warned = True
+            log.warning("vfgraph MPI ops unavailable, graphs with Vf* ops will not load: %s\n"
+                        "(`vfgraph build-ops` builds them again)", e)
+
+
+def build_ops_main(argv: Optional[List[str]] = None) -> int:
+    """``vfgraph build-ops [--force]``: build and load the op library, print its path; on
+    failure print the reason and return its exit code (2)."""
+    p = argparse.ArgumentParser(prog="vfgraph build-ops", description=(
+        "Build vfgraph's MPI op library for this TensorFlow and MPI (it is otherwise built on "
+        f"first use) into the cache ({cache_dir()}/ops) and print its path."))
+    p.add_argument("--force", action="store_true", help="build again even if the cache holds it")
+    args = p.parse_args(argv)
+    try:
+        path = build(force=args.force)
+        load()
+    except VfgraphError as e:
+        print(f"vfgraph build-ops: {e}", file=sys.stderr)
+        return e.exit_code
+    print(path)
+    return 0

@@ -1,0 +1,697 @@
+// MPI collective operations for TensorFlow graphs.
+//
+// Ops: VfAllreduce, VfBroadcast, VfAllgather, VfCheck, VfRank, VfSize.
+//
+// Every kernel runs its collective on one process-global communicator
+// (MPI_COMM_WORLD unless vf_mpi_set_comm chose another), under one process-global
+// mutex, so that collectives issued by concurrently running kernels of one process
+// never overlap. The order of collectives across ranks is the graph's business
+// (control dependencies); the library never initialises or finalises MPI: mpi4py
+// owns MPI_Init and MPI_Finalize.
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/types.h"
+
+namespace vfgraph {
+namespace {
+
+using ::tensorflow::DataType;
+using ::tensorflow::DataTypeString;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+namespace shape_inference = ::tensorflow::shape_inference;
+
+// Largest element or byte count handed to one MPI call (MPI counts are int).
+constexpr int64_t kMaxCount = int64_t{1} << 30;
+
+// Bytes of the fingerprint record VfCheck compares across ranks.
+constexpr int kFingerprintBytes = 64;
+
+// ---------------------------------------------------------------------------
+// Process-global state: the communicator, the collective mutex, the 16-bit types.
+
+std::mutex& CollectiveMutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+
+struct CommState {
+  bool user_comm = false;        // vf_mpi_set_comm chose a communicator
+  MPI_Comm comm = MPI_COMM_NULL;  // that communicator
+  bool errhandler_set = false;   // MPI_ERRORS_RETURN installed on the one in use
+};
+
+CommState& State() {
+  static CommState* state = new CommState;
+  return *state;
+}
+
+// MPI has no 16-bit floating-point types: half and bfloat16 travel as opaque
+// 2-byte datatypes, summed by user-defined operations that add through float.
+struct HalfTypes {
+  bool made = false;
+  MPI_Datatype half = MPI_DATATYPE_NULL;
+  MPI_Datatype bfloat16 = MPI_DATATYPE_NULL;
+  MPI_Op half_sum = MPI_OP_NULL;
+  MPI_Op bfloat16_sum = MPI_OP_NULL;
+};
+
+HalfTypes& Halves() {
+  static HalfTypes* types = new HalfTypes;
+  return *types;
+}
+
+template <typename T>
+void SumThroughFloat(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  const int n = *len;
+  for (int i = 0; i < n; ++i) {
+    b[i] = static_cast<T>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+  }
+}
+
+// The rank's view of the communicator in use, obtained under the mutex.
+struct Comm {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = -1;
+  int size = 0;
+};
+
+std::string MpiErrorString(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS || len <= 0) {
+    return absl::StrCat("MPI error code ", code);
+  }
+  return std::string(text, len);
+}
+
+absl::Status MpiFailure(const std::string& op, const std::string& node,
+                        const char* call, int code, const Comm& comm) {
+  return absl::InternalError(absl::StrCat(
+      op, " (node '", node, "'): ", call, " failed on rank ", comm.rank,
+      " of ", comm.size, ": ", MpiErrorString(code)));
+}
+
+// Checks that MPI can be used from this thread and returns the communicator in
+// use, its rank and size. The caller holds CollectiveMutex().
+absl::Status AcquireComm(const std::string& op, const std::string& node,
+                         Comm* out) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, ": MPI is not initialized in this process; import vfgraph (it "
+        "initialises MPI through mpi4py) before running the graph"));
+  }
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, ": MPI has already been finalized in this process; run the graph "
+        "before the interpreter shuts down"));
+  }
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  if (level < MPI_THREAD_SERIALIZED) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, ": MPI was initialised with thread support level ", level,
+        ", but TensorFlow runs kernels on its own threads and needs at least "
+        "MPI_THREAD_SERIALIZED; keep mpi4py's default thread level "
+        "(mpi4py.rc.thread_level = 'multiple')"));
+  }
+  CommState& state = State();
+  Comm comm;
+  comm.comm = state.user_comm ? state.comm : MPI_COMM_WORLD;
+  if (!state.errhandler_set) {
+    const int rc = MPI_Comm_set_errhandler(comm.comm, MPI_ERRORS_RETURN);
+    if (rc != MPI_SUCCESS) {
+      return MpiFailure(op, node, "MPI_Comm_set_errhandler", rc, comm);
+    }
+    state.errhandler_set = true;
+  }
+  int rc = MPI_Comm_rank(comm.comm, &comm.rank);
+  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Comm_rank", rc, comm);
+  rc = MPI_Comm_size(comm.comm, &comm.size);
+  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Comm_size", rc, comm);
+  *out = comm;
+  return absl::OkStatus();
+}
+
+// Creates the 16-bit datatypes and their sum operations on first use. The
+// caller holds CollectiveMutex(). They live until MPI_Finalize frees them.
+absl::Status EnsureHalfTypes(const std::string& op, const std::string& node,
+                             const Comm& comm) {
+  HalfTypes& t = Halves();
+  if (t.made) return absl::OkStatus();
+  MPI_Datatype* types[] = {&t.half, &t.bfloat16};
+  for (MPI_Datatype* type : types) {
+    int rc = MPI_Type_contiguous(2, MPI_BYTE, type);
+    if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Type_contiguous", rc, comm);
+    rc = MPI_Type_commit(type);
+    if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Type_commit", rc, comm);
+  }
+  int rc = MPI_Op_create(&SumThroughFloat<Eigen::half>, /*commute=*/1, &t.half_sum);
+  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Op_create", rc, comm);
+  rc = MPI_Op_create(&SumThroughFloat<Eigen::bfloat16>, /*commute=*/1, &t.bfloat16_sum);
+  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Op_create", rc, comm);
+  t.made = true;
+  return absl::OkStatus();
+}
+
+// The MPI datatype and sum operation for an element type.
+template <typename T>
+struct MpiSum;
+template <>
+struct MpiSum<float> {
+  static MPI_Datatype Type() { return MPI_FLOAT; }
+  static MPI_Op Op() { return MPI_SUM; }
+};
+template <>
+struct MpiSum<double> {
+  static MPI_Datatype Type() { return MPI_DOUBLE; }
+  static MPI_Op Op() { return MPI_SUM; }
+};
+template <>
+struct MpiSum<int32_t> {
+  static MPI_Datatype Type() { return MPI_INT32_T; }
+  static MPI_Op Op() { return MPI_SUM; }
+};
+template <>
+struct MpiSum<int64_t> {
+  static MPI_Datatype Type() { return MPI_INT64_T; }
+  static MPI_Op Op() { return MPI_SUM; }
+};
+template <>
+struct MpiSum<Eigen::half> {
+  static MPI_Datatype Type() { return Halves().half; }
+  static MPI_Op Op() { return Halves().half_sum; }
+};
+template <>
+struct MpiSum<Eigen::bfloat16> {
+  static MPI_Datatype Type() { return Halves().bfloat16; }
+  static MPI_Op Op() { return Halves().bfloat16_sum; }
+};
+
+template <typename T>
+constexpr bool kIsHalf =
+    std::is_same<T, Eigen::half>::value || std::is_same<T, Eigen::bfloat16>::value;
+
+// Copies the input into a freshly allocated output when the input buffer could
+// not be forwarded (someone else still holds it).
+void CopyUnlessForwarded(int forwarded, const Tensor& input, Tensor* output) {
+  if (forwarded < 0 && input.TotalBytes() > 0) {
+    std::memcpy(output->data(), input.data(), input.TotalBytes());
+  }
+}
+
+// Broadcasts `bytes` bytes at `data` from `root`, in pieces MPI's int counts allow.
+int BroadcastBytes(char* data, int64_t bytes, int root, MPI_Comm comm) {
+  for (int64_t done = 0; done < bytes; done += kMaxCount) {
+    const int n = static_cast<int>(std::min(kMaxCount, bytes - done));
+    const int rc = MPI_Bcast(data + done, n, MPI_BYTE, root, comm);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_SUCCESS;
+}
+
+std::string ShapeString(const int64_t* dims, int64_t ndims) {
+  std::vector<int64_t> v(dims, dims + ndims);
+  return absl::StrCat("[", absl::StrJoin(v, ","), "]");
+}
+
+uint64_t Fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// ---------------------------------------------------------------------------
+// VfAllreduce
+
+template <typename T>
+class AllreduceOp : public OpKernel {
+ public:
+  explicit AllreduceOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& input = context->input(0);
+    Tensor* output = nullptr;
+    int forwarded = -1;
+    OP_REQUIRES_OK(context, context->forward_input_or_allocate_output(
+                                {0}, 0, input.shape(), &output, &forwarded));
+    CopyUnlessForwarded(forwarded, input, output);
+
+    std::lock_guard<std::mutex> lock(CollectiveMutex());
+    Comm comm;
+    OP_REQUIRES_OK(context, AcquireComm("VfAllreduce", name(), &comm));
+    if (kIsHalf<T>) {
+      OP_REQUIRES_OK(context, EnsureHalfTypes("VfAllreduce", name(), comm));
+    }
+    T* data = static_cast<T*>(output->data());
+    const int64_t count = output->NumElements();
+    // Zero elements still take part, so that every rank makes the same calls.
+    int64_t done = 0;
+    do {
+      const int n = static_cast<int>(std::min(kMaxCount, count - done));
+      const int rc = MPI_Allreduce(MPI_IN_PLACE, data + done, n, MpiSum<T>::Type(),
+                                   MpiSum<T>::Op(), comm.comm);
+      OP_REQUIRES(context, rc == MPI_SUCCESS,
+                  MpiFailure("VfAllreduce", name(), "MPI_Allreduce", rc, comm));
+      done += n;
+    } while (done < count);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// VfBroadcast
+
+class BroadcastOp : public OpKernel {
+ public:
+  explicit BroadcastOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("root", &root_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& input = context->input(0);
+    std::lock_guard<std::mutex> lock(CollectiveMutex());
+    Comm comm;
+    OP_REQUIRES_OK(context, AcquireComm("VfBroadcast", name(), &comm));
+    // Every rank sees the same size and root, so all of them stop here alike.
+    OP_REQUIRES(context, root_ >= 0 && root_ < comm.size,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "VfBroadcast (node '", name(), "'): root rank ", root_,
+                    " does not exist in a communicator of size ", comm.size)));
+
+    // The root's dtype and shape first, so that a rank passing a different
+    // shape gets an error instead of a truncated or hanging broadcast.
+    const int ndims = input.dims();
+    std::vector<int64_t> header(2 + TensorShape::MaxDimensions(), 0);
+    header[0] = ndims;
+    header[1] = static_cast<int64_t>(input.dtype());
+    for (int i = 0; i < ndims; ++i) header[2 + i] = input.dim_size(i);
+    int rc = MPI_Bcast(header.data(), static_cast<int>(header.size()), MPI_INT64_T,
+                       root_, comm.comm);
+    OP_REQUIRES(context, rc == MPI_SUCCESS,
+                MpiFailure("VfBroadcast", name(), "MPI_Bcast", rc, comm));
+    bool same = header[0] == ndims && header[1] == static_cast<int64_t>(input.dtype());
+    for (int i = 0; same && i < ndims; ++i) same = header[2 + i] == input.dim_size(i);
+
+    if (!same) {
+      // Take part in the data broadcast all the same (the other ranks are in
+      // it), then fail on this rank alone.
+      int64_t root_elements = 1;
+      for (int64_t i = 0; i < header[0]; ++i) root_elements *= header[2 + i];
+      const int64_t root_bytes =
+          root_elements * tensorflow::DataTypeSize(static_cast<DataType>(header[1]));
+      Tensor scratch;
+      OP_REQUIRES_OK(context, context->allocate_temp(tensorflow::DT_UINT8,
+                                                     TensorShape({root_bytes}), &scratch));
+      rc = BroadcastBytes(static_cast<char*>(scratch.data()), root_bytes, root_, comm.comm);
+      OP_REQUIRES(context, rc == MPI_SUCCESS,
+                  MpiFailure("VfBroadcast", name(), "MPI_Bcast", rc, comm));
+      context->CtxFailure(absl::InvalidArgumentError(absl::StrCat(
+          "VfBroadcast (node '", name(), "'): rank ", comm.rank, " has a ",
+          DataTypeString(input.dtype()), " input of shape ",
+          input.shape().DebugString(), " but root rank ", root_, " has a ",
+          DataTypeString(static_cast<DataType>(header[1])), " input of shape ",
+          ShapeString(header.data() + 2, header[0]),
+          "; every rank must pass the same dtype and shape")));
+      return;
+    }
+
+    Tensor* output = nullptr;
+    int forwarded = -1;
+    OP_REQUIRES_OK(context, context->forward_input_or_allocate_output(
+                                {0}, 0, input.shape(), &output, &forwarded));
+    if (comm.rank == root_) CopyUnlessForwarded(forwarded, input, output);
+    rc = BroadcastBytes(static_cast<char*>(output->data()),
+                        static_cast<int64_t>(output->TotalBytes()), root_, comm.comm);
+    OP_REQUIRES(context, rc == MPI_SUCCESS,
+                MpiFailure("VfBroadcast", name(), "MPI_Bcast", rc, comm));
+  }
+
+ private:
+  int root_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+// VfAllgather
+
+// What each rank tells the others about its input before the data moves.
+struct GatherRecord {
+  int64_t ndims;
+  int64_t dtype;
+  int64_t dim0;
+  int64_t bytes;
+  uint64_t trailing_hash;  // of dims 1..ndims-1
+};
+constexpr int kRecordWords = sizeof(GatherRecord) / sizeof(int64_t);
+
+class AllgatherOp : public OpKernel {
+ public:
+  explicit AllgatherOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& input = context->input(0);
+    std::lock_guard<std::mutex> lock(CollectiveMutex());
+    Comm comm;
+    OP_REQUIRES_OK(context, AcquireComm("VfAllgather", name(), &comm));
+
+    const int ndims = input.dims();
+    std::vector<int64_t> dims(input.shape().dim_sizes().begin(),
+                              input.shape().dim_sizes().end());
+    GatherRecord mine;
+    mine.ndims = ndims;
+    mine.dtype = static_cast<int64_t>(input.dtype());
+    mine.dim0 = ndims > 0 ? dims[0] : 0;
+    mine.bytes = static_cast<int64_t>(input.TotalBytes());
+    mine.trailing_hash =
+        ndims > 1 ? Fnv1a(dims.data() + 1, sizeof(int64_t) * (ndims - 1)) : 0;
+    std::vector<GatherRecord> all(comm.size);
+    int rc = MPI_Allgather(&mine, kRecordWords, MPI_INT64_T, all.data(), kRecordWords,
+                           MPI_INT64_T, comm.comm);
+    OP_REQUIRES(context, rc == MPI_SUCCESS,
+                MpiFailure("VfAllgather", name(), "MPI_Allgather", rc, comm));
+
+    // Every rank now holds the same records, so every rank reaches the same
+    // verdict below and they all fail (or proceed) together.
+    bool agree = true;
+    for (const GatherRecord& r : all) {
+      agree = agree && r.ndims == all[0].ndims && r.dtype == all[0].dtype &&
+              r.trailing_hash == all[0].trailing_hash;
+    }
+    if (!agree || all[0].ndims == 0) {
+      context->CtxFailure(ShapeMismatch(comm, dims, all));
+      return;
+    }
+
+    std::vector<int64_t> counts(comm.size), displs(comm.size);
+    int64_t rows = 0, total = 0;
+    bool fits_int = true;
+    for (int r = 0; r < comm.size; ++r) {
+      counts[r] = all[r].bytes;
+      displs[r] = total;
+      total += all[r].bytes;
+      rows += all[r].dim0;
+      fits_int = fits_int && counts[r] <= INT_MAX && displs[r] <= INT_MAX;
+    }
+    fits_int = fits_int && total <= INT_MAX;
+    TensorShape out_shape = input.shape();
+    OP_REQUIRES_OK(context, out_shape.SetDimWithStatus(0, rows));
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, out_shape, &output));
+    char* out = static_cast<char*>(output->data());
+
+    if (fits_int) {
+      std::vector<int> icounts(counts.begin(), counts.end());
+      std::vector<int> idispls(displs.begin(), displs.end());
+      rc = MPI_Allgatherv(input.data(), static_cast<int>(mine.bytes), MPI_BYTE, out,
+                          icounts.data(), idispls.data(), MPI_BYTE, comm.comm);
+      OP_REQUIRES(context, rc == MPI_SUCCESS,
+                  MpiFailure("VfAllgather", name(), "MPI_Allgatherv", rc, comm));
+      return;
+    }
+    // Beyond int counts: each rank broadcasts its block in turn.
+    if (mine.bytes > 0) std::memcpy(out + displs[comm.rank], input.data(), mine.bytes);
+    for (int r = 0; r < comm.size; ++r) {
+      rc = BroadcastBytes(out + displs[r], counts[r], r, comm.comm);
+      OP_REQUIRES(context, rc == MPI_SUCCESS,
+                  MpiFailure("VfAllgather", name(), "MPI_Bcast", rc, comm));
+    }
+  }
+
+ private:
+  // The error for inputs that cannot be concatenated. Collects every rank's
+  // shape (a collective all ranks enter, having seen the same records).
+  absl::Status ShapeMismatch(const Comm& comm, const std::vector<int64_t>& dims,
+                             const std::vector<GatherRecord>& all) {
+    std::vector<int> counts(comm.size), displs(comm.size);
+    int total = 0;
+    for (int r = 0; r < comm.size; ++r) {
+      counts[r] = static_cast<int>(all[r].ndims);
+      displs[r] = total;
+      total += counts[r];
+    }
+    std::vector<int64_t> every(std::max(total, 1));
+    const int rc = MPI_Allgatherv(dims.data(), static_cast<int>(dims.size()), MPI_INT64_T,
+                                  every.data(), counts.data(), displs.data(), MPI_INT64_T,
+                                  comm.comm);
+    if (rc != MPI_SUCCESS) return MpiFailure("VfAllgather", name(), "MPI_Allgatherv", rc, comm);
+    auto describe = [&](int r) {
+      return absl::StrCat("rank ", r, " has ",
+                          DataTypeString(static_cast<DataType>(all[r].dtype)), " ",
+                          ShapeString(every.data() + displs[r], all[r].ndims));
+    };
+    const std::string prefix = absl::StrCat("VfAllgather (node '", name(), "'): ");
+    for (int r = 0; r < comm.size; ++r) {
+      if (all[r].ndims == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            prefix, "inputs are concatenated along dimension 0 and need at least one "
+            "dimension, but ", describe(r)));
+      }
+    }
+    for (int r = 1; r < comm.size; ++r) {
+      bool same = all[r].ndims == all[0].ndims && all[r].dtype == all[0].dtype;
+      for (int i = 1; same && i < all[0].ndims; ++i) {
+        same = every[displs[r] + i] == every[displs[0] + i];
+      }
+      if (!same) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            prefix, "every rank's input must have the same dtype and the same shape "
+            "except for dimension 0, but ", describe(0), " and ", describe(r)));
+      }
+    }
+    return absl::InternalError(absl::StrCat(
+        prefix, "input shapes disagree across ranks (shape digests differ)"));
+  }
+};
+
+// ---------------------------------------------------------------------------
+// VfCheck
+
+class CheckOp : public OpKernel {
+ public:
+  explicit CheckOp(OpKernelConstruction* context) : OpKernel(context) {
+    std::string fingerprint;
+    OP_REQUIRES_OK(context, context->GetAttr("fingerprint", &fingerprint));
+    OP_REQUIRES_OK(context, context->GetAttr("what", &what_));
+    // Short fingerprints (a hex SHA-256 is 64 characters) are compared as they
+    // are; longer ones by a digest of the whole string.
+    std::string record = fingerprint;
+    if (record.size() > static_cast<size_t>(kFingerprintBytes)) {
+      const uint64_t a = Fnv1a(fingerprint.data(), fingerprint.size());
+      const uint64_t b = Fnv1a(fingerprint.data(), fingerprint.size(), a ^ 0x9e3779b97f4a7c15ull);
+      record = absl::StrCat("fnv:", absl::Hex(a, absl::kZeroPad16),
+                            absl::Hex(b, absl::kZeroPad16), ":", fingerprint.size());
+    }
+    record_.assign(kFingerprintBytes, '\0');
+    std::memcpy(&record_[0], record.data(), std::min(record.size(), record_.size()));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    std::lock_guard<std::mutex> lock(CollectiveMutex());
+    Comm comm;
+    OP_REQUIRES_OK(context, AcquireComm("VfCheck", name(), &comm));
+    std::vector<char> all(static_cast<size_t>(kFingerprintBytes) * comm.size);
+    const int rc = MPI_Allgather(record_.data(), kFingerprintBytes, MPI_BYTE, all.data(),
+                                 kFingerprintBytes, MPI_BYTE, comm.comm);
+    OP_REQUIRES(context, rc == MPI_SUCCESS,
+                MpiFailure("VfCheck", name(), "MPI_Allgather", rc, comm));
+    auto at = [&](int r) { return all.data() + static_cast<size_t>(r) * kFingerprintBytes; };
+    int first_other = -1, others = 0;
+    for (int r = 1; r < comm.size; ++r) {
+      if (std::memcmp(at(0), at(r), kFingerprintBytes) != 0) {
+        if (first_other < 0) first_other = r;
+        ++others;
+      }
+    }
+    if (first_other < 0) return;
+    std::string extra;
+    if (others > 1) {
+      extra = absl::StrCat(" (", others, " of ", comm.size - 1,
+                           " other ranks differ from rank 0)");
+    }
+    context->CtxFailure(absl::FailedPreconditionError(absl::StrCat(
+        "VfCheck: ranks run different graphs (", what_, "): rank 0 has fingerprint ",
+        Short(at(0)), ", rank ", first_other, " has ", Short(at(first_other)), extra,
+        "; rewrite once and give every rank the same model")));
+  }
+
+ private:
+  static std::string Short(const char* record) {
+    const size_t n = strnlen(record, kFingerprintBytes);
+    std::string s(record, n);
+    return s.size() > 12 ? s.substr(0, 12) + ".." : s;
+  }
+
+  std::string what_;
+  std::string record_;
+};
+
+// ---------------------------------------------------------------------------
+// VfRank, VfSize
+
+template <bool kRank>
+class CommInfoOp : public OpKernel {
+ public:
+  explicit CommInfoOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    Comm comm;
+    {
+      std::lock_guard<std::mutex> lock(CollectiveMutex());
+      OP_REQUIRES_OK(context, AcquireComm(kRank ? "VfRank" : "VfSize", name(), &comm));
+    }
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({}), &output));
+    output->scalar<int32_t>()() = kRank ? comm.rank : comm.size;
+  }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Registrations
+
+REGISTER_OP("VfAllreduce")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double, int32, int64}")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::UnchangedShape)
+    .Doc(R"doc(
+Elementwise sum of `input` over every rank of the communicator; every rank
+passes the same shape and receives the sum.
+)doc");
+
+REGISTER_OP("VfBroadcast")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, int8, bool}")
+    .Attr("root: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::UnchangedShape)
+    .Doc(R"doc(
+The `input` of rank `root`, on every rank; every rank passes the same shape.
+)doc");
+
+REGISTER_OP("VfAllgather")
+    .Input("input: T")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, int8, bool}")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle in;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
+      shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->ReplaceDim(in, 0, c->UnknownDim(), &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The inputs of all ranks concatenated along dimension 0, in rank order. Ranks may
+pass different sizes of dimension 0; the other dimensions must agree.
+)doc");
+
+REGISTER_OP("VfCheck")
+    .Attr("fingerprint: string")
+    .Attr("what: string = ''")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Fails on every rank unless every rank's `fingerprint` is the same; `what` names
+what the fingerprint identifies in the error.
+)doc");
+
+REGISTER_OP("VfRank")
+    .Output("rank: int32")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc("This process's rank in the communicator.");
+
+REGISTER_OP("VfSize")
+    .Output("size: int32")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc("The number of ranks in the communicator.");
+
+#define VF_REGISTER_ALLREDUCE(T)                                             \
+  REGISTER_KERNEL_BUILDER(                                                   \
+      Name("VfAllreduce").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), \
+      AllreduceOp<T>);
+VF_REGISTER_ALLREDUCE(Eigen::half)
+VF_REGISTER_ALLREDUCE(Eigen::bfloat16)
+VF_REGISTER_ALLREDUCE(float)
+VF_REGISTER_ALLREDUCE(double)
+VF_REGISTER_ALLREDUCE(int32_t)
+VF_REGISTER_ALLREDUCE(int64_t)
+#undef VF_REGISTER_ALLREDUCE
+
+#define VF_REGISTER_BYTES(OP, KERNEL, T)                              \
+  REGISTER_KERNEL_BUILDER(                                            \
+      Name(OP).Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), KERNEL);
+#define VF_REGISTER_BYTES_ALL(OP, KERNEL)  \
+  VF_REGISTER_BYTES(OP, KERNEL, Eigen::half)     \
+  VF_REGISTER_BYTES(OP, KERNEL, Eigen::bfloat16) \
+  VF_REGISTER_BYTES(OP, KERNEL, float)           \
+  VF_REGISTER_BYTES(OP, KERNEL, double)          \
+  VF_REGISTER_BYTES(OP, KERNEL, int32_t)         \
+  VF_REGISTER_BYTES(OP, KERNEL, int64_t)         \
+  VF_REGISTER_BYTES(OP, KERNEL, uint8_t)         \
+  VF_REGISTER_BYTES(OP, KERNEL, int8_t)          \
+  VF_REGISTER_BYTES(OP, KERNEL, bool)
+VF_REGISTER_BYTES_ALL("VfBroadcast", BroadcastOp)
+VF_REGISTER_BYTES_ALL("VfAllgather", AllgatherOp)
+#undef VF_REGISTER_BYTES_ALL
+#undef VF_REGISTER_BYTES
+
+REGISTER_KERNEL_BUILDER(Name("VfCheck").Device(::tensorflow::DEVICE_CPU), CheckOp);
+REGISTER_KERNEL_BUILDER(Name("VfRank").Device(::tensorflow::DEVICE_CPU), CommInfoOp<true>);
+REGISTER_KERNEL_BUILDER(Name("VfSize").Device(::tensorflow::DEVICE_CPU), CommInfoOp<false>);
+
+}  // namespace vfgraph
+
+// Chooses the communicator every kernel uses from now on, given its Fortran
+// handle (mpi4py: comm.py2f()). Returns 0 on success, -1 when MPI is not
+// initialised, -2 for MPI_COMM_NULL, otherwise the MPI error code.
+extern "C" __attribute__((visibility("default"))) int vf_mpi_set_comm(int fortran_handle) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return -1;
+  MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle));
+  if (comm == MPI_COMM_NULL) return -2;
+  std::lock_guard<std::mutex> lock(vfgraph::CollectiveMutex());
+  const int rc = MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  if (rc != MPI_SUCCESS) return rc;
+  vfgraph::CommState& state = vfgraph::State();
+  state.comm = comm;
+  state.user_comm = true;
+  state.errhandler_set = true;
+  return 0;
+}
