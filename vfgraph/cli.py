@@ -78,13 +78,20 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--vnodes-per-rank", help="under mpiexec: virtual nodes of each rank, e.g. 5,3 "
                    "(default: the global batch's virtual nodes split evenly)")
 
-    sub.add_parser("build-ops", help="build (or find) vfgraph's MPI ops for this TensorFlow and MPI")
+    bo = sub.add_parser("build-ops", help="build (or find) vfgraph's MPI ops for this TensorFlow and MPI")
+    bo.add_argument("--force", action="store_true", help="build again even if the cache holds them")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     _quiet_tf()
     args = _parser().parse_args(argv)
+    if args.command == "train":
+        from vfgraph.runtime.supervise import is_worker, supervise
+        from vfgraph.runtime.world import launched_by_mpi
+
+        if launched_by_mpi() and not is_worker():  # one rank of mpiexec: report how it ends
+            return supervise(sys.argv[1:] if argv is None else list(argv))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("vfgraph: %(message)s"))
     log.addHandler(handler)
@@ -248,7 +255,7 @@ def cmd_train(args) -> int:
 def cmd_build_ops(args) -> int:
     from vfgraph.ops import build_ops_main
 
-    return build_ops_main([])
+    return build_ops_main(["--force"] if args.force else [])
 
 
 if __name__ == "__main__":
