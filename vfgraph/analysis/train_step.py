@@ -272,32 +272,12 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
 
     shapes = refine_shapes(g, sig, writes)
     cuttable = _Cuttable(g, dep, shapes)
-    flow = nx.DiGraph()
-    for a in sig.batch_args:
-        flow.add_edge(_SRC, ("out", TensorRef(a)))
-    for name in dep:
-        op = ("op", name)
-        for t in g.data_inputs(name):
-            if t.is_function_arg and t.node not in sig.batch_args:
-                continue
-            if not t.is_function_arg and t.node not in dep:
-                continue
-            flow.add_edge(("out", t), op)
-        for t in g.outputs(name):
-            flow.add_edge(op, ("in", t))
-            if cuttable(t):
-                flow.add_edge(("in", t), ("out", t), capacity=1)
-            else:
-                flow.add_edge(("in", t), ("out", t))
-    for w in sinks:
-        flow.add_edge(("op", w), _SNK)
-    try:
-        _, (source_side, _) = nx.minimum_cut(flow, _SRC, _SNK, flow_func=nx.flow.boykov_kolmogorov)
-    except nx.NetworkXUnbounded:
-        raise DetectionError(_unbounded_message(g, sig, flow, sinks)) from None
-    sink_most = sorted({n[1] for n in source_side if n[0] == "in" and ("out", n[1]) not in source_side})
-    cut_refs = _hoist(cuttable, flow, sink_most)
-    vnode_nodes = _region(flow, set(cut_refs))
+    flow = _FlowGraph(g, sig, dep, cuttable, sinks)
+    sink_most = flow.sink_most_cut()
+    if sink_most is None:
+        raise DetectionError(_unbounded_message(g, sig, _nx_flow_graph(g, sig, dep, cuttable, sinks), sinks))
+    cut_refs = flow.hoist(cuttable, sink_most)
+    vnode_nodes = flow.region(set(cut_refs))
     reached = [w for w in sinks if w in vnode_nodes]
     if reached:
         raise DetectionError(f"signature {sig.key!r}: could not separate the update {reached[0]!r} from the "
@@ -340,43 +320,314 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
                      outputs=outputs, batch_dependent=dep)
 
 
-def _hoist(cuttable: Callable[[TensorRef], bool], flow: nx.DiGraph, cut: List[TensorRef]) -> List[TensorRef]:
-    """Move each cut tensor up to the earliest batch-free tensor that dominates it.
+class _FlowGraph:
+    """The flow network the cut is found in, over integer vertices.
 
-    The minimum cut closest to the writes sits after per-variable arithmetic that must see
-    the averaged gradient (learning-rate scaling, clipping): if everything between tensor
-    ``t`` and a cut tensor depends on the batch only through ``t``, ``t`` is the quantity to
-    average. A cut tensor that combines several per-example reductions (batch norm's
-    gradient of gamma uses the batch variance) has no such dominator and stays.
+    Vertices: the source, the sink, ``("op", name)`` for every batch-dependent node, and
+    ``("in", t)`` -> ``("out", t)`` for every tensor ``t`` they produce (batch arguments
+    have only an "out" vertex, fed by the source). Every edge has unbounded capacity except
+    ``in -> out`` of a cuttable tensor (capacity 1); every batch-dependent variable write
+    feeds the sink.
     """
-    idom = nx.immediate_dominators(flow, _SRC)
-    out: List[TensorRef] = []
-    for ref in cut:
-        best, node = ref, ("out", ref)
-        while node in idom and idom[node] != node:
-            node = idom[node]
-            if node == _SRC:
-                break
-            if node[0] == "out":
-                if not cuttable(node[1]):
-                    break
-                best = node[1]
-        if best not in out:
-            out.append(best)
-    return sorted(out)
 
+    def __init__(self, g: FunctionGraph, sig: SignatureInfo, dep: Set[str],
+                 cuttable: Callable[[TensorRef], bool], sinks: List[str]):
+        self.keys: list = [_SRC, _SNK]
+        self.succ: List[List[int]] = [[], []]
+        self.unit = bytearray(2)  # 1 for an "in" vertex whose one edge (to "out") has capacity 1
+        self._ids: Dict[tuple, int] = {}
+        batch = set(sig.batch_args)
+        for a in sig.batch_args:
+            self.succ[0].append(self._tensor("out", TensorRef(a)))
+        for name in dep:
+            op = self._vertex(("op", name), ("op", name))
+            for t in g.data_inputs(name):
+                if t.is_function_arg and t.node not in batch:
+                    continue
+                if not t.is_function_arg and t.node not in dep:
+                    continue
+                self.succ[self._tensor("out", t)].append(op)
+            for t in g.outputs(name):
+                i, o = self._tensor("in", t), self._tensor("out", t)
+                self.succ[op].append(i)
+                if not self.succ[i]:
+                    self.succ[i].append(o)
+                if cuttable(t):
+                    self.unit[i] = 1
+        for w in sinks:
+            self.succ[self._vertex(("op", w), ("op", w))].append(1)
+        self.pred: List[List[int]] = [[] for _ in self.keys]
+        for u, vs in enumerate(self.succ):
+            for v in vs:
+                self.pred[v].append(u)
 
-def _region(flow: nx.DiGraph, cut: Set[TensorRef]) -> Set[str]:
-    """Ops reachable from the batch without crossing the cut: the per-virtual-node part."""
-    seen, stack = {_SRC}, [_SRC]
-    while stack:
-        u = stack.pop()
-        for v in flow.successors(u):
-            if v in seen or (u[0] == "in" and v[0] == "out" and u[1] in cut):
+    def _vertex(self, key: tuple, label) -> int:
+        i = self._ids.get(key)
+        if i is None:
+            i = self._ids[key] = len(self.keys)
+            self.keys.append(label)
+            self.succ.append([])
+            self.unit.append(0)
+        return i
+
+    def _tensor(self, side: str, t: TensorRef) -> int:
+        return self._vertex((side, t.node, t.arg, t.index), (side, t))
+
+    # ------------------------------------------------------------------ minimum cut
+    def _closure(self, start: int, edges: List[List[int]], forward: bool) -> bytearray:
+        """Vertices reached from ``start`` through unbounded edges only."""
+        seen = bytearray(len(self.keys))
+        seen[start] = 1
+        stack = [start]
+        unit = self.unit
+        while stack:
+            u = stack.pop()
+            if forward and unit[u]:
                 continue
-            seen.add(v)
-            stack.append(v)
-    return {n[1] for n in seen if isinstance(n, tuple) and n[0] == "op"}
+            for v in edges[u]:
+                if not seen[v] and not (not forward and unit[v]):
+                    seen[v] = 1
+                    stack.append(v)
+        return seen
+
+    def sink_most_cut(self) -> Optional[List[TensorRef]]:
+        """The cut tensors of the minimum cut closest to the sink (None: no finite cut).
+
+        Every finite cut keeps what the source reaches through unbounded edges on the source
+        side and what reaches the sink that way on the sink side, so both are contracted
+        first; the maximum flow then runs on the rest (the per-step quantities and the
+        update), and the sink side is what still reaches the sink in its residual network
+        (the same for every maximum flow)."""
+        n = len(self.keys)
+        head = self._closure(0, self.succ, True)
+        tail = self._closure(1, self.pred, False)
+        if any(a and b for a, b in zip(head, tail)):
+            return None
+        # The contracted network: vertex 0 is the source, 1 the sink, then the rest.
+        local = [-1] * n
+        rest = [u for u in range(n) if not head[u] and not tail[u]]
+        for k, u in enumerate(rest):
+            local[u] = k + 2
+        for u in range(n):
+            if head[u]:
+                local[u] = 0
+            elif tail[u]:
+                local[u] = 1
+        m = len(rest) + 2
+        adj: List[List[int]] = [[] for _ in range(m)]
+        to: List[int] = []
+        cap: List[int] = []
+        big = sum(self.unit) + 1
+
+        def edge(a: int, b: int, c: int) -> None:
+            adj[a].append(len(to))
+            to.append(b)
+            cap.append(c)
+            adj[b].append(len(to))
+            to.append(a)
+            cap.append(0)
+
+        for u in range(n):
+            a = local[u]
+            if a == 1:
+                continue  # out of the sink
+            c = 1 if self.unit[u] else big
+            for v in self.succ[u]:
+                b = local[v]
+                if b != 0 and a != b:  # not into the source, no loops
+                    edge(a, b, c)
+        _max_flow(m, adj, to, cap)
+        # Vertices that still reach the sink in the residual network.
+        reaches = bytearray(m)
+        reaches[1] = 1
+        stack = [1]
+        while stack:
+            v = stack.pop()
+            for e in adj[v]:
+                w = to[e]
+                if not reaches[w] and cap[e ^ 1] > 0:
+                    reaches[w] = 1
+                    stack.append(w)
+        sink_side = [bool(tail[u]) or (local[u] > 1 and bool(reaches[local[u]])) for u in range(n)]
+        found = set()
+        for u in range(n):
+            key = self.keys[u]
+            if not sink_side[u] and isinstance(key, tuple) and key[0] == "in" and sink_side[self.succ[u][0]]:
+                found.add(key[1])
+        return sorted(found)
+
+    # ------------------------------------------------------------------ dominators
+    def _immediate_dominators(self) -> Dict[int, int]:
+        """Immediate dominators of the vertices the source reaches (the source: itself)."""
+        n = len(self.keys)
+        seen = bytearray(n)
+        seen[0] = 1
+        stack = [0]
+        while stack:
+            u = stack.pop()
+            for v in self.succ[u]:
+                if not seen[v]:
+                    seen[v] = 1
+                    stack.append(v)
+        indegree = [0] * n
+        for u in range(n):
+            if seen[u]:
+                for v in self.succ[u]:
+                    indegree[v] += 1
+        idom = [-1] * n
+        depth = [0] * n
+        idom[0] = 0
+        ready = [0]
+        done = 0
+        while ready:  # topological order: every predecessor is placed before its successors
+            u = ready.pop()
+            done += 1
+            if u:
+                x = -1
+                for p in self.pred[u]:
+                    if idom[p] < 0:
+                        continue  # not reached from the source
+                    if x < 0:
+                        x = p
+                        continue
+                    while x != p:
+                        dx, dp = depth[x], depth[p]
+                        if dx >= dp:
+                            x = idom[x]
+                        if dp >= dx:
+                            p = idom[p]
+                idom[u] = x
+                depth[u] = depth[x] + 1
+            for v in self.succ[u]:
+                indegree[v] -= 1
+                if indegree[v] == 0:
+                    ready.append(v)
+        if done != sum(seen):  # not acyclic: the general algorithm
+            g = nx.DiGraph()
+            g.add_nodes_from(range(n))
+            g.add_edges_from((u, v) for u in range(n) for v in self.succ[u])
+            return nx.immediate_dominators(g, 0)
+        return {u: idom[u] for u in range(n) if seen[u]}
+
+    def hoist(self, cuttable: Callable[[TensorRef], bool], cut: List[TensorRef]) -> List[TensorRef]:
+        """Move each cut tensor up to the earliest batch-free tensor that dominates it.
+
+        The minimum cut closest to the writes sits after per-variable arithmetic that must see
+        the averaged gradient (learning-rate scaling, clipping): if everything between tensor
+        ``t`` and a cut tensor depends on the batch only through ``t``, ``t`` is the quantity to
+        average. A cut tensor that combines several per-example reductions (batch norm's
+        gradient of gamma uses the batch variance) has no such dominator and stays.
+        """
+        idom = self._immediate_dominators()
+        out: List[TensorRef] = []
+        for ref in cut:
+            best, node = ref, self._ids[("out", ref.node, ref.arg, ref.index)]
+            while node in idom and idom[node] != node:
+                node = idom[node]
+                if node == 0:
+                    break
+                key = self.keys[node]
+                if key[0] == "out":
+                    if not cuttable(key[1]):
+                        break
+                    best = key[1]
+            if best not in out:
+                out.append(best)
+        return sorted(out)
+
+    def region(self, cut: Set[TensorRef]) -> Set[str]:
+        """Ops reachable from the batch without crossing the cut: the per-virtual-node part."""
+        stop = bytearray(len(self.keys))
+        for t in cut:
+            i = self._ids.get(("in", t.node, t.arg, t.index))
+            if i is not None:
+                stop[i] = 1
+        seen = bytearray(len(self.keys))
+        seen[0] = 1
+        stack = [0]
+        while stack:
+            u = stack.pop()
+            if stop[u]:
+                continue
+            for v in self.succ[u]:
+                if not seen[v]:
+                    seen[v] = 1
+                    stack.append(v)
+        return {key[1] for u, key in enumerate(self.keys) if seen[u] and isinstance(key, tuple) and key[0] == "op"}
+
+
+def _max_flow(n: int, adj: List[List[int]], to: List[int], cap: List[int]) -> int:
+    """Dinic's maximum flow from vertex 0 to vertex 1; leaves the residual capacities in
+    ``cap`` (edge ``e``'s reverse is ``e ^ 1``)."""
+    total = 0
+    while True:
+        level = [-1] * n
+        level[0] = 0
+        queue = [0]
+        for u in queue:
+            lu = level[u] + 1
+            for e in adj[u]:
+                v = to[e]
+                if level[v] < 0 and cap[e] > 0:
+                    level[v] = lu
+                    queue.append(v)
+        if level[1] < 0:
+            return total
+        it = [0] * n
+        while True:
+            path: List[int] = []
+            u = 0
+            while u != 1:
+                edges, k = adj[u], it[u]
+                lu = level[u] + 1
+                while k < len(edges):
+                    e = edges[k]
+                    if cap[e] > 0 and level[to[e]] == lu:
+                        break
+                    k += 1
+                it[u] = k
+                if k < len(edges):
+                    path.append(edges[k])
+                    u = to[edges[k]]
+                    continue
+                if not path:
+                    break  # blocking flow found
+                level[u] = -1  # dead end
+                e = path.pop()
+                u = to[e ^ 1]
+                it[u] += 1
+            if u != 1:
+                break
+            f = min(cap[e] for e in path)
+            for e in path:
+                cap[e] -= f
+                cap[e ^ 1] += f
+            total += f
+
+
+def _nx_flow_graph(g: FunctionGraph, sig: SignatureInfo, dep: Set[str], cuttable: Callable[[TensorRef], bool],
+                   sinks: List[str]) -> nx.DiGraph:
+    """The flow network as a networkx graph (to describe why there is no finite cut)."""
+    flow = nx.DiGraph()
+    for a in sig.batch_args:
+        flow.add_edge(_SRC, ("out", TensorRef(a)))
+    for name in dep:
+        op = ("op", name)
+        for t in g.data_inputs(name):
+            if t.is_function_arg and t.node not in sig.batch_args:
+                continue
+            if not t.is_function_arg and t.node not in dep:
+                continue
+            flow.add_edge(("out", t), op)
+        for t in g.outputs(name):
+            flow.add_edge(op, ("in", t))
+            if cuttable(t):
+                flow.add_edge(("in", t), ("out", t), capacity=1)
+            else:
+                flow.add_edge(("in", t), ("out", t))
+    for w in sinks:
+        flow.add_edge(("op", w), _SNK)
+    return flow
 
 
 def _same_shape(a: Optional[List[int]], b: Optional[List[int]]) -> bool:

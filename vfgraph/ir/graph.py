@@ -6,8 +6,9 @@ verbs that keep the consumer index right, and :meth:`verify` says what is wrong 
 """
 from __future__ import annotations
 
-import copy
+import heapq
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import networkx as nx
@@ -35,8 +36,10 @@ class TensorRef:
         return self.node if self.arg is None else f"{self.node}:{self.arg}:{self.index}"
 
 
+@lru_cache(maxsize=1 << 20)
 def parse_input(text: str) -> Tuple[TensorRef, bool]:
-    """Parse one FunctionDef input string; returns (tensor, is_control)."""
+    """Parse one FunctionDef input string; returns (tensor, is_control). Results are shared
+    (a TensorRef is immutable), so a string is parsed once."""
     if text.startswith("^"):
         return TensorRef(text[1:]), True
     parts = text.split(":")
@@ -82,14 +85,16 @@ class FunctionGraph:
                  library: Optional[Mapping[str, function_pb2.FunctionDef]] = None):
         self._header = function_pb2.FunctionDef()
         self._header.CopyFrom(fdef)
+        # The header keeps everything but the body; the nodes are those of one private copy.
+        self._body = self._header.__class__()
+        self._body.node_def.MergeFrom(self._header.node_def)
         del self._header.node_def[:]
         self.library: Mapping[str, function_pb2.FunctionDef] = library or {}
-        self.nodes: Dict[str, node_def_pb2.NodeDef] = {}
-        for n in fdef.node_def:
-            self.nodes[n.name] = copy.deepcopy(n)
+        self.nodes: Dict[str, node_def_pb2.NodeDef] = {n.name: n for n in self._body.node_def}
         self._consumers: Optional[Dict[TensorRef, List[Tuple[str, int]]]] = None
         self._layout_cache: Dict[str, List[Tuple[str, int, DataType]]] = {}
         self._outputs_cache: Dict[str, List[TensorRef]] = {}
+        self._index_cache: Dict[str, Dict[Tuple[str, int], int]] = {}
 
     # ----------------------------------------------------------------- boundary
     @classmethod
@@ -164,10 +169,16 @@ class FunctionGraph:
         return self._outputs_cache[node]
 
     def flat_index(self, ref: TensorRef) -> int:
-        for i, (a, k, _) in enumerate(self.layout(ref.node)):
-            if a == ref.arg and k == ref.index:
-                return i
-        raise VerifyError(f"node {ref.node!r} has no output {ref.arg}:{ref.index}")
+        index = self._index_cache.get(ref.node)
+        if index is None:
+            index = {}
+            for i, (a, k, _) in enumerate(self.layout(ref.node)):
+                index.setdefault((a, k), i)
+            self._index_cache[ref.node] = index
+        i = index.get((ref.arg, ref.index))
+        if i is None:
+            raise VerifyError(f"node {ref.node!r} has no output {ref.arg}:{ref.index}")
+        return i
 
     def dtype(self, ref: TensorRef) -> DataType:
         if ref.is_function_arg:
@@ -208,9 +219,53 @@ class FunctionGraph:
                 g.add_edge(t.node, name)
         return g
 
+    def _dependency_lists(self) -> Tuple[Dict[str, List[str]], Dict[str, int]]:
+        """The edges of :meth:`to_networkx` (each producer -> consumer pair once): children of
+        every name, and how many distinct producers each name has."""
+        children: Dict[str, List[str]] = {a: [] for a in self.arg_names}
+        indegree: Dict[str, int] = dict.fromkeys(children, 0)
+        for name in self.nodes:
+            children.setdefault(name, [])
+            indegree.setdefault(name, 0)
+        for name, node in self.nodes.items():
+            preds = {parse_input(s)[0].node for s in node.input}
+            indegree[name] = len(preds)
+            for p in preds:
+                if p not in children:  # a missing producer is a node of its own
+                    children[p] = []
+                    indegree[p] = 0
+                children[p].append(name)
+        return children, indegree
+
     def topological_order(self) -> List[str]:
         """Nodes in topological order, ties broken by name (deterministic)."""
-        return [n for n in nx.lexicographical_topological_sort(self.to_networkx()) if n in self.nodes]
+        children, indegree = self._dependency_lists()
+        ready = [n for n, d in indegree.items() if d == 0]
+        heapq.heapify(ready)
+        order: List[str] = []
+        while ready:
+            n = heapq.heappop(ready)
+            order.append(n)
+            for c in children[n]:
+                indegree[c] -= 1
+                if indegree[c] == 0:
+                    heapq.heappush(ready, c)
+        if len(order) != len(indegree):
+            raise nx.NetworkXUnfeasible("Graph contains a cycle or graph changed during iteration")
+        return [n for n in order if n in self.nodes]
+
+    def _is_acyclic(self) -> bool:
+        children, indegree = self._dependency_lists()
+        ready = [n for n, d in indegree.items() if d == 0]
+        done = 0
+        while ready:
+            n = ready.pop()
+            done += 1
+            for c in children[n]:
+                indegree[c] -= 1
+                if indegree[c] == 0:
+                    ready.append(c)
+        return done == len(indegree)
 
     def ancestors(self, roots: Iterable[str], follow: Callable[[str], Iterable[str]]) -> set:
         seen, stack = set(), [r for r in roots if r in self.nodes]
@@ -232,6 +287,7 @@ class FunctionGraph:
         self.nodes[node.name] = node
         self._layout_cache.pop(node.name, None)
         self._outputs_cache.pop(node.name, None)
+        self._index_cache.pop(node.name, None)
         self._dirty()
         return node
 
@@ -240,6 +296,7 @@ class FunctionGraph:
             self.nodes.pop(n, None)
             self._layout_cache.pop(n, None)
             self._outputs_cache.pop(n, None)
+            self._index_cache.pop(n, None)
         self._dirty()
 
     def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> int:
@@ -299,9 +356,8 @@ class FunctionGraph:
         names = {a.name for a in self.signature.output_arg}
         if names != set(self._header.ret):
             raise VerifyError(f"{self.name}: outputs {sorted(names)} do not match ret {sorted(self._header.ret)}")
-        g = self.to_networkx()
-        if not nx.is_directed_acyclic_graph(g):
-            cycle = nx.find_cycle(g)
+        if not self._is_acyclic():
+            cycle = nx.find_cycle(self.to_networkx())
             raise VerifyError(f"{self.name}: cycle through {cycle[0][0]!r}")
 
 
