@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from tensorflow.core.framework import function_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
-from vfgraph.ir.graph import FunctionGraph, TensorRef, parse_input
+from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, parse_input, verify_function_def
 
 
 def _stateful(g: FunctionGraph, name: str) -> bool:
@@ -39,7 +39,7 @@ def extract_function(
     nodes in ``drop`` are never kept. With ``side_effects``, stateful nodes (variable
     writes) are kept as control outputs; otherwise only data ancestors of the outputs stay.
     """
-    work = FunctionGraph(g.to_function_def(), g.library)
+    work = FunctionGraph._adopt(g.to_function_def(), g.library)  # edits stay in the copy
     work.replace_uses({ref: TensorRef(arg_name) for arg_name, ref in new_args})
     roots = [r.node for _, r in outputs if not r.is_function_arg]
     effects: List[str] = []
@@ -93,7 +93,7 @@ def extract_function(
     sig.is_stateful = True
     if "_input_shapes" in fdef.attr:
         del fdef.attr["_input_shapes"]
-    FunctionGraph(fdef, g.library).verify()
+    verify_function_def(fdef, g.library)
     return fdef
 
 
@@ -108,13 +108,12 @@ def arg_specs(fdef: function_pb2.FunctionDef) -> list:
     """TensorSpecs for ``fdef``'s arguments (resource args as scalar resource specs)."""
     import tensorflow as tf
 
-    g = FunctionGraph(fdef)
     specs = []
     for a in fdef.signature.input_arg:
         if a.type == types_pb2.DT_RESOURCE:
             specs.append(tf.TensorSpec([], tf.resource))
             continue
-        shape = g.arg_shape(a.name)
+        shape = arg_shape(fdef, a.name)
         dims = None if shape is None else [None if d < 0 else d for d in shape]
         specs.append(tf.TensorSpec(dims, tf_dtype(a.type)))
     return specs

@@ -474,8 +474,11 @@ class _FlowGraph:
             if seen[u]:
                 for v in self.succ[u]:
                     indegree[v] += 1
+        # Dominator tree so far: parent (immediate dominator), depth, and a skew-binary jump
+        # pointer per vertex, so an ancestor or a common ancestor is found in O(log depth).
         idom = [-1] * n
         depth = [0] * n
+        jump = [0] * n
         idom[0] = 0
         ready = [0]
         done = 0
@@ -490,14 +493,21 @@ class _FlowGraph:
                     if x < 0:
                         x = p
                         continue
+                    # Common dominator of x and p: climb to equal depth, then together.
+                    if depth[p] > depth[x]:
+                        x, p = p, x
+                    d = depth[p]
+                    while depth[x] > d:
+                        x = jump[x] if depth[jump[x]] >= d else idom[x]
                     while x != p:
-                        dx, dp = depth[x], depth[p]
-                        if dx >= dp:
-                            x = idom[x]
-                        if dp >= dx:
-                            p = idom[p]
+                        if jump[x] != jump[p]:
+                            x, p = jump[x], jump[p]
+                        else:
+                            x, p = idom[x], idom[p]
                 idom[u] = x
                 depth[u] = depth[x] + 1
+                jx = jump[x]
+                jump[u] = jump[jx] if depth[x] - depth[jx] == depth[jx] - depth[jump[jx]] else x
             for v in self.succ[u]:
                 indegree[v] -= 1
                 if indegree[v] == 0:
@@ -520,6 +530,7 @@ class _FlowGraph:
         """
         idom = self._immediate_dominators()
         out: List[TensorRef] = []
+        chosen: Set[TensorRef] = set()
         for ref in cut:
             best, node = ref, self._ids[("out", ref.node, ref.arg, ref.index)]
             while node in idom and idom[node] != node:
@@ -531,7 +542,8 @@ class _FlowGraph:
                     if not cuttable(key[1]):
                         break
                     best = key[1]
-            if best not in out:
+            if best not in chosen:
+                chosen.add(best)
                 out.append(best)
         return sorted(out)
 

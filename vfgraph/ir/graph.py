@@ -65,17 +65,45 @@ def output_layout(
     node: node_def_pb2.NodeDef, library: Mapping[str, function_pb2.FunctionDef]
 ) -> List[Tuple[str, int, DataType]]:
     """The flat outputs of ``node``: (output arg name, index in arg, dtype) in order."""
-    od = _op_def(node.op, library)
+    op = node.op
+    recipe = None if op in library else _REGISTERED_OUTPUTS.get(op)
+    if recipe is None:
+        recipe = _output_recipe(_op_def(op, library))
+        if op not in library:
+            _REGISTERED_OUTPUTS[op] = recipe
     out: List[Tuple[str, int, DataType]] = []
-    for arg in od.output_arg:
-        if arg.type_list_attr:
-            types = list(node.attr[arg.type_list_attr].list.type)
+    for name, type_list_attr, fixed, type_attr, number_attr in recipe:
+        if type_list_attr:
+            types = list(node.attr[type_list_attr].list.type)
         else:
-            dtype = arg.type if arg.type else node.attr[arg.type_attr].type
-            count = node.attr[arg.number_attr].i if arg.number_attr else 1
+            dtype = fixed if fixed else node.attr[type_attr].type
+            count = node.attr[number_attr].i if number_attr else 1
             types = [dtype] * count
-        out.extend((arg.name, k, t) for k, t in enumerate(types))
+        out.extend([(name, k, t) for k, t in enumerate(types)])
     return out
+
+
+# op type -> its outputs as (name, type_list_attr, type, type_attr, number_attr), for registered ops
+_REGISTERED_OUTPUTS: Dict[str, Tuple[Tuple[str, str, int, str, str], ...]] = {}
+
+
+def _output_recipe(od: op_def_pb2.OpDef) -> Tuple[Tuple[str, str, int, str, str], ...]:
+    return tuple((a.name, a.type_list_attr, a.type, a.type_attr, a.number_attr) for a in od.output_arg)
+
+
+def arg_shape(fdef: function_pb2.FunctionDef, name: str) -> Optional[List[int]]:
+    """Static shape ``fdef`` records for its argument ``name`` (None when unknown)."""
+    for i, a in enumerate(fdef.signature.input_arg):
+        if a.name != name:
+            continue
+        attrs = fdef.arg_attr[i].attr if i in fdef.arg_attr else {}
+        if "_output_shapes" in attrs and attrs["_output_shapes"].list.shape:
+            return _shape_list(attrs["_output_shapes"].list.shape[0])
+        shapes = fdef.attr["_input_shapes"].list.shape if "_input_shapes" in fdef.attr else []
+        if i < len(shapes):
+            return _shape_list(shapes[i])
+        return None
+    raise KeyError(name)
 
 
 class FunctionGraph:
@@ -85,12 +113,10 @@ class FunctionGraph:
                  library: Optional[Mapping[str, function_pb2.FunctionDef]] = None):
         self._header = function_pb2.FunctionDef()
         self._header.CopyFrom(fdef)
-        # The header keeps everything but the body; the nodes are those of one private copy.
-        self._body = self._header.__class__()
-        self._body.node_def.MergeFrom(self._header.node_def)
-        del self._header.node_def[:]
         self.library: Mapping[str, function_pb2.FunctionDef] = library or {}
-        self.nodes: Dict[str, node_def_pb2.NodeDef] = {n.name: n for n in self._body.node_def}
+        # The nodes of the private copy, taken out of it (the header keeps everything else).
+        self.nodes: Dict[str, node_def_pb2.NodeDef] = {n.name: n for n in self._header.node_def}
+        del self._header.node_def[:]
         self._consumers: Optional[Dict[TensorRef, List[Tuple[str, int]]]] = None
         self._layout_cache: Dict[str, List[Tuple[str, int, DataType]]] = {}
         self._outputs_cache: Dict[str, List[TensorRef]] = {}
@@ -100,6 +126,26 @@ class FunctionGraph:
     @classmethod
     def from_function_def(cls, fdef, library=None) -> "FunctionGraph":
         return cls(fdef, library)
+
+    @classmethod
+    def _over(cls, fdef: function_pb2.FunctionDef,
+              library: Optional[Mapping[str, function_pb2.FunctionDef]] = None) -> "FunctionGraph":
+        """A read-only graph over ``fdef`` itself (no copy): for checks that edit nothing."""
+        g = cls.__new__(cls)
+        g._header = fdef
+        g.library = library or {}
+        g.nodes = {n.name: n for n in fdef.node_def}
+        g._consumers = None
+        g._layout_cache, g._outputs_cache, g._index_cache = {}, {}, {}
+        return g
+
+    @classmethod
+    def _adopt(cls, fdef: function_pb2.FunctionDef,
+               library: Optional[Mapping[str, function_pb2.FunctionDef]] = None) -> "FunctionGraph":
+        """A graph that takes ``fdef`` over (no copy; the caller must not use ``fdef`` again)."""
+        g = cls._over(fdef, library)
+        del fdef.node_def[:]
+        return g
 
     def to_function_def(self) -> function_pb2.FunctionDef:
         out = function_pb2.FunctionDef()
@@ -132,17 +178,7 @@ class FunctionGraph:
 
     def arg_shape(self, name: str) -> Optional[List[int]]:
         """Static shape recorded for a function argument (None when unknown)."""
-        for i, a in enumerate(self._header.signature.input_arg):
-            if a.name != name:
-                continue
-            attrs = self._header.arg_attr[i].attr if i in self._header.arg_attr else {}
-            if "_output_shapes" in attrs and attrs["_output_shapes"].list.shape:
-                return _shape_list(attrs["_output_shapes"].list.shape[0])
-            shapes = self._header.attr["_input_shapes"].list.shape if "_input_shapes" in self._header.attr else []
-            if i < len(shapes):
-                return _shape_list(shapes[i])
-            return None
-        raise KeyError(name)
+        return arg_shape(self._header, name)
 
     def output_refs(self) -> List[Tuple[str, TensorRef]]:
         """(output arg name, tensor) for every function output, in signature order."""
@@ -324,6 +360,8 @@ class FunctionGraph:
         keep = set(keep)
         self.erase([n for n in self.nodes if n not in keep])
         for node in self.nodes.values():
+            if not any(s.startswith("^") and s[1:] not in keep for s in node.input):
+                continue
             kept = [s for s in node.input if not (s.startswith("^") and s[1:] not in keep)]
             del node.input[:]
             node.input.extend(kept)
@@ -359,6 +397,12 @@ class FunctionGraph:
         if not self._is_acyclic():
             cycle = nx.find_cycle(self.to_networkx())
             raise VerifyError(f"{self.name}: cycle through {cycle[0][0]!r}")
+
+
+def verify_function_def(fdef: function_pb2.FunctionDef,
+                        library: Optional[Mapping[str, function_pb2.FunctionDef]] = None) -> None:
+    """``FunctionGraph(fdef, library).verify()`` without copying ``fdef``."""
+    FunctionGraph._over(fdef, library).verify()
 
 
 def _shape_list(shape) -> Optional[List[int]]:
