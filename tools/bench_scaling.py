@@ -7,8 +7,8 @@ scaling  The digits MLP (hidden width --hidden, default 1024) and the batch-norm
          ``mpiexec`` by this script. Target: ratio >= 1.8.
 fusion   The gradients of keras.applications.ResNet50 (weights=None, 10 classes: 161 tensors,
          23.6M parameters) summed over 2 ranks by insert-allreduce's reduce function, fused
-         (``fusion-mb=64``) against one all-reduce per tensor (a buffer limit of one byte), in
-         the same processes. Reported as a ratio.
+         into buffers of at most 1, 4, 16 and 64 MiB against one all-reduce per tensor (a buffer
+         limit of one byte), in the same processes. Reported as ratios.
 
     python tools/bench_scaling.py [--quick] [--json PATH]
 """
@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 from benchlib import git_state, write_report  # noqa: E402
 
 BATCH, VNODE_BATCH = 128, 16
+FUSION_MB = (1, 4, 16, 64)
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
@@ -114,7 +115,7 @@ def worker_fusion(args) -> dict:
     header = reduce_function("bench_reduce", specs)
     values = [tf.ones(s.shape, tf_dtype(1)) for s in arg_specs(header)]
     result = {"tensors": len(shapes), "parameters": int(sum(v.numpy().size for v in values))}
-    for label, limit in (("fused", 64 << 20), ("per_tensor", 1)):
+    for label, limit in [("per_tensor", 1)] + [(f"fused_{mb}mb", mb << 20) for mb in FUSION_MB]:
         body, buffers = _reduce_body(header, limit)
         fn = tf.function(body, input_signature=arg_specs(header)).get_concrete_function()
         for _ in range(3):
@@ -127,7 +128,8 @@ def worker_fusion(args) -> dict:
             float(out[-1])
             times.append(w.comm.allreduce(time.perf_counter() - t, op=_max()))
         result[label] = {"buffers": len(buffers), "ms": 1e3 * statistics.median(times)}
-    result["per_tensor/fused"] = result["per_tensor"]["ms"] / result["fused"]["ms"]
+    for mb in FUSION_MB:
+        result[f"per_tensor/fused_{mb}mb"] = result["per_tensor"]["ms"] / result[f"fused_{mb}mb"]["ms"]
     return result
 
 
@@ -175,9 +177,13 @@ def main() -> int:
             print(f"{name:8} {one['examples_per_s']:12.0f} {two['examples_per_s']:13.0f} {ratio:7.2f}")
     fusion = _launch(2, "--worker", "fusion", "--reps", str(reps))
     report["fusion"] = fusion
-    print(f"\nResNet-50 gradients ({fusion['tensors']} tensors, {fusion['parameters'] / 1e6:.1f}M parameters), "
-          f"2 ranks: fused {fusion['fused']['ms']:.1f} ms in {fusion['fused']['buffers']} buffer(s), one op per "
-          f"tensor {fusion['per_tensor']['ms']:.1f} ms: ratio {fusion['per_tensor/fused']:.2f}")
+    print(f"\nResNet-50 gradients ({fusion['tensors']} tensors, {fusion['parameters'] / 1e6:.1f}M parameters) "
+          f"summed over 2 ranks:")
+    print(f"{'buffers':>22} {'count':>6} {'ms':>8} {'one op per tensor / this':>26}")
+    print(f"{'one op per tensor':>22} {fusion['per_tensor']['buffers']:6d} {fusion['per_tensor']['ms']:8.1f} {1:26.2f}")
+    for mb in FUSION_MB:
+        r = fusion[f"fused_{mb}mb"]
+        print(f"{f'fused, <= {mb} MiB':>22} {r['buffers']:6d} {r['ms']:8.1f} {fusion[f'per_tensor/fused_{mb}mb']:26.2f}")
     write_report(args.json, report)
     return 0
 
