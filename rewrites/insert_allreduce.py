@@ -129,7 +129,7 @@ def _reduce_body(header, limit: int):
             for i, n, p, part in zip(buf, sizes, padded, parts):
                 if static and p > n:
                     part = part[:n]
-                out[i] = tf.reshape(part, tf.shape(xs[i]))
+                out[i] = tf.reshape(part, specs[i].shape if static else tf.shape(xs[i]))
         for i in gathers:
             with tf.control_dependencies(prev):
                 x = tf.identity(xs[i])
@@ -139,8 +139,8 @@ def _reduce_body(header, limit: int):
 
     def body(*xs):
         xs = list(xs)
-        reduced = tf.cond(ops.size() > 1, lambda: reduce_all(xs), lambda: [tf.identity(x) for x in xs])
-        return [tf.ensure_shape(r, x.shape) for r, x in zip(reduced, xs)]
+        reduced = tf.cond(ops.size() > 1, lambda: reduce_all(xs), lambda: xs)
+        return [r if r.shape.is_fully_defined() else tf.ensure_shape(r, x.shape) for r, x in zip(reduced, xs)]
 
     return body, [[names[i] for i in buf] for buf in buffers] + [[names[i]] for i in gathers]
 
