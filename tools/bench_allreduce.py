@@ -11,15 +11,19 @@ Python executable). For a scalar and for 1, 4, 16, 64 and 256 MiB of float32 it 
   (a') call      the tf.function of one VfAllreduce on the tensor the caller passes in: the call
                  overhead, plus a copy into a new output (the caller still holds the input buffer),
                  plus the reduction (reported only)
-  (b)  mpi4py    comm.Allreduce(MPI.IN_PLACE, buf) on a numpy array
+  (b)  mpi4py    comm.Allreduce(MPI.IN_PLACE, buf) on a numpy array (numpy asks for transparent
+                 huge pages behind arrays of >= 4 MiB)
+  (b') mpi4py-4k the same on a numpy array allocated without that request (4 KiB pages, as
+                 TensorFlow's own buffers are; reported only)
   (c)  tf        TensorFlow's collective all-reduce across the 2 processes: CollectiveReduceV2
                  (RING, gRPC over loopback) in a tf.function, the cluster enabled by a
                  MultiWorkerMirroredStrategy built from TF_CONFIG with free ports; --no-tf skips it
 
 A repetition starts every rank together (barrier) and times a batch of calls; its time is the
 slower rank's. Reported: the median per call, and algorithm bandwidth = bytes / time (GB/s,
-1e9 bytes). Repetitions cycle over the variants (round robin), so load from other processes hits
-all of them alike. Targets: ours/mpi4py >= 0.9 and ours/tf >= 5 at >= 16 MiB.
+1e9 bytes). Repetitions cycle over the MPI variants (round robin), so load from other processes
+hits all of them alike; TensorFlow's collectives are warmed up and timed after them, on their own.
+Targets: ours/mpi4py >= 0.9 and ours/tf >= 5 at >= 16 MiB.
 
     python tools/bench_allreduce.py [--quick] [--json PATH] [--no-tf] [--bfc] [--ranks 2] [--threads 1]
 """
@@ -65,11 +69,13 @@ def parse_args(argv=None):
     p.add_argument("--bfc", action="store_true",
                    help="set TF_CPU_ALLOCATOR_USE_BFC=true (TensorFlow's BFC allocator on the CPU reuses "
                         "memory instead of touching fresh pages for every large output)")
-    p.add_argument("--min-rep-seconds", type=float, default=0.02,
-                   help="a repetition repeats the call until it has run this long (measured in warm-up)")
+    p.add_argument("--min-rep-seconds", type=float, default=None,
+                   help="a repetition repeats the call until it has run about this long, as measured in "
+                        "warm-up (default 0.2; --quick 0.05)")
     a = p.parse_args(argv)
     a.reps = a.reps or (5 if a.quick else 11)
     a.tf_reps = a.tf_reps or (3 if a.quick else 5)
+    a.min_rep_seconds = a.min_rep_seconds or (0.05 if a.quick else 0.2)
     return a
 
 
@@ -200,6 +206,22 @@ def main(argv=None):
     return 0
 
 
+def small_pages_array(shape):
+    """A float32 array of ones that numpy allocates without asking for transparent huge pages."""
+    import numpy as np
+
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray
+    before = multiarray._get_madvise_hugepage()
+    multiarray._set_madvise_hugepage(False)
+    try:
+        return np.ones(shape, np.float32)
+    finally:
+        multiarray._set_madvise_hugepage(before)
+
+
 def bench_size(label, nbytes, index, args, comm, chain_fn, call_fn, tf_reduce):
     """Times every variant on one size; returns medians per call (per op for "ours"), GB/s, ratios."""
     import numpy as np
@@ -211,10 +233,12 @@ def bench_size(label, nbytes, index, args, comm, chain_fn, call_fn, tf_reduce):
     shape = [] if label == "scalar" else [nbytes // 4]
     x = tf.ones(shape, tf.float32)
     buf = np.ones(shape, np.float32)
+    buf4k = small_pages_array(shape)
     calls = {
         "chain": lambda: chain_fn(x),
         "call": lambda: call_fn(x),
         "mpi4py": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
+        "mpi4py-4k": lambda: comm.Allreduce(MPI.IN_PLACE, buf4k, op=MPI.SUM),
     }
     if tf_reduce is not None:
         calls["tf"] = lambda: tf_reduce(x)
@@ -223,34 +247,46 @@ def bench_size(label, nbytes, index, args, comm, chain_fn, call_fn, tf_reduce):
     got = chain_fn(x).numpy()
     assert np.all(got == float(nranks ** chain)), (label, got.ravel()[:4])
     assert np.all(call_fn(x).numpy() == nranks), label
-    if tf_reduce is not None:
-        assert np.all(tf_reduce(x).numpy() == nranks), label
 
-    # warm-up, and how many calls one repetition makes (the same on every rank)
-    repeat = {}
-    for v, call in calls.items():
-        call()
+    repeat, times = {}, {v: [] for v in calls}
+
+    def warm_up(v):
+        """One untimed call, then one timed call sets how many calls a repetition makes (the same
+        on every rank)."""
+        calls[v]()
         comm.Barrier()
         t0 = time.perf_counter()
-        call()
+        calls[v]()
         dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         repeat[v] = max(1, min(1000, int(args.min_rep_seconds / max(dt, 1e-7))))
 
-    times = {v: [] for v in calls}
-    for i in range(max(args.reps, args.tf_reps)):
-        for v, call in calls.items():
-            if i >= (args.tf_reps if v == "tf" else args.reps):
-                continue
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(repeat[v]):
-                call()
-            dt = time.perf_counter() - t0
-            times[v].append(comm.allreduce(dt, op=MPI.MAX) / repeat[v])
+    def rep(v):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(repeat[v]):
+            calls[v]()
+        dt = time.perf_counter() - t0
+        times[v].append(comm.allreduce(dt, op=MPI.MAX) / repeat[v])
+
+    # round robin over the MPI variants; TensorFlow's collectives afterwards, on their own, so that
+    # their gRPC threads never run beside the MPI variants
+    mpi_variants = [v for v in calls if v != "tf"]
+    for v in mpi_variants:
+        warm_up(v)
+    for _ in range(args.reps):
+        for v in mpi_variants:
+            rep(v)
+    if "tf" in calls:
+        assert np.all(tf_reduce(x).numpy() == nranks), label
+        warm_up("tf")
+        for _ in range(args.tf_reps):
+            rep("tf")
+        time.sleep(0.5)
     # (a): what one more VfAllreduce on a forwarded input adds to a graph, per repetition
     times["ours"] = [(c - s) / (chain - 1) for c, s in zip(times["chain"], times["call"])]
     med = {v: statistics.median(t) for v, t in times.items()}
-    ratios = {"ours/mpi4py": med["mpi4py"] / med["ours"], "call/mpi4py": med["mpi4py"] / med["call"]}
+    ratios = {"ours/mpi4py": med["mpi4py"] / med["ours"], "call/mpi4py": med["mpi4py"] / med["call"],
+              "ours/mpi4py-4k": med["mpi4py-4k"] / med["ours"]}
     if "tf" in med:
         ratios.update({"ours/tf": med["tf"] / med["ours"], "call/tf": med["tf"] / med["call"]})
     return {"bytes": nbytes, "calls_per_rep": repeat, "seconds_median": med, "seconds_reps": times,
@@ -259,13 +295,14 @@ def bench_size(label, nbytes, index, args, comm, chain_fn, call_fn, tf_reduce):
 
 def report_table(results, chain):
     have_tf = all("tf" in r["gb_per_s"] for r in results.values())
-    cols = ["ours", "call", "mpi4py"] + (["tf"] if have_tf else [])
-    ratios = ["ours/mpi4py", "call/mpi4py"] + (["ours/tf", "call/tf"] if have_tf else [])
+    cols = ["ours", "call", "mpi4py", "mpi4py-4k"] + (["tf"] if have_tf else [])
+    ratios = ["ours/mpi4py", "call/mpi4py", "ours/mpi4py-4k"] + (["ours/tf", "call/tf"] if have_tf else [])
     print("\nalgorithm bandwidth, GB/s (median over repetitions of the slower rank); scalar row: microseconds")
     print(f"(a) ours = one VfAllreduce on a forwarded input inside a graph: (chain of {chain} - single op) / "
           f"{chain - 1}, per repetition")
     print("(a') call = a tf.function of one VfAllreduce on the caller's tensor: call overhead + copy + reduce")
-    head = f"{'size':>8} | " + "".join(f"{c:>10}" for c in cols) + " | " + "".join(f"{k:>12}" for k in ratios)
+    print("(b') mpi4py-4k = mpi4py on a numpy array without transparent huge pages")
+    head = f"{'size':>8} | " + "".join(f"{c:>10}" for c in cols) + " | " + "".join(f"{k:>15}" for k in ratios)
     print(head)
     print("-" * len(head))
     for label, r in results.items():
@@ -273,7 +310,7 @@ def report_table(results, chain):
             vals = "".join(f"{r['seconds_median'][c] * 1e6:>8.1f}us" for c in cols)
         else:
             vals = "".join(f"{r['gb_per_s'][c]:>10.3f}" for c in cols)
-        print(f"{label:>8} | {vals} | " + "".join(f"{r['ratios'][k]:>12.2f}" for k in ratios))
+        print(f"{label:>8} | {vals} | " + "".join(f"{r['ratios'][k]:>15.2f}" for k in ratios))
     print("targets at >= 16 MiB: " + ", ".join(f"{k} >= {t}" for k, t in TARGETS.items()))
 
 

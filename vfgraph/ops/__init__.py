@@ -59,7 +59,8 @@ def build(force: bool = False) -> str:
 
 
 def library_path() -> str:
-    """Path of the op library this process uses (loaded, or where a build puts it)."""
+    """Path of the op library this process uses: the one loaded, else where a build for this
+    TensorFlow and MPI puts it. Raises OpsUnavailableError when no build is possible here."""
     if _loaded_path is not None:
         return _loaded_path
     return _toolchain.plan().library

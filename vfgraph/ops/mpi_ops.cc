@@ -10,6 +10,7 @@
 // owns MPI_Init and MPI_Finalize.
 
 #include <mpi.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <climits>
@@ -219,10 +220,26 @@ template <typename T>
 constexpr bool kIsHalf =
     std::is_same<T, Eigen::half>::value || std::is_same<T, Eigen::bfloat16>::value;
 
+// Asks for transparent huge pages behind a large buffer that has not been
+// written yet (as numpy does for its arrays): its first writes take one page
+// fault per 2 MiB instead of per 4 KiB, and the MPI library's cross-process
+// copies walk fewer page-table entries. Advisory; failures are ignored.
+void AdviseHugePages(void* data, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+  constexpr uintptr_t kHugePage = uintptr_t{1} << 21;
+  if (bytes < 2 * kHugePage) return;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (start + bytes) & ~(kHugePage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#endif
+}
+
 // Copies the input into a freshly allocated output when the input buffer could
 // not be forwarded (someone else still holds it).
 void CopyUnlessForwarded(int forwarded, const Tensor& input, Tensor* output) {
   if (forwarded < 0 && input.TotalBytes() > 0) {
+    AdviseHugePages(output->data(), input.TotalBytes());
     std::memcpy(output->data(), input.data(), input.TotalBytes());
   }
 }
@@ -349,7 +366,11 @@ class BroadcastOp : public OpKernel {
     int forwarded = -1;
     OP_REQUIRES_OK(context, context->forward_input_or_allocate_output(
                                 {0}, 0, input.shape(), &output, &forwarded));
-    if (comm.rank == root_) CopyUnlessForwarded(forwarded, input, output);
+    if (comm.rank == root_) {
+      CopyUnlessForwarded(forwarded, input, output);
+    } else if (forwarded < 0) {
+      AdviseHugePages(output->data(), output->TotalBytes());
+    }
     rc = BroadcastBytes(static_cast<char*>(output->data()),
                         static_cast<int64_t>(output->TotalBytes()), root_, comm.comm);
     OP_REQUIRES(context, rc == MPI_SUCCESS,
@@ -427,6 +448,7 @@ class AllgatherOp : public OpKernel {
     Tensor* output = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, out_shape, &output));
     char* out = static_cast<char*>(output->data());
+    AdviseHugePages(out, static_cast<size_t>(total));
 
     if (fits_int) {
       std::vector<int> icounts(counts.begin(), counts.end());
