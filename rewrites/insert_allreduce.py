@@ -28,6 +28,7 @@ from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult
 from vfgraph.rewrites.split_vnodes import _header, _signature_wrapper, add_signature
 
+DEFAULT_FUSION_MB = 4.0  # MiB; ResNet-50 gradients sum fastest in 1-4 MiB buffers (tools/bench_scaling.py)
 ALIGN = 64  # bytes: TensorFlow's CPU split shares the input buffer for outputs aligned to this
 _BYTES = {types_pb2.DT_HALF: 2, types_pb2.DT_BFLOAT16: 2, types_pb2.DT_FLOAT: 4, types_pb2.DT_DOUBLE: 8,
           types_pb2.DT_INT32: 4, types_pb2.DT_INT64: 8}
@@ -39,7 +40,7 @@ class InsertAllreducePass(Pass):
     signatures split into virtual nodes)."""
 
     name: ClassVar[str] = "insert-allreduce"
-    fusion_mb: float = 64
+    fusion_mb: float = DEFAULT_FUSION_MB
     signature: str = ""
 
     def call(self, item: GraphItem) -> PassResult:

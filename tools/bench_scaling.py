@@ -2,7 +2,7 @@
 
 scaling  The digits MLP (hidden width --hidden, default 1024) and the batch-norm digits
          CNN of examples/export.py, rewritten with ``vnode_batch=16`` and the all-reduce, trained
-         at a global batch of 128 (8 virtual nodes) with one intra-op thread per process:
+         at a global batch of --batch (default 128: 8 virtual nodes) with one intra-op thread per process:
          examples/s on 2 ranks (4 virtual nodes each) against 1 rank (8), both launched with
          ``mpiexec`` by this script. Target: ratio >= 1.8.
 fusion   The gradients of keras.applications.ResNet50 (weights=None, 10 classes: 161 tensors,
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from benchlib import git_state, write_report  # noqa: E402
 
-BATCH, VNODE_BATCH = 128, 16
+VNODE_BATCH = 16
 FUSION_MB = (1, 4, 16, 64)
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
     p.add_argument("--json", default="/tmp/vfgraph_bench_scaling.json")
     p.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
+    p.add_argument("--batch", type=int, default=128, help="global batch (a multiple of 16)")
+    p.add_argument("--no-fusion", action="store_true", help="skip the fusion measurement")
     p.add_argument("--worker", choices=("scaling", "fusion"), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -73,7 +75,7 @@ def worker_scaling(args) -> dict:
     loaded = tf.saved_model.load(args.model)
     fn = loaded.signatures["train"]
     data = load_npz(args.data)
-    per = shares(BATCH // VNODE_BATCH, w.size)
+    per = shares(args.batch // VNODE_BATCH, w.size)
     lo, hi = sum(per[:w.rank]) * VNODE_BATCH, sum(per[:w.rank + 1]) * VNODE_BATCH
     feed = {"x": tf.constant(data["x"][lo:hi].astype(np.float32)), "y": tf.constant(data["y"][lo:hi].astype(np.int32))}
     if w.size > 1:
@@ -88,7 +90,7 @@ def worker_scaling(args) -> dict:
             out = fn(**feed)
         float(out["loss"])
         times.append(w.comm.allreduce(time.perf_counter() - t, op=_max()))
-    return {"ranks": w.size, "examples_per_s": BATCH * args.steps / statistics.median(times)}
+    return {"ranks": w.size, "examples_per_s": args.batch * args.steps / statistics.median(times)}
 
 
 def _max():
@@ -156,7 +158,7 @@ def main() -> int:
     import vfgraph
 
     steps, reps = (20, 3) if args.quick else (args.steps, args.reps)
-    report = {"git": git_state(), "batch": BATCH, "vnode_batch": VNODE_BATCH, "scaling": {}, "targets":
+    report = {"git": git_state(), "batch": args.batch, "vnode_batch": VNODE_BATCH, "scaling": {}, "targets":
               {"scaling 2 ranks / 1 rank": 1.8}}
     with tempfile.TemporaryDirectory() as tmp:
         export.digits_data(os.path.join(tmp, "data"))
@@ -167,14 +169,18 @@ def main() -> int:
         for name, make in models.items():
             src, out = os.path.join(tmp, name), os.path.join(tmp, name + "_v8")
             make(src)
-            vfgraph.save(vfgraph.rewrite(src, vnodes=BATCH // VNODE_BATCH, vnode_batch=VNODE_BATCH,
+            vfgraph.save(vfgraph.rewrite(src, vnodes=args.batch // VNODE_BATCH, vnode_batch=VNODE_BATCH,
                                          allreduce="mpi"), out)
-            common = ["--worker", "scaling", "--model", out, "--data", data, "--steps", str(steps), "--reps", str(reps)]
+            common = ["--worker", "scaling", "--model", out, "--data", data, "--steps", str(steps), "--reps", str(reps),
+                      "--batch", str(args.batch)]
             one, two = _launch(1, *common), _launch(2, *common)
             ratio = two["examples_per_s"] / one["examples_per_s"]
             report["scaling"][name] = {"1 rank": one["examples_per_s"], "2 ranks": two["examples_per_s"],
                                        "ratio": ratio}
             print(f"{name:8} {one['examples_per_s']:12.0f} {two['examples_per_s']:13.0f} {ratio:7.2f}")
+    if args.no_fusion:
+        write_report(args.json, report)
+        return 0
     fusion = _launch(2, "--worker", "fusion", "--reps", str(reps))
     report["fusion"] = fusion
     print(f"\nResNet-50 gradients ({fusion['tensors']} tensors, {fusion['parameters'] / 1e6:.1f}M parameters) "

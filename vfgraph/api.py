@@ -40,7 +40,7 @@ def _is_saved_model_text(path: str) -> bool:
 
 
 def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "",
-                     has_training: bool = True, allreduce: bool = False, fusion_mb: float = 64) -> str:
+                     has_training: bool = True, allreduce: bool = False, fusion_mb: float = 4) -> str:
     parts = []
     if has_training:
         opts = [f"vnodes={vnodes}"] + ([f"vnode-batch={vnode_batch}"] if vnode_batch else [])
@@ -48,14 +48,14 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
             opts.append(f"signature={train_signature}")
         parts.append("split-vnodes{" + ",".join(opts) + "}")
         if allreduce:
-            parts.append("insert-allreduce" + (f"{{fusion-mb={fusion_mb:g}}}" if fusion_mb != 64 else ""))
+            parts.append("insert-allreduce" + (f"{{fusion-mb={fusion_mb:g}}}" if fusion_mb != 4 else ""))
     parts.append("microbatch-inference" + (f"{{vnode-batch={vnode_batch}}}" if vnode_batch else ""))
     return ",".join(parts)
 
 
 def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: Optional[str] = None,
             train_signature: str = "", after_each: Optional[Callable[[Pass, GraphItem], None]] = None,
-            outputs: Optional[Sequence[str]] = None, allreduce: str = "auto", fusion_mb: float = 64) -> GraphItem:
+            outputs: Optional[Sequence[str]] = None, allreduce: str = "auto", fusion_mb: float = 4) -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
 
     ``allreduce``: "mpi" adds the all-reduce over MPI ranks to the training step, "none" leaves

@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--allreduce", choices=("auto", "mpi", "none"), default="auto",
                    help="data-parallel all-reduce over MPI ranks in the training step (auto: mpi when "
                         "vfgraph's MPI ops are available)")
-    r.add_argument("--fusion-mb", type=float, default=64, help="largest fused all-reduce buffer, MiB")
+    r.add_argument("--fusion-mb", type=float, default=4, help="largest fused all-reduce buffer, MiB (default 4)")
 
     i = sub.add_parser("inspect", help="show what vfgraph detects in a model")
     i.add_argument("model")
