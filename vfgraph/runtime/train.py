@@ -1,4 +1,5 @@
-"""Training a (rewritten) SavedModel on arrays from an .npz file, on one process or on the ranks of\n``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
+"""Training a (rewritten) SavedModel on arrays from an .npz file, on one process or on the ranks of
+``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
 from __future__ import annotations
 
 import contextlib
@@ -136,6 +137,9 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         for k in keys:
             data[k] = data[k].astype(specs[k].dtype.as_numpy_dtype, copy=False)
         rows = (0, batch_size)
+        if w.size > 1 and f"{signature}_broadcast" not in loaded.signatures:
+            raise InputError(f"{model}: no {signature}_broadcast signature to start the ranks from the same "
+                             "variables; rewrite it with a SavedModel input and --allreduce mpi")
         if w.size > 1 or vnodes_per_rank:
             if not b:
                 raise InputError(f"{model}: its virtual-node batch is derived from the fed batch, so ranks cannot "
