@@ -124,6 +124,18 @@ def test_model_without_allreduce_refuses_several_ranks(models, digits, tmp_path)
     assert not os.path.exists(tmp_path / "o")
 
 
+def test_fed_batch_split_model_needs_a_fixed_vnode_batch_on_several_ranks(models, digits, tmp_path):
+    import vfgraph
+
+    model = str(tmp_path / "derived_b")
+    vfgraph.save(vfgraph.rewrite(models("mlp:momentum"), vnodes=8, allreduce="mpi"), model)
+    res = subprocess.run(train_cmd(2, model, digits["train"], str(tmp_path / "o"), 2), capture_output=True,
+                         text=True, env=ENV, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--vnode-batch" in res.stderr and "Traceback" not in res.stderr
+    assert not os.path.exists(tmp_path / "o")
+
+
 def test_bad_vnodes_per_rank_is_a_clear_error_on_every_rank(v8, digits, tmp_path):
     res = subprocess.run(train_cmd(2, v8("mlp:momentum"), digits["train"], str(tmp_path / "o"), 2,
                                    "--vnodes-per-rank", "6,3"), capture_output=True, text=True, env=ENV, timeout=120)
