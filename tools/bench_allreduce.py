@@ -38,14 +38,7 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-from benchlib import git_state, write_report  # noqa: E402
+from benchlib import git_state, write_report
 
 MIB = 1 << 20
 SIZES = [("scalar", 4), ("1 MiB", MIB), ("4 MiB", 4 * MIB), ("16 MiB", 16 * MIB), ("64 MiB", 64 * MIB),

@@ -41,15 +41,7 @@ import tempfile
 import threading
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-from benchlib import git_state, write_report  # noqa: E402
+from benchlib import git_state, write_report
 
 VNODES, VNODE_BATCH = 8, 16
 WIDTH = 16  # units of every generated dense layer

@@ -1,8 +1,15 @@
-"""What the benchmark scripts share."""
+"""What the benchmark scripts share. Importing it (before TensorFlow) quiets TensorFlow's
+start-up logs and makes the repository and its examples importable."""
 import os
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+for _path in (os.path.join(ROOT, "examples"), ROOT):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 def git_state():
