@@ -187,6 +187,7 @@ def test_killed_rank_stops_the_job_and_resume_reaches_the_same_parameters(v8, di
     assert re.search(rf"rank 1 \(\S+ pid {victim}\) was killed by SIGKILL", err), err[-2000:]
     assert re.search(rf"rank 1: \S+ pid {victim}\b", err), err[-2000:]  # the rank table (-v) agrees
     assert not os.path.exists(out)
+    assert _rank_pid(0, out) is None and _rank_pid(1, out) is None  # no worker left behind
     with open(state) as f:
         saved = json.load(f)
     assert saved["step"] >= 200 and saved["step"] % 50 == 0

@@ -2,7 +2,6 @@
 ``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import logging
@@ -163,44 +162,35 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         start, losses = state["step"], state["losses"]
         log.info("resuming at step %d", start)
     start, losses = w.bcast((start, losses))
-    broadcast = f"{signature}_broadcast"
-    if w.size > 1:
-        table = w.describe()
-        if w.is_root:
-            log.info("%d ranks: %s", w.size, "; ".join(table))
-        with _collective_errors(w.rank, "start"):
-            loaded.signatures[broadcast]()  # same graph everywhere, then rank 0's variables
-    bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
-    for step in bar:
-        batch = batches_for(data, keys, batch_size, step, seed)
-        with _collective_errors(w.rank, f"step {step}"):
+    where = "start"
+    try:
+        if w.size > 1:
+            table = w.describe()
+            if w.is_root:
+                log.info("%d ranks: %s", w.size, "; ".join(table))
+            loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
+        bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root),
+                   unit="step")
+        for step in bar:
+            where = f"step {step}"
+            batch = batches_for(data, keys, batch_size, step, seed)
             result = fn(**{k: v[lo:hi] for k, v in batch.items()})
-        loss = float(result["loss"]) if "loss" in result else float("nan")
-        losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.4f}")
-        if w.is_root and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-            _checkpoint(ckpt, ckpt_dir, step + 1, losses)
+            loss = float(result["loss"]) if "loss" in result else float("nan")
+            losses.append(loss)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            if w.is_root and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+                _checkpoint(ckpt, ckpt_dir, step + 1, losses)
+    except tf.errors.OpError as e:
+        ours = [x.strip() for x in e.message.splitlines() if x.strip().startswith("Vf")]
+        if not ours:
+            raise
+        # A failed collective (different graphs on the ranks, an MPI error): one line naming the rank.
+        raise TrainingError(f"rank {w.rank}, {where}: {ours[0]}") from None
     if not w.is_root:
         return None
     _save_trained(loaded, model, out, losses)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return TrainResult(os.path.abspath(out), steps, losses)
-
-
-@contextlib.contextmanager
-def _collective_errors(rank: int, where: str):
-    """Report a failed collective (different graphs on the ranks, an MPI error) as a user-facing
-    error naming the rank, not a TensorFlow traceback."""
-    import tensorflow as tf
-
-    try:
-        yield
-    except tf.errors.OpError as e:
-        lines = [x.strip() for x in e.message.splitlines()]
-        ours = [x for x in lines if x.startswith("Vf")]
-        if not ours:
-            raise
-        raise TrainingError(f"rank {rank}, {where}: {ours[0]}") from None
 
 
 def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float]) -> None:
