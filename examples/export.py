@@ -183,10 +183,10 @@ def keras_export(out: str) -> None:
     model.export(out, verbose=False)
 
 
-def tf1_momentum_bn(out: str, optimizer: str = "momentum", lr: float = 0.05) -> None:
-    """A TF1 graph (tf.compat.v1, resource variables): dense layer, batch norm whose moving
-    averages are updated under control dependencies, a tf.compat.v1.train optimizer, saved
-    with SavedModelBuilder. 'train' returns the loss after running the train op."""
+def _tf1_graph(optimizer: str, lr: float, resource: bool):
+    """A TF1 graph (tf.compat.v1): dense layer, batch norm whose moving averages are updated
+    under control dependencies, a tf.compat.v1.train optimizer; ``resource`` picks resource
+    or reference (TF1's default) variables. Returns (graph, tensors by role)."""
     import numpy as np
     import tensorflow as tf
 
@@ -196,21 +196,22 @@ def tf1_momentum_bn(out: str, optimizer: str = "momentum", lr: float = 0.05) -> 
         v1.set_random_seed(0)
         x = v1.placeholder(tf.float32, [None, 64], name="x")
         y = v1.placeholder(tf.int32, [None], name="y")
-        init = np.random.default_rng(0).normal(scale=0.1, size=(64, 32)).astype("float32")
-        w1 = v1.get_variable("w1", initializer=init, use_resource=True)
-        gamma = v1.get_variable("bn/gamma", initializer=tf.ones([32]), use_resource=True)
-        beta = v1.get_variable("bn/beta", initializer=tf.zeros([32]), use_resource=True)
-        mmean = v1.get_variable("bn/moving_mean", initializer=tf.zeros([32]), trainable=False, use_resource=True)
-        mvar = v1.get_variable("bn/moving_variance", initializer=tf.ones([32]), trainable=False, use_resource=True)
-        w2 = v1.get_variable("w2", initializer=np.random.default_rng(1).normal(scale=0.1, size=(32, 10))
-                             .astype("float32"), use_resource=True)
-        b2 = v1.get_variable("b2", initializer=tf.zeros([10]), use_resource=True)
+
+        def var(name, init, trainable=True):
+            return v1.get_variable(name, initializer=init, trainable=trainable, use_resource=resource)
+
+        w1 = var("w1", np.random.default_rng(0).normal(scale=0.1, size=(64, 32)).astype("float32"))
+        gamma, beta = var("bn/gamma", tf.ones([32])), var("bn/beta", tf.zeros([32]))
+        mmean = var("bn/moving_mean", tf.zeros([32]), trainable=False)
+        mvar = var("bn/moving_variance", tf.ones([32]), trainable=False)
+        w2 = var("w2", np.random.default_rng(1).normal(scale=0.1, size=(32, 10)).astype("float32"))
+        b2 = var("b2", tf.zeros([10]))
         h = tf.matmul(x, w1)
-        mean, var = tf.nn.moments(h, [0])
-        updates = [v1.assign_sub(mmean, (mmean - mean) * 0.1), v1.assign_sub(mvar, (mvar - var) * 0.1)]
+        mean, variance = tf.nn.moments(h, [0])
+        updates = [v1.assign_sub(mmean, (mmean - mean) * 0.1), v1.assign_sub(mvar, (mvar - variance) * 0.1)]
         for u in updates:
             v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, u)
-        logits = tf.matmul(tf.nn.relu(tf.nn.batch_normalization(h, mean, var, beta, gamma, 1e-3)), w2) + b2
+        logits = tf.matmul(tf.nn.relu(tf.nn.batch_normalization(h, mean, variance, beta, gamma, 1e-3)), w2) + b2
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
         step = v1.train.get_or_create_global_step()
         opt = {"sgd": lambda: v1.train.GradientDescentOptimizer(lr),
@@ -223,19 +224,45 @@ def tf1_momentum_bn(out: str, optimizer: str = "momentum", lr: float = 0.05) -> 
             loss_out = tf.identity(loss, name="loss")
         serve_h = tf.nn.batch_normalization(tf.matmul(x, w1), mmean, mvar, beta, gamma, 1e-3)
         serve = tf.identity(tf.matmul(tf.nn.relu(serve_h), w2) + b2, name="logits")
-        with v1.Session(graph=g) as sess:
-            sess.run(v1.global_variables_initializer())
-            b = v1.saved_model.Builder(out)
-            sig = v1.saved_model.signature_def_utils.predict_signature_def
-            b.add_meta_graph_and_variables(sess, ["serve"], signature_def_map={
-                "train": sig({"x": x, "y": y}, {"loss": loss_out}),
-                "serving_default": sig({"x": x}, {"logits": serve})})
-            b.save()
+        init = v1.global_variables_initializer()
+    return g, {"x": x, "y": y, "loss": loss_out, "logits": serve, "init": init}
+
+
+def tf1_momentum_bn(out: str, optimizer: str = "momentum", lr: float = 0.05) -> None:
+    """The TF1 graph with resource variables, saved with SavedModelBuilder: 'train' returns
+    the loss after running the train op, 'serving_default' the logits."""
+    import tensorflow as tf
+
+    v1 = tf.compat.v1
+    g, t = _tf1_graph(optimizer, lr, resource=True)
+    with g.as_default(), v1.Session(graph=g) as sess:
+        sess.run(t["init"])
+        b = v1.saved_model.Builder(out)
+        sig = v1.saved_model.signature_def_utils.predict_signature_def
+        b.add_meta_graph_and_variables(sess, ["serve"], signature_def_map={
+            "train": sig({"x": t["x"], "y": t["y"]}, {"loss": t["loss"]}),
+            "serving_default": sig({"x": t["x"]}, {"logits": t["logits"]})})
+        b.save()
+
+
+def tf1_checkpoint(out: str, optimizer: str = "momentum", lr: float = 0.05, resource: bool = False) -> str:
+    """The TF1 graph as a TF1 training script leaves it: ``tf.compat.v1.train.Saver().save``
+    writes OUT/model.meta (the MetaGraphDef with its train_op collection, no signatures) and
+    the checkpoint beside it; reference variables unless ``resource``. Returns the .meta path."""
+    import tensorflow as tf
+
+    v1 = tf.compat.v1
+    g, t = _tf1_graph(optimizer, lr, resource=resource)
+    os.makedirs(out, exist_ok=True)
+    with g.as_default(), v1.Session(graph=g) as sess:
+        sess.run(t["init"])
+        v1.train.Saver().save(sess, os.path.join(out, "model"))
+    return os.path.join(out, "model.meta")
 
 
 MODELS = {"digits-mlp": digits_mlp, "digits-cnn": digits_cnn, "digits-embedding": digits_embedding,
           "digits-lstm": digits_lstm, "digits-transformer": digits_transformer, "digits-dropout": digits_dropout,
-          "tf1-bn": tf1_momentum_bn, "resnet50": resnet50}
+          "tf1-bn": tf1_momentum_bn, "tf1-checkpoint": tf1_checkpoint, "resnet50": resnet50}
 
 
 def main() -> None:

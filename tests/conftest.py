@@ -41,6 +41,10 @@ def models(tmp_path_factory):
                 getattr(export, f"digits_{kind}")(path, **({"optimizer": opt} if opt else {}))
             elif kind == "tf1":
                 export.tf1_momentum_bn(path, **({"optimizer": opt} if opt else {}))
+            elif kind in ("tf1ckpt", "tf1ckpt-resource"):  # a .meta + checkpoint (returns the .meta)
+                made[name] = export.tf1_checkpoint(path, resource=kind.endswith("resource"),
+                                                   **({"optimizer": opt} if opt else {}))
+                return made[name]
             elif kind == "keras-export":
                 export.keras_export(path)
             else:

@@ -52,6 +52,7 @@ def linear(optimizer: str):
 
 def minimise(sm) -> None:
     """Keep only what the signatures reach: their graph nodes and library functions."""
+    from vfgraph.io.metagraph import ancestors
     from vfgraph.ir.graph import function_dependencies
 
     mg = sm.meta_graphs[0]
@@ -61,13 +62,7 @@ def minimise(sm) -> None:
     for key in [k for k in mg.signature_def if k.startswith("__")]:
         del mg.signature_def[key]
     nodes = {n.name: n for n in mg.graph_def.node}
-    keep, stack = set(), [t.name.split(":")[0] for s in mg.signature_def.values() for t in s.outputs.values()]
-    while stack:
-        n = stack.pop()
-        if n in keep or n not in nodes:
-            continue
-        keep.add(n)
-        stack.extend(i.lstrip("^").split(":")[0] for i in nodes[n].input)
+    keep = ancestors(nodes, [t.name.split(":")[0] for s in mg.signature_def.values() for t in s.outputs.values()])
     kept_nodes = [n for n in mg.graph_def.node if n.name in keep]
     del mg.graph_def.node[:]
     mg.graph_def.node.extend(kept_nodes)

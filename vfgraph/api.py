@@ -6,7 +6,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from vfgraph import __version__
 from vfgraph.errors import InputError
-from vfgraph.io import graphdef, savedmodel
+from vfgraph.io import graphdef, metagraph, savedmodel
 from vfgraph.ir.graph import FunctionGraph
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, Sequential, parse_pipeline
@@ -14,23 +14,28 @@ from vfgraph.passes.base import Pass, Sequential, parse_pipeline
 ModelLike = Union[str, os.PathLike, GraphItem]
 
 
-def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None) -> GraphItem:
-    """Load an exported model without modifying it: a SavedModel directory, or a frozen
-    GraphDef (.pb / .pbtxt; ``outputs`` names its output tensors, default: unconsumed nodes)."""
+def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None,
+         checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "") -> GraphItem:
+    """Load an exported model without modifying it: a SavedModel directory; a frozen GraphDef
+    (.pb / .pbtxt; ``outputs`` names its output tensors, default: unconsumed nodes); or a TF1
+    MetaGraphDef (.meta, or a checkpoint directory) with its checkpoint (default: beside it,
+    or ``checkpoint``; ``loss`` names the train op's loss when it cannot be found)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise InputError(f"{path}: no such file or directory")
     if savedmodel.is_saved_model_dir(path):
         return savedmodel.load_saved_model(path)
+    if path.endswith(".meta") and os.path.isfile(path) or metagraph.is_checkpoint_dir(path):
+        return metagraph.load_meta_graph(path, os.fspath(checkpoint) if checkpoint else None, loss)
     if os.path.isfile(path) and path.endswith((".pb", ".pbtxt")):
         if path.endswith(".pbtxt") and _is_saved_model_text(path):
             return savedmodel.load_saved_model_text(path)
         return graphdef.load_graph_def(path, outputs)
     if os.path.isdir(path):
-        raise InputError(f"{path}: not a SavedModel directory (no saved_model.pb); give the directory "
-                         "that tf.saved_model.save or model.export() wrote")
-    raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory or a frozen "
-                     "GraphDef (.pb, .pbtxt)")
+        raise InputError(f"{path}: not a SavedModel directory (no saved_model.pb) or TF1 checkpoint directory (no "
+                         "'checkpoint' file); give the directory tf.saved_model.save or model.export() wrote")
+    raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory, a frozen GraphDef "
+                     "(.pb, .pbtxt) or a TF1 MetaGraphDef (.meta) with its checkpoint")
 
 
 def _is_saved_model_text(path: str) -> bool:
@@ -55,14 +60,15 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
 
 def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: Optional[str] = None,
             train_signature: str = "", after_each: Optional[Callable[[Pass, GraphItem], None]] = None,
-            outputs: Optional[Sequence[str]] = None, allreduce: str = "auto", fusion_mb: float = 4) -> GraphItem:
+            outputs: Optional[Sequence[str]] = None, allreduce: str = "auto", fusion_mb: float = 4,
+            checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "") -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
 
     ``allreduce``: "mpi" adds the all-reduce over MPI ranks to the training step, "none" leaves
     it out, "auto" adds it when vfgraph's MPI ops are available here."""
     if allreduce not in ("auto", "mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi', 'none' or 'auto'")
-    item = model if isinstance(model, GraphItem) else load(model, outputs)
+    item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
     if pipeline is None:
         has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
         if allreduce == "auto":
@@ -74,7 +80,8 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     out, notes = seq(item)
     verify(out)
     history = list(out.metadata.get("history", []))
-    history.append({"pipeline": seq.spec(), "source_fingerprint": savedmodel.source_fingerprint(item.source),
+    history.append({"pipeline": seq.spec(),
+                    "source_fingerprint": savedmodel.source_fingerprint(item.source, item.variables_prefix),
                     "vfgraph_version": __version__})
     out.metadata["history"] = history
     out.metadata["notes"] = notes

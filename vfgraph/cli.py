@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("rewrite", help="rewrite a model with virtual nodes")
-    r.add_argument("model", help="SavedModel directory or frozen GraphDef (.pb, .pbtxt)")
+    r.add_argument("model", help="SavedModel directory, frozen GraphDef (.pb, .pbtxt), or TF1 MetaGraphDef (.meta, "
+                                 "or a checkpoint directory) with its checkpoint")
     r.add_argument("--vnodes", type=int, default=1, help="virtual nodes per training step (V)")
     r.add_argument("--vnode-batch", type=int, default=0,
                    help="examples per virtual node (b); default: static batch / V, or fed batch / V")
@@ -43,11 +44,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="data-parallel all-reduce over MPI ranks in the training step (auto: mpi when "
                         "vfgraph's MPI ops are available)")
     r.add_argument("--fusion-mb", type=float, default=4, help="largest fused all-reduce buffer, MiB (default 4)")
+    _tf1_options(r)
 
     i = sub.add_parser("inspect", help="show what vfgraph detects in a model")
     i.add_argument("model")
     i.add_argument("--train-signature", default="")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    _tf1_options(i)
 
     d = sub.add_parser("diff", help="canonical unified diff of two models (exit 1 when they differ)")
     d.add_argument("a")
@@ -81,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     bo = sub.add_parser("build-ops", help="build (or find) vfgraph's MPI ops for this TensorFlow and MPI")
     bo.add_argument("--force", action="store_true", help="build again even if the cache holds them")
     return p
+
+
+def _tf1_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", help="TF1 .meta input: checkpoint prefix (default: the .meta path without .meta)")
+    p.add_argument("--loss", default="", help="TF1 .meta input without a 'train' signature: the loss tensor "
+                                              "(default: found from the gradient computation)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -119,7 +128,8 @@ def cmd_rewrite(args) -> int:
     if args.vnodes < 1:
         raise InputError(f"--vnodes {args.vnodes}: needs at least 1 virtual node")
     stem, ext = os.path.splitext(os.path.normpath(args.model))
-    out = args.output or (stem + f"_vf{ext}" if ext in (".pb", ".pbtxt") else stem + ext + f"_vnodes{args.vnodes}")
+    out = args.output or (stem + f"_vf{ext}" if ext in (".pb", ".pbtxt") else
+                          stem + ("" if ext == ".meta" else ext) + f"_vnodes{args.vnodes}")
     prepare_output(out, args.force)
     after = None
     if args.print_after_all:
@@ -129,7 +139,8 @@ def cmd_rewrite(args) -> int:
     item = vfgraph.rewrite(args.model, vnodes=args.vnodes, vnode_batch=args.vnode_batch,
                            pipeline=args.pipeline, train_signature=args.train_signature, after_each=after,
                            outputs=args.outputs.split(",") if args.outputs else None,
-                           allreduce=args.allreduce, fusion_mb=args.fusion_mb)
+                           allreduce=args.allreduce, fusion_mb=args.fusion_mb, checkpoint=args.checkpoint,
+                           loss=args.loss)
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
@@ -142,7 +153,7 @@ def cmd_inspect(args) -> int:
     from vfgraph.analysis.train_step import analyze_train_step
     from vfgraph.ir.graph import FunctionGraph, function_dependencies
 
-    item = vfgraph.load(args.model)
+    item = vfgraph.load(args.model, checkpoint=args.checkpoint, loss=args.loss)
     lib = item.library
     report = {"model": item.source, "signatures": {}, "rewrites": item.metadata.get("rewrites", {}),
               "history": item.metadata.get("history", [])}

@@ -58,6 +58,7 @@ class GraphItem:
     signatures: Dict[str, SignatureInfo]
     preserve: set = field(default_factory=set)
     metadata: Dict[str, object] = field(default_factory=dict)
+    variables_prefix: str = ""  # checkpoint holding the variables when not source/variables (TF1 .meta)
 
     @property
     def meta_graph(self):
@@ -89,7 +90,7 @@ class GraphItem:
         sm = saved_model_pb2.SavedModel()
         sm.CopyFrom(self.saved_model)
         return GraphItem(self.source, self.kind, sm, copy.deepcopy(self.signatures),
-                         set(self.preserve), copy.deepcopy(self.metadata))
+                         set(self.preserve), copy.deepcopy(self.metadata), self.variables_prefix)
 
     def training_signature(self, key: Optional[str] = None) -> Optional[SignatureInfo]:
         if key is not None:

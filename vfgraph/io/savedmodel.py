@@ -27,13 +27,17 @@ def is_saved_model_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, SAVED_MODEL_PB))
 
 
+def read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+
+
 def read_saved_model_proto(path: str) -> saved_model_pb2.SavedModel:
     pb = os.path.join(path, SAVED_MODEL_PB)
-    try:
-        with open(pb, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise InputError(f"{pb}: cannot read ({e.strerror})") from None
+    data = read_bytes(pb)
     sm = saved_model_pb2.SavedModel()
     try:
         sm.ParseFromString(data)
@@ -173,18 +177,22 @@ def read_metadata(path: str) -> Optional[dict]:
         return json.load(f)
 
 
-def source_fingerprint(path: str) -> str:
-    """sha256 over the SavedModel protobuf and the variables of ``path`` (or over a file)."""
+def source_fingerprint(path: str, variables_prefix: str = "") -> str:
+    """sha256 over the SavedModel protobuf and the variables of ``path`` (or over a file and
+    the checkpoint at ``variables_prefix``)."""
+    from vfgraph.io.metagraph import checkpoint_files
+
     h = hashlib.sha256()
     if os.path.isfile(path):
-        with open(path, "rb") as f:
-            h.update(f.read())
-        return h.hexdigest()
-    for rel in [SAVED_MODEL_PB] + sorted(
-            os.path.join("variables", f) for f in (os.listdir(os.path.join(path, "variables"))
-                                                   if os.path.isdir(os.path.join(path, "variables")) else [])):
+        files = [("", path)] + [(os.path.basename(f), f) for f in (checkpoint_files(variables_prefix)
+                                                                  if variables_prefix else [])]
+    else:
+        var_dir = os.path.join(path, "variables")
+        files = [(rel, os.path.join(path, rel)) for rel in [SAVED_MODEL_PB] + sorted(
+            os.path.join("variables", f) for f in (os.listdir(var_dir) if os.path.isdir(var_dir) else []))]
+    for rel, full in files:
         h.update(rel.encode())
-        with open(os.path.join(path, rel), "rb") as f:
+        with open(full, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
@@ -213,6 +221,13 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
             src = os.path.join(item.source, sub)
             if os.path.isdir(src):
                 shutil.copytree(src, os.path.join(tmp, sub))
+        if item.variables_prefix:  # a TF1 checkpoint becomes the SavedModel's variables
+            from vfgraph.io.metagraph import checkpoint_files
+
+            os.makedirs(os.path.join(tmp, "variables"), exist_ok=True)
+            for f in checkpoint_files(item.variables_prefix):
+                suffix = f[len(item.variables_prefix):]
+                shutil.copyfile(f, os.path.join(tmp, "variables", "variables" + suffix))
         extra = os.path.join(item.source, "assets.extra")
         if os.path.isdir(extra):
             shutil.copytree(extra, os.path.join(tmp, "assets.extra"))

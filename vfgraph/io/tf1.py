@@ -41,7 +41,10 @@ def convert(sm: saved_model_pb2.SavedModel, path: str) -> GraphItem:
     """Turn each signature of a TF1 MetaGraph into a library function."""
     import tensorflow as tf
 
+    from vfgraph.io import refvars
+
     mg = sm.meta_graphs[0]
+    refvars.to_resource_variables(mg, path)
     gd = mg.graph_def
     nodes = {n.name: n for n in gd.node}
     graph = tf.Graph()
