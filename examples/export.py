@@ -228,13 +228,13 @@ def _tf1_graph(optimizer: str, lr: float, resource: bool):
     return g, {"x": x, "y": y, "loss": loss_out, "logits": serve, "init": init}
 
 
-def tf1_momentum_bn(out: str, optimizer: str = "momentum", lr: float = 0.05) -> None:
-    """The TF1 graph with resource variables, saved with SavedModelBuilder: 'train' returns
-    the loss after running the train op, 'serving_default' the logits."""
+def tf1_momentum_bn(out: str, optimizer: str = "momentum", lr: float = 0.05, resource: bool = True) -> None:
+    """The TF1 graph saved with SavedModelBuilder: 'train' returns the loss after running
+    the train op, 'serving_default' the logits; reference variables unless ``resource``."""
     import tensorflow as tf
 
     v1 = tf.compat.v1
-    g, t = _tf1_graph(optimizer, lr, resource=True)
+    g, t = _tf1_graph(optimizer, lr, resource=resource)
     with g.as_default(), v1.Session(graph=g) as sess:
         sess.run(t["init"])
         b = v1.saved_model.Builder(out)

@@ -39,8 +39,8 @@ def models(tmp_path_factory):
                 export.digits_cnn(path, optimizer=opt or "momentum")
             elif kind in ("embedding", "lstm", "transformer", "dropout"):
                 getattr(export, f"digits_{kind}")(path, **({"optimizer": opt} if opt else {}))
-            elif kind == "tf1":
-                export.tf1_momentum_bn(path, **({"optimizer": opt} if opt else {}))
+            elif kind in ("tf1", "tf1-ref"):  # TF1 SavedModel, resource or reference variables
+                export.tf1_momentum_bn(path, resource=kind == "tf1", **({"optimizer": opt} if opt else {}))
             elif kind in ("tf1ckpt", "tf1ckpt-resource"):  # a .meta + checkpoint (returns the .meta)
                 made[name] = export.tf1_checkpoint(path, resource=kind.endswith("resource"),
                                                    **({"optimizer": opt} if opt else {}))
