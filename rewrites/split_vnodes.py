@@ -17,7 +17,8 @@ from tensorflow.python.framework.tensor_util import make_tensor_proto
 from typing import ClassVar, List, Tuple
 
 from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, with_dynamic_batch
-from vfgraph.builder import extract_function, tf_dtype, trace_replacement
+from vfgraph.builder import (FunctionBuilder, extract_function, func_attr, shapes_attr, tf_dtype, type_attr,
+                             types_attr)
 from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.ir.names import function_name
@@ -72,12 +73,12 @@ class SplitVnodesPass(Pass):
         item.set_function(udef)
         reduce_fn = function_name(sig.function, "reduce")
         item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step)))
-        body = _loop_body(g, step, vdef, udef, self.vnodes, b, reduce_fn)
-        for f in trace_replacement(item.function(sig.function), body, function_name(sig.function, "vnodes")):
+        loop = _Loop(g, step, vdef, self.vnodes, b, item.library)
+        for f in loop.functions + [_step_function(item, g, step, loop, udef, reduce_fn)]:
             item.set_function(f)
         FunctionGraph(item.function(sig.function), item.library).verify()
         item.preserve.add(sig.function)
-        notes = add_stepwise(item, g, step, vdef, udef, self.vnodes, b) if self.stepwise else []
+        notes = add_stepwise(item, g, step, loop, udef) if self.stepwise else []
         record = item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})
         record[sig.key] = {
             "function": sig.function,
@@ -171,134 +172,249 @@ def _node(name: str, op: str, inputs: List[str], **attrs):
     return node
 
 
-class _Loop:
-    """The virtual-node loop shared by the training step and the step-wise accumulate."""
+I32, F32 = types_pb2.DT_INT32, types_pb2.DT_FLOAT
 
-    def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int):
+
+class _Loop:
+    """The virtual-node loop shared by the training step and the step-wise accumulate: a
+    ``While`` over the slices of the fed batch whose body calls the virtual-node function and
+    adds its gradients to the loop-carried sums (sparse rows and per-example outputs go to
+    tensor lists). Its body and condition are library functions written once (``functions``);
+    :meth:`emit` writes the loop into a function under construction."""
+
+    def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library):
         self.g, self.step, self.vdef, self.vnodes, self.b = g, step, vdef, vnodes, b
         sig = step.signature
         self.keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
         self.vnode_outs = [o for o in step.outputs if o.side == "vnode"]
-        self.v_types = [tf_dtype(a.type) for a in vdef.signature.output_arg]
-        self.v_args = [a.name for a in vdef.signature.input_arg]
-        self.cut_shapes = [c.shape for c in step.cut]
-        self.out_shapes = [g.shape(o.ref) for o in self.vnode_outs]
-
-    def run(self, batch: List, res: List):
-        """Run every virtual node of the fed batch; returns (per-output results, gradient
-        sums (or concatenations), number of virtual nodes)."""
-        import tensorflow as tf
-
-        sig, b, vnodes, keys = self.step.signature, self.b, self.vnodes, self.keys
+        self.v_types = [a.type for a in vdef.signature.output_arg]
         n_out = len(self.vnode_outs)
-        n = tf.shape(batch[0])[0]
-        checks = [tf.debugging.assert_equal(tf.shape(x)[0], n, message=(
-            f"vfgraph: training inputs {keys[0]!r} and {k!r} have different leading (batch) dimensions"))
-            for k, x in zip(keys[1:], batch[1:])]
-        if b:
-            per = tf.constant(b, tf.int32)
-            nv = n // per
-            checks.append(tf.debugging.assert_equal(n % per, 0, message=(
-                f"vfgraph: the fed batch is not a multiple of the virtual-node batch b={b}; "
-                f"feed a multiple of {b} examples")))
-        else:
-            nv = tf.constant(vnodes, tf.int32)
-            per = n // nv
-            checks.append(tf.debugging.assert_equal(n % nv, 0, message=(
-                f"vfgraph: the fed batch is not divisible by vnodes={vnodes}; feed a multiple of {vnodes} examples")))
-        checks.append(tf.debugging.assert_positive(nv, message="vfgraph: the fed batch holds no virtual node"))
-        with tf.control_dependencies(checks):
-            nv = tf.identity(nv)
-        accs = [tf.zeros(s, t) if c.combine == "mean" else tf.TensorArray(t, size=nv, infer_shape=False)
-                for c, s, t in zip(self.step.cut, self.cut_shapes, self.v_types[n_out:])]
-        outs = [tf.zeros(s, t) if o.combine == "mean" else tf.TensorArray(t, size=nv, infer_shape=False)
-                for o, t, s in zip(self.vnode_outs, self.v_types, self.out_shapes)]
+        # what each loop-carried value holds: (combine, dtype, shape)
+        self.carried = ([(o.combine, t, g.shape(o.ref)) for o, t in zip(self.vnode_outs, self.v_types)] +
+                        [(c.combine, t, c.shape) for c, t in zip(step.cut, self.v_types[n_out:])])
+        self.batch_types = [g.dtype(TensorRef(a)) for a in sig.batch_args]
+        lib = dict(library)
+        lib[vdef.signature.name] = vdef
+        self.body_name = function_name(sig.function, "vnodes", "body")
+        self.cond_name = function_name(sig.function, "vnodes", "cond")
+        self.functions = [self._body(lib), self._cond(lib)]
 
-        def cond(i, *_):
-            return i < nv
+    # loop variables: i, carried..., nv, per, batch..., resources...
+    def _loop_types(self) -> List[int]:
+        carried = [t if c == "mean" else types_pb2.DT_VARIANT for c, t, _ in self.carried]
+        res = [types_pb2.DT_RESOURCE] * len(self.step.signature.resource_args)
+        return [I32] + carried + [I32, I32] + self.batch_types + res
 
-        def loop(i, *carry):
-            start = i * per
-            by_name = dict(zip(sig.batch_args, [x[start:start + per] for x in batch]))
-            by_name.update(zip(sig.resource_args, res))
-            if VNODE_INDEX in self.v_args:
-                by_name[VNODE_INDEX] = tf.cast(i, tf.int64)
-            got = tf.raw_ops.StatefulPartitionedCall(args=[by_name[a] for a in self.v_args], Tout=self.v_types,
-                                                     f=self.vdef.signature.name)
-            new = []
-            for k, (o, acc) in enumerate(zip(self.vnode_outs, carry[:n_out])):
-                new.append(acc + tf.ensure_shape(got[k], self.out_shapes[k]) if o.combine == "mean"
-                           else acc.write(i, got[k]))
-            new += [acc + tf.ensure_shape(v, s) if c.combine == "mean" else acc.write(i, v)
-                    for c, acc, v, s in zip(self.step.cut, carry[n_out:], got[n_out:], self.cut_shapes)]
-            return [i + 1] + new
+    def _loop_shapes(self) -> List:
+        carried = [s if c == "mean" else [] for c, _, s in self.carried]
+        batch = [self.g.arg_shape(a) for a in self.step.signature.batch_args]
+        return [[]] + carried + [[], []] + batch + [[]] * len(self.step.signature.resource_args)
 
-        final = tf.while_loop(cond, loop, [tf.constant(0, tf.int32)] + outs + accs,
-                              parallel_iterations=1, name="vnodes")
-        return list(final[1:1 + n_out]), list(final[1 + n_out:]), nv
+    def _loop_args(self, fb: FunctionBuilder) -> List[str]:
+        names = (["i"] + [f"carried_{k}" for k in range(len(self.carried))] + ["nv", "per"] +
+                 [f"batch_{k}" for k in range(len(self.batch_types))] +
+                 [f"resource_{k}" for k in range(len(self.step.signature.resource_args))])
+        return [fb.arg(n, t, s) for n, t, s in zip(names, self._loop_types(), self._loop_shapes())]
 
-    def outputs(self, outs: List, count) -> List:
-        """The loop's per-output results: sums divided by ``count``, concatenations, last values."""
-        import tensorflow as tf
-
-        results = []
-        for o, v in zip(self.vnode_outs, outs):
-            if o.combine == "mean":
-                v = v / tf.cast(count, v.dtype)
-            elif o.combine == "concat":
-                v = v.concat()
+    def _body(self, lib):
+        sig = self.step.signature
+        fb = FunctionBuilder(self.body_name, lib)
+        args = self._loop_args(fb)
+        k_c = len(self.carried)
+        i, carried, per = args[0], args[1:1 + k_c], args[2 + k_c]
+        batch = args[3 + k_c:3 + k_c + len(self.batch_types)]
+        res = args[3 + k_c + len(self.batch_types):]
+        start = fb.op("Mul", [i, per], name="start", T=type_attr(I32))[0]
+        end = fb.op("AddV2", [start, per], name="end", T=type_attr(I32))[0]
+        pack = dict(N=1, T=type_attr(I32), axis=0)
+        begin_v = fb.op("Pack", [start], name="begin", **pack)[0]
+        end_v = fb.op("Pack", [end], name="stop", **pack)[0]
+        strides = fb.const([1], I32, "strides")[0]
+        by_name = {a: fb.op("StridedSlice", [x, begin_v, end_v, strides], name="slice", T=type_attr(t),
+                            Index=type_attr(I32))[0]
+                   for a, x, t in zip(sig.batch_args, batch, self.batch_types)}
+        by_name.update(zip(sig.resource_args, res))
+        v_args = [a.name for a in self.vdef.signature.input_arg]
+        if VNODE_INDEX in v_args:
+            by_name[VNODE_INDEX] = fb.op("Cast", [i], name="index", SrcT=type_attr(I32),
+                                         DstT=type_attr(types_pb2.DT_INT64), Truncate=False)[0]
+        call = fb.op("StatefulPartitionedCall", [by_name[a] for a in v_args], name="vnode",
+                     Tin=types_attr([a.type for a in self.vdef.signature.input_arg]), Tout=types_attr(self.v_types),
+                     f=func_attr(self.vdef.signature.name))
+        new = []
+        for k, ((combine, t, shape), acc) in enumerate(zip(self.carried, carried)):
+            if combine == "mean":
+                new.append(fb.op("AddV2", [acc, call[k]], name="sum", T=type_attr(t), shapes=[shape])[0])
             else:
-                v = v.stack()[-1]
+                new.append(fb.op("TensorListSetItem", [acc, i, call[k]], name="append", element_dtype=type_attr(t))[0])
+        nxt = fb.op("AddV2", [i, fb.const(1, I32, "one")[0]], name="next", T=type_attr(I32))[0]
+        for k, (ref, t) in enumerate(zip([nxt] + new + args[1 + k_c:], self._loop_types())):
+            fb.ret(f"out_{k}", ref, t)
+        return fb.finish()
+
+    def _cond(self, lib):
+        fb = FunctionBuilder(self.cond_name, lib)
+        args = self._loop_args(fb)
+        nv = args[1 + len(self.carried)]
+        fb.ret("more", fb.op("Less", [args[0], nv], name="more", T=type_attr(I32))[0], types_pb2.DT_BOOL)
+        fb.fdef.signature.is_stateful = False
+        return fb.finish()
+
+    def _batch_size(self, fb: FunctionBuilder, x: str, dtype: int) -> str:
+        shape = fb.op("Shape", [x], name="shape", T=type_attr(dtype), out_type=type_attr(I32))[0]
+        return fb.op("StridedSlice", [shape, fb.const([0], I32, "zero")[0], fb.const([1], I32, "one")[0],
+                                      fb.const([1], I32, "one")[0]],
+                     name="batch_size", T=type_attr(I32), Index=type_attr(I32), shrink_axis_mask=1)[0]
+
+    def _assert(self, fb: FunctionBuilder, ok: str, message: str):
+        msg = fb.const(np.array(message.encode(), dtype=object), types_pb2.DT_STRING, "message")[0]
+        return fb.op("Assert", [ok, msg], name="check", T=types_attr([types_pb2.DT_STRING]), summarize=3)
+
+    def emit(self, fb: FunctionBuilder, batch: List[str], res: List[str]) -> Tuple[List[str], List[str], str]:
+        """Run every virtual node of the fed batch; returns (per-output results, gradient sums
+        or tensor lists, number of virtual nodes)."""
+        b, vnodes, keys = self.b, self.vnodes, self.keys
+        i32 = type_attr(I32)
+        n = self._batch_size(fb, batch[0], self.batch_types[0])
+        checks = []
+        for k, x, t in zip(keys[1:], batch[1:], self.batch_types[1:]):
+            same = fb.op("Equal", [self._batch_size(fb, x, t), n], name="same_batch", T=i32)[0]
+            checks.append(self._assert(fb, same, f"vfgraph: training inputs {keys[0]!r} and {k!r} have different "
+                                                 "leading (batch) dimensions"))
+        if b:
+            per = fb.const(b, I32, "vnode_batch")[0]
+            nv = fb.op("FloorDiv", [n, per], name="vnodes", T=i32)[0]
+            rem = fb.op("FloorMod", [n, per], name="rest", T=i32)[0]
+            message = (f"vfgraph: the fed batch is not a multiple of the virtual-node batch b={b}; "
+                       f"feed a multiple of {b} examples")
+        else:
+            nv = fb.const(vnodes, I32, "vnodes")[0]
+            per = fb.op("FloorDiv", [n, nv], name="vnode_batch", T=i32)[0]
+            rem = fb.op("FloorMod", [n, nv], name="rest", T=i32)[0]
+            message = f"vfgraph: the fed batch is not divisible by vnodes={vnodes}; feed a multiple of {vnodes} examples"
+        zero = fb.const(0, I32, "zero")[0]
+        checks.append(self._assert(fb, fb.op("Equal", [rem, zero], name="divides", T=i32)[0], message))
+        checks.append(self._assert(fb, fb.op("Greater", [nv, zero], name="some", T=i32)[0],
+                                   "vfgraph: the fed batch holds no virtual node"))
+        nv = fb.op("Identity", [nv], name="checked_vnodes", deps=checks, T=i32)[0]
+        inits = []
+        for combine, t, shape in self.carried:
+            if combine == "mean":
+                if shape is None or any(d < 0 for d in shape):
+                    raise PipelineError(f"signature {self.step.signature.key!r}: a summed value has no static shape "
+                                        f"({shape}); vfgraph cannot size its accumulator")
+                inits.append(fb.op("Fill", [fb.const(shape, I32, "shape")[0], fb.const(0, t, "zero")[0]],
+                                   name="zeros", T=type_attr(t), index_type=i32, shapes=[shape])[0])
+            else:
+                inits.append(fb.op("TensorListReserve", [fb.const(-1, I32, "element_shape")[0], nv], name="list",
+                                   element_dtype=type_attr(t), shape_type=i32)[0])
+        loop = fb.op("While", [zero] + inits + [nv, per] + batch + res, name="vnodes_loop",
+                     T=types_attr(self._loop_types()), cond=func_attr(self.cond_name), body=func_attr(self.body_name),
+                     output_shapes=shapes_attr(self._loop_shapes()), parallel_iterations=1,
+                     _lower_using_switch_merge=True)
+        self.last = loop
+        outs = loop.outputs()
+        n_out = len(self.vnode_outs)
+        return outs[1:1 + n_out], outs[1 + n_out:1 + len(self.carried)], nv
+
+    def concat(self, fb: FunctionBuilder, ref: str, dtype: int) -> str:
+        """The rows of a tensor list, concatenated."""
+        return fb.op("TensorListConcatV2", [ref, fb.const(-1, I32, "element_shape")[0],
+                                            fb.const(np.zeros([0], np.int64), types_pb2.DT_INT64, "leading_dims")[0]],
+                     name="concat", element_dtype=type_attr(dtype), shape_type=type_attr(I32))[0]
+
+    def outputs(self, fb: FunctionBuilder, outs: List[str], count: str, nv: str) -> List[str]:
+        """The loop's per-output results: sums divided by ``count`` (float32), concatenations,
+        last values."""
+        results = []
+        for o, v, (_, t, shape) in zip(self.vnode_outs, outs, self.carried):
+            if o.combine == "mean":
+                v = divide(fb, v, count, t, shape)
+            elif o.combine == "concat":
+                v = self.concat(fb, v, t)
+            else:
+                last = fb.op("Sub", [nv, fb.const(1, I32, "one")[0]], name="last", T=type_attr(I32))[0]
+                v = fb.op("TensorListGetItem", [v, last, fb.const(-1, I32, "element_shape")[0]], name="last_value",
+                          element_dtype=type_attr(t))[0]
             results.append(v)
         return results
 
-    def reduce(self, outs: List, sums: List, nv, reduce_fn) -> Tuple[List, List, object]:
+    def reduce(self, fb: FunctionBuilder, outs: List[str], sums: List[str], nv: str, reduce_fn: str):
         """Hand the loop's sums to the step's reduce function (identity on one process; the
         all-reduce over ranks once ``insert-allreduce`` has run). Returns (output sums,
         gradient sums or concatenations, number of virtual nodes as float32)."""
-        import tensorflow as tf
-
         cut = self.step.cut
-        mean_outs = [v for o, v in zip(self.vnode_outs, outs) if o.combine == "mean"]
-        grads = [a if c.combine == "mean" else a.concat() for c, a in zip(cut, sums)]
-        args = mean_outs + grads + [tf.cast(nv, tf.float32)]
-        got = list(tf.raw_ops.StatefulPartitionedCall(args=args, Tout=[a.dtype for a in args], f=reduce_fn))
+        n_out = len(self.vnode_outs)
+        mean_outs = [(v, t) for o, v, (_, t, _s) in zip(self.vnode_outs, outs, self.carried) if o.combine == "mean"]
+        grads = [(a if c.combine == "mean" else self.concat(fb, a, t), t)
+                 for c, a, (_, t, _s) in zip(cut, sums, self.carried[n_out:])]
+        count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
+        args = mean_outs + grads + [(count, F32)]
+        types = [t for _, t in args]
+        got = fb.op("StatefulPartitionedCall", [r for r, _ in args], name="reduce", Tin=types_attr(types),
+                    Tout=types_attr(types), f=func_attr(reduce_fn)).outputs()
         it = iter(got[:len(mean_outs)])
         outs = [next(it) if o.combine == "mean" else v for o, v in zip(self.vnode_outs, outs)]
         return outs, got[len(mean_outs):-1], got[-1]
 
 
+def divide(fb: FunctionBuilder, value: str, count: str, dtype: int, shape=None) -> str:
+    """``value / count`` with the float32 ``count`` cast to ``dtype``."""
+    if dtype != F32:
+        count = fb.op("Cast", [count], name="count_as", SrcT=type_attr(F32), DstT=type_attr(dtype),
+                      Truncate=False)[0]
+    return fb.op("RealDiv", [value, count], name="mean", T=type_attr(dtype), shapes=[shape])[0]
+
+
+def _like(header, library) -> Tuple[FunctionBuilder, List[str]]:
+    """A builder for a function with ``header``'s name, arguments and attributes."""
+    fb = FunctionBuilder(header.signature.name, library)
+    args = [fb.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None)
+            for i, a in enumerate(header.signature.input_arg)]
+    for k, v in header.attr.items():
+        fb.fdef.attr[k].CopyFrom(v)
+    return fb, args
+
+
 def _assemble(step: TrainStep, vnode_results: List, updated) -> List:
     """The function's outputs in the original order."""
     vi = iter(vnode_results)
-    ui = iter(updated if isinstance(updated, (list, tuple)) else [])
+    ui = iter(updated)
     return [next(vi) if o.side == "vnode" else next(ui) for o in step.outputs]
 
 
-def _loop_body(g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int, reduce_fn: str):
-    """The Python body traced into the replacement training function."""
-    import tensorflow as tf
+def _update(fb: FunctionBuilder, udef, means: List[str], res: List[str], after=()):
+    """Call the update function once, after ``after``; returns (its node, its outputs). The
+    control dependency matters: inlined, the update's ops that do not read the gradients
+    (AdamW's weight decay) would otherwise run as soon as the step starts."""
+    call = fb.op("StatefulPartitionedCall", means + res, name="update", deps=after,
+                 Tin=types_attr([a.type for a in udef.signature.input_arg]),
+                 Tout=types_attr([a.type for a in udef.signature.output_arg]), f=func_attr(udef.signature.name))
+    fb.control_ret(call)
+    return call, call.outputs()
 
+
+def _step_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop, udef, reduce_fn: str):
+    """The replacement training function: loop, reduce, average, update once; the original's
+    name, arguments and outputs."""
     sig = step.signature
-    names = g.arg_names
-    batch_idx = [names.index(a) for a in sig.batch_args]
-    res_idx = [names.index(a) for a in sig.resource_args]
-    u_types = [tf_dtype(a.type) for a in udef.signature.output_arg]
-    loop = _Loop(g, step, vdef, vnodes, b)
-
-    def body(*args):
-        res = [args[i] for i in res_idx]
-        outs, sums, nv = loop.run([args[i] for i in batch_idx], res)
-        outs, sums, count = loop.reduce(outs, sums, nv, reduce_fn)
-        results = loop.outputs(outs, count)
-        means = [a if c.combine == "concat" else a / tf.cast(count, a.dtype)  # sparse rows: scaled too
-                 for c, a in zip(step.cut, sums)]
-        updated = tf.raw_ops.StatefulPartitionedCall(args=means + res, Tout=u_types, f=udef.signature.name)
-        deps = list(updated) if isinstance(updated, (list, tuple)) else [updated]
-        with tf.control_dependencies(deps):
-            return [tf.identity(r) for r in _assemble(step, results, updated)]
-
-    return body
+    original = item.function(sig.function)
+    lib = item.library
+    for f in loop.functions:
+        lib[f.signature.name] = f
+    fb, args = _like(original, lib)
+    by = dict(zip(g.arg_names, args))
+    res = [by[a] for a in sig.resource_args]
+    outs, sums, nv = loop.emit(fb, [by[a] for a in sig.batch_args], res)
+    outs, sums, count = loop.reduce(fb, outs, sums, nv, reduce_fn)
+    results = loop.outputs(fb, outs, count, nv)
+    means = [a if c.combine == "concat" else divide(fb, a, count, c.dtype, c.shape)  # sparse rows: scaled too
+             for c, a in zip(step.cut, sums)]
+    call, updated = _update(fb, udef, means, res, after=[loop.last])
+    for o, a, r in zip(step.outputs, original.signature.output_arg, _assemble(step, results, updated)):
+        fb.ret(a.name, fb.op("Identity", [r], name="result", deps=[call], T=type_attr(a.type),
+                             shapes=[g.shape(o.ref)])[0], a.type)
+    return fb.finish()
 
 
 # --------------------------------------------------------------------------- reduce point
@@ -338,7 +454,7 @@ def reduce_function(name: str, specs: List[Tuple[str, int, list]]):
 ACCUMULATORS = "vf_accumulators"
 
 
-def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int) -> List[str]:
+def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop, udef) -> List[str]:
     """Add ``<train>_accumulate`` (run the fed batch's virtual nodes, add their gradient sums
     and count into accumulator variables, return their mean loss) and ``<train>_apply``
     (average the accumulators, apply the original update once, reset them): the step-wise
@@ -384,43 +500,39 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, udef,
     acc_header = _header(g, acc_fn, inner, acc_args, [a.name for a in wrapper.signature.output_arg],
                          [g.dtype(o.ref) for o in step.outputs])
     apply_header = _header(g, apply_fn, inner[n_inputs:], acc_args, [], [])
-    loop = _Loop(g, step, vdef, vnodes, b)
-    u_types = [tf_dtype(a.type) for a in udef.signature.output_arg]
     reduce_fn = function_name(sig.function, "apply_reduce")
     item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step, with_outputs=False)))
-    cut_types = [tf_dtype(c.dtype) for c in step.cut]
+    lib = item.library
 
-    def accumulate(*args):
-        import tensorflow as tf
+    fb, args = _like(acc_header, lib)
+    by = dict(zip(inner + acc_args, args))
+    outs, sums, nv = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
+    count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
+    adds = [fb.op("AssignAddVariableOp", [by[a], v], name="accumulate", dtype=type_attr(t))
+            for a, v, t in zip(acc_args, sums + [count], [c.dtype for c in step.cut] + [F32])]
+    for a in adds:
+        fb.control_ret(a)
+    for o, a, r in zip(step.outputs, acc_header.signature.output_arg, loop.outputs(fb, outs, count, nv)):
+        fb.ret(a.name, fb.op("Identity", [r], name="result", deps=adds, T=type_attr(a.type),
+                             shapes=[g.shape(o.ref)])[0], a.type)
+    item.set_function(fb.finish())
 
-        by = dict(zip(inner + acc_args, args))
-        outs, sums, nv = loop.run([by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
-        ops = [tf.raw_ops.AssignAddVariableOp(resource=by[a], value=s) for a, s in zip(acc_args, sums)]
-        ops.append(tf.raw_ops.AssignAddVariableOp(resource=by["vf_count"], value=tf.cast(nv, tf.float32)))
-        with tf.control_dependencies(ops):
-            return [tf.identity(r) for r in _assemble(step, loop.outputs(outs, nv), [])]
-
-    def apply(*args):
-        import tensorflow as tf
-
-        by = dict(zip(inner[n_inputs:] + acc_args, args))
-        sums = [tf.raw_ops.ReadVariableOp(resource=by[a], dtype=t) for a, t in zip(acc_args, cut_types + [tf.float32])]
-        got = tf.raw_ops.StatefulPartitionedCall(args=sums, Tout=[s.dtype for s in sums], f=reduce_fn)
-        count = got[-1]
-        means = [s / tf.cast(count, t) for s, t in zip(got[:-1], cut_types)]
-        updated = tf.raw_ops.StatefulPartitionedCall(args=means + [by[a] for a in sig.resource_args], Tout=u_types,
-                                                     f=udef.signature.name)
-        deps = list(updated) if isinstance(updated, (list, tuple)) else [updated]
-        with tf.control_dependencies(deps):
-            resets = [tf.raw_ops.AssignVariableOp(resource=by[a], value=tf.zeros(c.shape, t))
-                      for a, c, t in zip(acc_args, step.cut, cut_types)]
-            resets.append(tf.raw_ops.AssignVariableOp(resource=by["vf_count"], value=tf.constant(0.0)))
-        with tf.control_dependencies(resets):
-            return []
-
-    for header, body in ((acc_header, accumulate), (apply_header, apply)):
-        for f in trace_replacement(header, body, header.signature.name):
-            item.set_function(f)
+    fb, args = _like(apply_header, lib)
+    by = dict(zip(inner[n_inputs:] + acc_args, args))
+    types = [c.dtype for c in step.cut] + [F32]
+    sums = [fb.op("ReadVariableOp", [by[a]], name="sum", dtype=type_attr(t))[0] for a, t in zip(acc_args, types)]
+    reduced = fb.op("StatefulPartitionedCall", sums, name="reduce", Tin=types_attr(types), Tout=types_attr(types),
+                    f=func_attr(reduce_fn))
+    got = reduced.outputs()
+    means = [divide(fb, v, got[-1], c.dtype, c.shape) for v, c in zip(got[:-1], step.cut)]
+    call, _ = _update(fb, udef, means, [by[a] for a in sig.resource_args], after=[reduced])
+    for a, c in zip(acc_args, step.cut):
+        zeros = fb.op("Fill", [fb.const(c.shape, I32, "shape")[0], fb.const(0, c.dtype, "zero")[0]], name="zeros",
+                      T=type_attr(c.dtype), index_type=type_attr(I32))[0]
+        fb.control_ret(fb.op("AssignVariableOp", [by[a], zeros], name="reset", deps=[call], dtype=type_attr(c.dtype)))
+    fb.control_ret(fb.op("AssignVariableOp", [by["vf_count"], fb.const(0.0, F32, "zero")[0]], name="reset",
+                         deps=[call], dtype=type_attr(F32)))
+    item.set_function(fb.finish())
     add_signature(item, f"{sig.key}_accumulate", acc_fn, cf, bare_id, acc_ids, takes_inputs=True)
     add_signature(item, f"{sig.key}_apply", apply_fn, cf, bare_id, acc_ids, takes_inputs=False)
     return []
@@ -481,7 +593,7 @@ def _header(g: FunctionGraph, name: str, args: List[str], resources: List[str], 
     fdef = function_pb2.FunctionDef()
     fdef.signature.name = name
     fdef.signature.is_stateful = True
-    src = g.to_function_def()
+    src = g.header
     index = {a.name: i for i, a in enumerate(src.signature.input_arg)}
     for a in args:
         fdef.signature.input_arg.add().CopyFrom(src.signature.input_arg[index[a]])

@@ -1,15 +1,18 @@
-"""Builds new library functions: extracted pieces of a function, and loops traced with TensorFlow.
+"""Builds new library functions: extracted pieces of a function, bodies written node by node
+(:class:`FunctionBuilder`: the virtual-node loop, reductions, broadcasts), and bodies traced
+with TensorFlow (:func:`trace_replacement`, for the serving loop).
 
-TensorFlow itself is the builder for control flow (``tf.while_loop`` gives a functional
-``While`` with correct shapes and attributes); what it produces is renamed into
-deterministic names and handed back as plain FunctionDefs for the pass to install.
+Writing NodeDefs directly costs microseconds per node; tracing costs about a millisecond per
+op (TensorFlow builds, shape-infers and auto-orders every op in a FuncGraph), which made
+tracing most of a rewrite's time. Direct construction also states every ordering the graph
+needs as an explicit control dependency instead of relying on a tracer to infer it.
 """
 from __future__ import annotations
 
 import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from tensorflow.core.framework import function_pb2, types_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
 from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, parse_input, verify_function_def
@@ -227,3 +230,155 @@ def _rename_everywhere(fdef: function_pb2.FunctionDef, renames: Dict[str, str]) 
 def _trace_order(name: str) -> Tuple[int, str]:
     m = re.search(r"_(\d+)$", name)
     return (int(m.group(1)) if m else 0, name)
+
+
+# --------------------------------------------------------------------------- direct construction
+def shape_proto(dims: Optional[Sequence[int]]):
+    """A TensorShapeProto: ``None`` is unknown rank, -1 an unknown dimension."""
+    from tensorflow.core.framework import tensor_shape_pb2
+
+    proto = tensor_shape_pb2.TensorShapeProto()
+    if dims is None:
+        proto.unknown_rank = True
+    else:
+        for d in dims:
+            proto.dim.add().size = d
+    return proto
+
+
+def type_attr(dtype: int):
+    return attr_value_pb2.AttrValue(type=dtype)
+
+
+def types_attr(dtypes: Sequence[int]):
+    v = attr_value_pb2.AttrValue()
+    v.list.SetInParent()
+    v.list.type.extend(dtypes)
+    return v
+
+
+def shapes_attr(shapes: Sequence[Optional[Sequence[int]]]):
+    v = attr_value_pb2.AttrValue()
+    v.list.SetInParent()
+    for s in shapes:
+        v.list.shape.add().CopyFrom(shape_proto(s))
+    return v
+
+
+def func_attr(name: str):
+    v = attr_value_pb2.AttrValue()
+    v.func.name = name
+    return v
+
+
+def _attr_value(value):
+    if isinstance(value, attr_value_pb2.AttrValue):
+        return value
+    if isinstance(value, bool):
+        return attr_value_pb2.AttrValue(b=value)
+    if isinstance(value, int):
+        return attr_value_pb2.AttrValue(i=value)
+    if isinstance(value, float):
+        return attr_value_pb2.AttrValue(f=value)
+    if isinstance(value, (str, bytes)):
+        return attr_value_pb2.AttrValue(s=value.encode() if isinstance(value, str) else value)
+    raise TypeError(f"attribute value {value!r}: wrap it (type_attr, types_attr, shapes_attr, func_attr)")
+
+
+class Node:
+    """A node added by :class:`FunctionBuilder`; ``node[k]`` is its k-th flat output."""
+
+    def __init__(self, proto: node_def_pb2.NodeDef, library):
+        self.proto, self._library = proto, library
+
+    @property
+    def name(self) -> str:
+        return self.proto.name
+
+    @property
+    def ctl(self) -> str:
+        return "^" + self.proto.name
+
+    def __getitem__(self, k: int) -> str:
+        from vfgraph.ir.graph import output_layout
+
+        arg, idx, _ = output_layout(self.proto, self._library)[k]
+        return f"{self.proto.name}:{arg}:{idx}"
+
+    def outputs(self) -> List[str]:
+        from vfgraph.ir.graph import output_layout
+
+        return [f"{self.proto.name}:{arg}:{idx}" for arg, idx, _ in output_layout(self.proto, self._library)]
+
+
+class FunctionBuilder:
+    """Writes a FunctionDef node by node: the fast path for the bodies passes generate (loops,
+    reductions, broadcasts), where tracing Python with TensorFlow would create every op twice
+    over. Registered ops get their default attributes, so the result is what TensorFlow
+    would store."""
+
+    def __init__(self, name: str, library: Optional[Dict[str, function_pb2.FunctionDef]] = None):
+        self.fdef = function_pb2.FunctionDef()
+        self.fdef.signature.name = name
+        self.fdef.signature.is_stateful = True
+        self.library = library if library is not None else {}
+        self._used: Dict[str, int] = {}
+        self._consts: Dict[tuple, Node] = {}
+
+    def arg(self, name: str, dtype: int, shape: Optional[Sequence[int]] = None, attr=None) -> str:
+        sig = self.fdef.signature
+        sig.input_arg.add(name=name, type=dtype)
+        k = len(sig.input_arg) - 1
+        if attr is not None:
+            self.fdef.arg_attr[k].CopyFrom(attr)
+        elif shape is not None:
+            self.fdef.arg_attr[k].attr["_output_shapes"].list.shape.add().CopyFrom(shape_proto(shape))
+        return name
+
+    def _unique(self, base: str) -> str:
+        k = self._used.get(base, 0)
+        self._used[base] = k + 1
+        return base if k == 0 else f"{base}_{k}"
+
+    def op(self, op: str, inputs: Sequence[str] = (), name: str = "", deps: Sequence = (),
+           shapes: Optional[Sequence[Optional[Sequence[int]]]] = None, **attrs) -> Node:
+        node = self.fdef.node_def.add(name=self._unique(name or op), op=op)
+        node.input.extend(inputs)
+        node.input.extend(d.ctl if isinstance(d, Node) else d if d.startswith("^") else "^" + d for d in deps)
+        for k, v in attrs.items():
+            node.attr[k].CopyFrom(_attr_value(v))
+        if op not in self.library:
+            op_def = op_def_registry.get(op)
+            if op_def is None:
+                raise KeyError(f"op {op!r} is not registered")
+            for a in op_def.attr:
+                if a.name not in node.attr and a.HasField("default_value"):
+                    node.attr[a.name].CopyFrom(a.default_value)
+        if shapes is not None:
+            node.attr["_output_shapes"].CopyFrom(shapes_attr(shapes))
+        return Node(node, self.library)
+
+    def const(self, value, dtype: int, name: str = "Const") -> Node:
+        import numpy as np
+        from tensorflow.python.framework import dtypes
+        from tensorflow.python.framework.tensor_util import make_tensor_proto
+
+        array = np.asarray(value, dtype=dtypes.as_dtype(dtype).as_numpy_dtype)
+        key = (dtype, array.shape, array.tobytes() if array.dtype != object else repr(array.tolist()))
+        if key not in self._consts:  # one node per distinct constant
+            self._consts[key] = self.op("Const", [], name=name, dtype=type_attr(dtype),
+                                        value=attr_value_pb2.AttrValue(tensor=make_tensor_proto(array)),
+                                        shapes=[list(array.shape)])
+        return self._consts[key]
+
+    def ret(self, name: str, ref: str, dtype: int) -> None:
+        self.fdef.signature.output_arg.add(name=name, type=dtype)
+        self.fdef.ret[name] = ref
+
+    def control_ret(self, node: Node) -> None:
+        self.fdef.signature.control_output.append(node.name)
+        self.fdef.control_ret[node.name] = node.name
+
+    def finish(self) -> function_pb2.FunctionDef:
+        verify_function_def(self.fdef, self.library)
+        return self.fdef

@@ -167,6 +167,11 @@ class FunctionGraph:
         return self._header.ret
 
     @property
+    def header(self) -> function_pb2.FunctionDef:
+        """The FunctionDef without its nodes (signature, arg_attr, ret, attr): read only."""
+        return self._header
+
+    @property
     def arg_names(self) -> List[str]:
         return [a.name for a in self._header.signature.input_arg]
 
