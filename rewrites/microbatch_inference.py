@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, List
 
-from vfgraph.builder import tf_dtype, trace_replacement
+from tensorflow.core.framework import types_pb2
+
+from vfgraph.builder import (I32, FunctionBuilder, batch_size, check, func_attr, list_concat, shapes_attr, slice_rows,
+                             type_attr, types_attr)
 from vfgraph.errors import PipelineError
 from vfgraph.ir.graph import FunctionGraph
 from vfgraph.ir.names import function_name
@@ -50,8 +53,7 @@ class MicrobatchInferencePass(Pass):
             slice_fn.CopyFrom(original)
             slice_fn.signature.name = function_name(sig.function, "slice")
             item.set_function(slice_fn)
-            body = _loop_body(item, sig, slice_fn, b)
-            for f in trace_replacement(original, body, function_name(sig.function, "microbatch")):
+            for f in _loop_functions(item, sig, original, slice_fn, b):
                 item.set_function(f)
             FunctionGraph(item.function(sig.function), item.library).verify()
             item.preserve.add(sig.function)
@@ -83,40 +85,68 @@ def _unsliceable(item: GraphItem, sig: SignatureInfo) -> str:
     return ""
 
 
-def _loop_body(item: GraphItem, sig: SignatureInfo, slice_fn, b: int):
-    import tensorflow as tf
-
-    g = FunctionGraph(item.function(sig.function), item.library)
+def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: int):
+    """The serving loop: (replacement function, loop body, loop condition). A ``While`` over
+    ``ceil(n / b)`` slices calls ``slice_fn`` on each and appends its outputs to tensor lists,
+    concatenated at the end."""
+    g = FunctionGraph(original, item.library)
+    lib = item.library
+    lib[slice_fn.signature.name] = slice_fn
     names = g.arg_names
+    types = [g.arg_type(a) for a in names]
     batch_idx = [names.index(a) for a in sig.batch_args]
-    out_types = [tf_dtype(a.type) for a in slice_fn.signature.output_arg]
+    out_types = [a.type for a in slice_fn.signature.output_arg]
     out_shapes = [g.shape(ref) for _, ref in g.output_refs()]
+    elements = [[-1] + [d if d >= 0 else -1 for d in s[1:]] for s in out_shapes]
     keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
+    i32 = type_attr(I32)
+    body_name = function_name(sig.function, "microbatch", "body")
+    cond_name = function_name(sig.function, "microbatch", "cond")
+    # loop variables: i, one list per output, number of slices, every argument
+    loop_types = [I32] + [types_pb2.DT_VARIANT] * len(out_types) + [I32] + types
+    loop_shapes = [[]] + [[]] * len(out_types) + [[]] + [g.arg_shape(a) for a in names]
 
-    def body(*args):
-        args = list(args)
-        n = tf.shape(args[batch_idx[0]])[0]
-        checks = [tf.debugging.assert_equal(tf.shape(args[i])[0], n, message=(
-            f"vfgraph: inputs {keys[0]!r} and {k!r} have different leading (batch) dimensions"))
-            for k, i in zip(keys[1:], batch_idx[1:])]
-        with tf.control_dependencies(checks):
-            steps = (n + b - 1) // b
-        arrays = [tf.TensorArray(t, size=steps, infer_shape=False,
-                                 element_shape=tf.TensorShape([None] + [d if d >= 0 else None for d in s[1:]]))
-                  for t, s in zip(out_types, out_shapes)]
+    def loop_args(fb):
+        arg_names = ["i"] + [f"outputs_{k}" for k in range(len(out_types))] + ["slices"] + names
+        return [fb.arg(n, t, s) for n, t, s in zip(arg_names, loop_types, loop_shapes)]
 
-        def cond(i, *_):
-            return i < steps
+    fb = FunctionBuilder(body_name, lib)
+    args = loop_args(fb)
+    i, lists, rest = args[0], args[1:1 + len(out_types)], args[2 + len(out_types):]
+    start = fb.op("Mul", [i, fb.const(b, I32, "slice")[0]], name="start", T=i32)[0]
+    rows = slice_rows(fb, start, fb.const(b, I32, "slice")[0])
+    call_args = list(rest)
+    for j in batch_idx:
+        call_args[j] = rows(call_args[j], types[j])
+    got = fb.op("StatefulPartitionedCall", call_args, name="slice", Tin=types_attr(types),
+                Tout=types_attr(out_types), f=func_attr(slice_fn.signature.name))
+    new = [fb.op("TensorListSetItem", [lst, i, got[k]], name="append", element_dtype=type_attr(t))[0]
+           for k, (lst, t) in enumerate(zip(lists, out_types))]
+    nxt = fb.op("AddV2", [i, fb.const(1, I32, "one")[0]], name="next", T=i32)[0]
+    for k, (ref, t) in enumerate(zip([nxt] + new + args[1 + len(out_types):], loop_types)):
+        fb.ret(f"out_{k}", ref, t)
+    body = fb.finish()
 
-        def loop(i, *tas):
-            call_args = list(args)
-            for j in batch_idx:
-                call_args[j] = args[j][i * b:(i + 1) * b]
-            got = tf.raw_ops.StatefulPartitionedCall(args=call_args, Tout=out_types, f=slice_fn.signature.name)
-            return [i + 1] + [ta.write(i, v) for ta, v in zip(tas, got)]
+    fb = FunctionBuilder(cond_name, lib)
+    args = loop_args(fb)
+    fb.ret("more", fb.op("Less", [args[0], args[1 + len(out_types)]], name="more", T=i32)[0], types_pb2.DT_BOOL)
+    fb.fdef.signature.is_stateful = False
+    cond = fb.finish()
 
-        final = tf.while_loop(cond, loop, [tf.constant(0, tf.int32)] + arrays, parallel_iterations=1,
-                              name="microbatches")
-        return [ta.concat() for ta in final[1:]]
-
-    return body
+    lib.update({body_name: body, cond_name: cond})
+    fb, args = FunctionBuilder.like(original, lib)
+    n = batch_size(fb, args[batch_idx[0]], types[batch_idx[0]])
+    checks = [check(fb, fb.op("Equal", [batch_size(fb, args[j], types[j]), n], name="same_batch", T=i32)[0],
+                    f"vfgraph: inputs {keys[0]!r} and {k!r} have different leading (batch) dimensions")
+              for k, j in zip(keys[1:], batch_idx[1:])]
+    up = fb.op("AddV2", [n, fb.const(b - 1, I32, "round_up")[0]], name="rounded_up", T=i32)[0]
+    slices = fb.op("FloorDiv", [up, fb.const(b, I32, "slice")[0]], name="slices", deps=checks, T=i32)[0]
+    lists = [fb.op("TensorListReserve", [fb.const(e, I32, "element_shape")[0], slices], name="outputs",
+                   element_dtype=type_attr(t), shape_type=i32)[0] for t, e in zip(out_types, elements)]
+    loop = fb.op("While", [fb.const(0, I32, "zero")[0]] + lists + [slices] + args, name="microbatches",
+                 T=types_attr(loop_types), cond=func_attr(cond_name), body=func_attr(body_name),
+                 output_shapes=shapes_attr(loop_shapes), parallel_iterations=1, _lower_using_switch_merge=True)
+    outs = loop.outputs()
+    for k, (a, t, e, s) in enumerate(zip(original.signature.output_arg, out_types, elements, out_shapes)):
+        fb.ret(a.name, list_concat(fb, outs[1 + k], t, e, s), t)
+    return [fb.finish(), body, cond]

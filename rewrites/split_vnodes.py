@@ -17,8 +17,8 @@ from tensorflow.python.framework.tensor_util import make_tensor_proto
 from typing import ClassVar, List, Tuple
 
 from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, with_dynamic_batch
-from vfgraph.builder import (FunctionBuilder, extract_function, func_attr, shapes_attr, tf_dtype, type_attr,
-                             types_attr)
+from vfgraph.builder import (I32, FunctionBuilder, batch_size, check, extract_function, func_attr, list_concat,
+                             shapes_attr, slice_rows, tf_dtype, type_attr, types_attr)
 from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.ir.names import function_name
@@ -172,7 +172,7 @@ def _node(name: str, op: str, inputs: List[str], **attrs):
     return node
 
 
-I32, F32 = types_pb2.DT_INT32, types_pb2.DT_FLOAT
+F32 = types_pb2.DT_FLOAT
 
 
 class _Loop:
@@ -224,15 +224,8 @@ class _Loop:
         i, carried, per = args[0], args[1:1 + k_c], args[2 + k_c]
         batch = args[3 + k_c:3 + k_c + len(self.batch_types)]
         res = args[3 + k_c + len(self.batch_types):]
-        start = fb.op("Mul", [i, per], name="start", T=type_attr(I32))[0]
-        end = fb.op("AddV2", [start, per], name="end", T=type_attr(I32))[0]
-        pack = dict(N=1, T=type_attr(I32), axis=0)
-        begin_v = fb.op("Pack", [start], name="begin", **pack)[0]
-        end_v = fb.op("Pack", [end], name="stop", **pack)[0]
-        strides = fb.const([1], I32, "strides")[0]
-        by_name = {a: fb.op("StridedSlice", [x, begin_v, end_v, strides], name="slice", T=type_attr(t),
-                            Index=type_attr(I32))[0]
-                   for a, x, t in zip(sig.batch_args, batch, self.batch_types)}
+        rows = slice_rows(fb, fb.op("Mul", [i, per], name="start", T=type_attr(I32))[0], per)
+        by_name = {a: rows(x, t) for a, x, t in zip(sig.batch_args, batch, self.batch_types)}
         by_name.update(zip(sig.resource_args, res))
         v_args = [a.name for a in self.vdef.signature.input_arg]
         if VNODE_INDEX in v_args:
@@ -260,26 +253,16 @@ class _Loop:
         fb.fdef.signature.is_stateful = False
         return fb.finish()
 
-    def _batch_size(self, fb: FunctionBuilder, x: str, dtype: int) -> str:
-        shape = fb.op("Shape", [x], name="shape", T=type_attr(dtype), out_type=type_attr(I32))[0]
-        return fb.op("StridedSlice", [shape, fb.const([0], I32, "zero")[0], fb.const([1], I32, "one")[0],
-                                      fb.const([1], I32, "one")[0]],
-                     name="batch_size", T=type_attr(I32), Index=type_attr(I32), shrink_axis_mask=1)[0]
-
-    def _assert(self, fb: FunctionBuilder, ok: str, message: str):
-        msg = fb.const(np.array(message.encode(), dtype=object), types_pb2.DT_STRING, "message")[0]
-        return fb.op("Assert", [ok, msg], name="check", T=types_attr([types_pb2.DT_STRING]), summarize=3)
-
     def emit(self, fb: FunctionBuilder, batch: List[str], res: List[str]) -> Tuple[List[str], List[str], str]:
         """Run every virtual node of the fed batch; returns (per-output results, gradient sums
         or tensor lists, number of virtual nodes)."""
         b, vnodes, keys = self.b, self.vnodes, self.keys
         i32 = type_attr(I32)
-        n = self._batch_size(fb, batch[0], self.batch_types[0])
+        n = batch_size(fb, batch[0], self.batch_types[0])
         checks = []
         for k, x, t in zip(keys[1:], batch[1:], self.batch_types[1:]):
-            same = fb.op("Equal", [self._batch_size(fb, x, t), n], name="same_batch", T=i32)[0]
-            checks.append(self._assert(fb, same, f"vfgraph: training inputs {keys[0]!r} and {k!r} have different "
+            same = fb.op("Equal", [batch_size(fb, x, t), n], name="same_batch", T=i32)[0]
+            checks.append(check(fb, same, f"vfgraph: training inputs {keys[0]!r} and {k!r} have different "
                                                  "leading (batch) dimensions"))
         if b:
             per = fb.const(b, I32, "vnode_batch")[0]
@@ -293,8 +276,8 @@ class _Loop:
             rem = fb.op("FloorMod", [n, nv], name="rest", T=i32)[0]
             message = f"vfgraph: the fed batch is not divisible by vnodes={vnodes}; feed a multiple of {vnodes} examples"
         zero = fb.const(0, I32, "zero")[0]
-        checks.append(self._assert(fb, fb.op("Equal", [rem, zero], name="divides", T=i32)[0], message))
-        checks.append(self._assert(fb, fb.op("Greater", [nv, zero], name="some", T=i32)[0],
+        checks.append(check(fb, fb.op("Equal", [rem, zero], name="divides", T=i32)[0], message))
+        checks.append(check(fb, fb.op("Greater", [nv, zero], name="some", T=i32)[0],
                                    "vfgraph: the fed batch holds no virtual node"))
         nv = fb.op("Identity", [nv], name="checked_vnodes", deps=checks, T=i32)[0]
         inits = []
@@ -317,12 +300,6 @@ class _Loop:
         n_out = len(self.vnode_outs)
         return outs[1:1 + n_out], outs[1 + n_out:1 + len(self.carried)], nv
 
-    def concat(self, fb: FunctionBuilder, ref: str, dtype: int) -> str:
-        """The rows of a tensor list, concatenated."""
-        return fb.op("TensorListConcatV2", [ref, fb.const(-1, I32, "element_shape")[0],
-                                            fb.const(np.zeros([0], np.int64), types_pb2.DT_INT64, "leading_dims")[0]],
-                     name="concat", element_dtype=type_attr(dtype), shape_type=type_attr(I32))[0]
-
     def outputs(self, fb: FunctionBuilder, outs: List[str], count: str, nv: str) -> List[str]:
         """The loop's per-output results: sums divided by ``count`` (float32), concatenations,
         last values."""
@@ -331,7 +308,7 @@ class _Loop:
             if o.combine == "mean":
                 v = divide(fb, v, count, t, shape)
             elif o.combine == "concat":
-                v = self.concat(fb, v, t)
+                v = list_concat(fb, v, t)
             else:
                 last = fb.op("Sub", [nv, fb.const(1, I32, "one")[0]], name="last", T=type_attr(I32))[0]
                 v = fb.op("TensorListGetItem", [v, last, fb.const(-1, I32, "element_shape")[0]], name="last_value",
@@ -346,7 +323,7 @@ class _Loop:
         cut = self.step.cut
         n_out = len(self.vnode_outs)
         mean_outs = [(v, t) for o, v, (_, t, _s) in zip(self.vnode_outs, outs, self.carried) if o.combine == "mean"]
-        grads = [(a if c.combine == "mean" else self.concat(fb, a, t), t)
+        grads = [(a if c.combine == "mean" else list_concat(fb, a, t), t)
                  for c, a, (_, t, _s) in zip(cut, sums, self.carried[n_out:])]
         count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
         args = mean_outs + grads + [(count, F32)]
@@ -364,16 +341,6 @@ def divide(fb: FunctionBuilder, value: str, count: str, dtype: int, shape=None) 
         count = fb.op("Cast", [count], name="count_as", SrcT=type_attr(F32), DstT=type_attr(dtype),
                       Truncate=False)[0]
     return fb.op("RealDiv", [value, count], name="mean", T=type_attr(dtype), shapes=[shape])[0]
-
-
-def _like(header, library) -> Tuple[FunctionBuilder, List[str]]:
-    """A builder for a function with ``header``'s name, arguments and attributes."""
-    fb = FunctionBuilder(header.signature.name, library)
-    args = [fb.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None)
-            for i, a in enumerate(header.signature.input_arg)]
-    for k, v in header.attr.items():
-        fb.fdef.attr[k].CopyFrom(v)
-    return fb, args
 
 
 def _assemble(step: TrainStep, vnode_results: List, updated) -> List:
@@ -402,7 +369,7 @@ def _step_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Lo
     lib = item.library
     for f in loop.functions:
         lib[f.signature.name] = f
-    fb, args = _like(original, lib)
+    fb, args = FunctionBuilder.like(original, lib)
     by = dict(zip(g.arg_names, args))
     res = [by[a] for a in sig.resource_args]
     outs, sums, nv = loop.emit(fb, [by[a] for a in sig.batch_args], res)
@@ -504,7 +471,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step, with_outputs=False)))
     lib = item.library
 
-    fb, args = _like(acc_header, lib)
+    fb, args = FunctionBuilder.like(acc_header, lib)
     by = dict(zip(inner + acc_args, args))
     outs, sums, nv = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
     count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
@@ -517,7 +484,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
                              shapes=[g.shape(o.ref)])[0], a.type)
     item.set_function(fb.finish())
 
-    fb, args = _like(apply_header, lib)
+    fb, args = FunctionBuilder.like(apply_header, lib)
     by = dict(zip(inner[n_inputs:] + acc_args, args))
     types = [c.dtype for c in step.cut] + [F32]
     sums = [fb.op("ReadVariableOp", [by[a]], name="sum", dtype=type_attr(t))[0] for a, t in zip(acc_args, types)]

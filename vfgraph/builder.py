@@ -325,6 +325,17 @@ class FunctionBuilder:
         self._used: Dict[str, int] = {}
         self._consts: Dict[tuple, Node] = {}
 
+    @classmethod
+    def like(cls, header: function_pb2.FunctionDef, library) -> Tuple["FunctionBuilder", List[str]]:
+        """A builder for a function with ``header``'s name, arguments and attributes (outputs
+        are added with :meth:`ret`); returns it and the argument references."""
+        fb = cls(header.signature.name, library)
+        args = [fb.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None)
+                for i, a in enumerate(header.signature.input_arg)]
+        for k, v in header.attr.items():
+            fb.fdef.attr[k].CopyFrom(v)
+        return fb, args
+
     def arg(self, name: str, dtype: int, shape: Optional[Sequence[int]] = None, attr=None) -> str:
         sig = self.fdef.signature
         sig.input_arg.add(name=name, type=dtype)
@@ -382,3 +393,48 @@ class FunctionBuilder:
     def finish(self) -> function_pb2.FunctionDef:
         verify_function_def(self.fdef, self.library)
         return self.fdef
+
+
+# The pieces every generated loop uses.
+I32 = types_pb2.DT_INT32
+
+
+def batch_size(fb: FunctionBuilder, x: str, dtype: int) -> str:
+    """The leading dimension of ``x`` as an int32 scalar."""
+    shape = fb.op("Shape", [x], name="shape", T=type_attr(dtype), out_type=type_attr(I32))[0]
+    return fb.op("StridedSlice", [shape, fb.const([0], I32, "zero")[0], fb.const([1], I32, "one")[0],
+                                  fb.const([1], I32, "one")[0]],
+                 name="batch_size", T=type_attr(I32), Index=type_attr(I32), shrink_axis_mask=1)[0]
+
+
+def check(fb: FunctionBuilder, ok: str, message: str) -> Node:
+    """An ``Assert`` that fails with ``message`` unless the boolean ``ok`` holds."""
+    import numpy as np
+
+    text = fb.const(np.array(message.encode(), dtype=object), types_pb2.DT_STRING, "message")[0]
+    return fb.op("Assert", [ok, text], name="check", T=types_attr([types_pb2.DT_STRING]), summarize=3)
+
+
+def slice_rows(fb: FunctionBuilder, start: str, count: str) -> Callable[[str, int], str]:
+    """A function taking (tensor, dtype) to its rows ``[start, start + count)`` (clamped)."""
+    pack = dict(N=1, T=type_attr(I32), axis=0)
+    end = fb.op("AddV2", [start, count], name="end", T=type_attr(I32))[0]
+    begin_v = fb.op("Pack", [start], name="begin", **pack)[0]
+    end_v = fb.op("Pack", [end], name="stop", **pack)[0]
+    strides = fb.const([1], I32, "strides")[0]
+
+    def rows(x: str, dtype: int) -> str:
+        return fb.op("StridedSlice", [x, begin_v, end_v, strides], name="slice", T=type_attr(dtype),
+                     Index=type_attr(I32))[0]
+
+    return rows
+
+
+def list_concat(fb: FunctionBuilder, ref: str, dtype: int, element_shape=-1, shape=None) -> str:
+    """The elements of tensor list ``ref`` concatenated along their first dimension."""
+    import numpy as np
+
+    return fb.op("TensorListConcatV2", [ref, fb.const(element_shape, I32, "element_shape")[0],
+                                        fb.const(np.zeros([0], np.int64), types_pb2.DT_INT64, "leading_dims")[0]],
+                 name="concat", element_dtype=type_attr(dtype), shape_type=type_attr(I32),
+                 shapes=None if shape is None else [shape, [-1]])[0]

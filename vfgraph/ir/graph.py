@@ -87,6 +87,23 @@ def output_layout(
 _REGISTERED_OUTPUTS: Dict[str, Tuple[Tuple[str, str, int, str, str], ...]] = {}
 
 
+# op type -> names of its outputs when none is a list (each has index 0 only), else None
+_SIMPLE_OUTPUTS: Dict[str, Optional[frozenset]] = {}
+
+
+def _simple_outputs(op: str, library: Mapping[str, function_pb2.FunctionDef]) -> Optional[frozenset]:
+    """The output names of a registered op without list outputs (the fast check in verify)."""
+    if op in library:
+        return None
+    if op not in _SIMPLE_OUTPUTS:
+        od = op_def_registry.get(op)
+        if od is None:
+            return None
+        lists = any(a.number_attr or a.type_list_attr for a in od.output_arg)
+        _SIMPLE_OUTPUTS[op] = None if lists else frozenset(a.name for a in od.output_arg)
+    return _SIMPLE_OUTPUTS[op]
+
+
 def _output_recipe(od: op_def_pb2.OpDef) -> Tuple[Tuple[str, str, int, str, str], ...]:
     return tuple((a.name, a.type_list_attr, a.type, a.type_attr, a.number_attr) for a in od.output_arg)
 
@@ -388,7 +405,11 @@ class FunctionGraph:
                 if t.node not in self.nodes:
                     raise VerifyError(f"{self.name}: node {name!r} input {s!r} refers to a missing node")
                 if not ctl:
-                    self.flat_index(t)
+                    simple = _simple_outputs(self.nodes[t.node].op, self.library)
+                    if simple is None:
+                        self.flat_index(t)
+                    elif t.index != 0 or t.arg not in simple:
+                        raise VerifyError(f"node {t.node!r} has no output {t.arg}:{t.index}")
         for k, v in self._header.ret.items():
             t, _ = parse_input(v)
             if t.node not in args and t.node not in self.nodes:
