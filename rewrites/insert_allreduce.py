@@ -21,9 +21,9 @@ from typing import ClassVar, Dict, List
 import numpy as np
 from tensorflow.core.framework import function_pb2, types_pb2
 
-from vfgraph.builder import FunctionBuilder, arg_shape, func_attr, shapes_attr, type_attr, types_attr
+from vfgraph.builder import FunctionBuilder, func_attr, shapes_attr, type_attr, types_attr
 from vfgraph.errors import PipelineError
-from vfgraph.ir.graph import FunctionGraph, function_dependencies
+from vfgraph.ir.graph import FunctionGraph, arg_shapes, function_dependencies
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult
@@ -82,7 +82,7 @@ class InsertAllreducePass(Pass):
         return PassResult(item, True, notes)
 
 
-def _fused_buffers(header, limit: int) -> List[List[int]]:
+def _fused_buffers(header, shapes, limit: int) -> List[List[int]]:
     """Indices of the ``sum_`` arguments per fused buffer: grouped by dtype (in order of first
     appearance, the same on every rank), then cut at ``limit`` bytes."""
     by_dtype: Dict[int, List[int]] = {}
@@ -93,8 +93,7 @@ def _fused_buffers(header, limit: int) -> List[List[int]]:
     for dtype, idx in by_dtype.items():
         cur, size = [], 0
         for i in idx:
-            shape = arg_shape(header, header.signature.input_arg[i].name)
-            nbytes = _elements(shape) * _BYTES.get(dtype, 8)
+            nbytes = _elements(shapes[i]) * _BYTES.get(dtype, 8)
             if cur and size + nbytes > limit:
                 buffers.append(cur)
                 cur, size = [], 0
@@ -120,9 +119,9 @@ def reduce_functions(header, limit: int, library):
     args = list(header.signature.input_arg)
     names = [a.name for a in args]
     types = [a.type for a in args]
-    shapes = [arg_shape(header, n) for n in names]
+    shapes = arg_shapes(header)
     outs = [a.name for a in header.signature.output_arg]
-    buffers = _fused_buffers(header, limit)
+    buffers = _fused_buffers(header, shapes, limit)
     gathers = [i for i, n in enumerate(names) if n.startswith("gather_")]
     i32 = types_pb2.DT_INT32
 

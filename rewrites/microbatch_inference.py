@@ -14,7 +14,7 @@ from tensorflow.core.framework import types_pb2
 from vfgraph.builder import (I32, FunctionBuilder, batch_size, check, func_attr, list_concat, shapes_attr, slice_rows,
                              type_attr, types_attr)
 from vfgraph.errors import PipelineError
-from vfgraph.ir.graph import FunctionGraph
+from vfgraph.ir.graph import FunctionGraph, arg_shapes
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem, SignatureInfo
 from vfgraph.passes.base import Pass, PassResult
@@ -93,7 +93,7 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: 
     lib = item.library
     lib[slice_fn.signature.name] = slice_fn
     names = g.arg_names
-    types = [g.arg_type(a) for a in names]
+    types = [a.type for a in original.signature.input_arg]
     batch_idx = [names.index(a) for a in sig.batch_args]
     out_types = [a.type for a in slice_fn.signature.output_arg]
     out_shapes = [g.shape(ref) for _, ref in g.output_refs()]
@@ -104,7 +104,7 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: 
     cond_name = function_name(sig.function, "microbatch", "cond")
     # loop variables: i, one list per output, number of slices, every argument
     loop_types = [I32] + [types_pb2.DT_VARIANT] * len(out_types) + [I32] + types
-    loop_shapes = [[]] + [[]] * len(out_types) + [[]] + [g.arg_shape(a) for a in names]
+    loop_shapes = [[]] + [[]] * len(out_types) + [[]] + arg_shapes(original)
 
     def loop_args(fb):
         arg_names = ["i"] + [f"outputs_{k}" for k in range(len(out_types))] + ["slices"] + names

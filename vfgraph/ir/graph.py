@@ -111,16 +111,26 @@ def _output_recipe(od: op_def_pb2.OpDef) -> Tuple[Tuple[str, str, int, str, str]
 def arg_shape(fdef: function_pb2.FunctionDef, name: str) -> Optional[List[int]]:
     """Static shape ``fdef`` records for its argument ``name`` (None when unknown)."""
     for i, a in enumerate(fdef.signature.input_arg):
-        if a.name != name:
-            continue
-        attrs = fdef.arg_attr[i].attr if i in fdef.arg_attr else {}
+        if a.name == name:
+            return _arg_shape_at(fdef, i)
+    raise KeyError(name)
+
+
+def arg_shapes(fdef: function_pb2.FunctionDef) -> List[Optional[List[int]]]:
+    """:func:`arg_shape` of every argument, in order (one pass)."""
+    return [_arg_shape_at(fdef, i) for i in range(len(fdef.signature.input_arg))]
+
+
+def _arg_shape_at(fdef: function_pb2.FunctionDef, i: int) -> Optional[List[int]]:
+    if i in fdef.arg_attr:
+        attrs = fdef.arg_attr[i].attr
         if "_output_shapes" in attrs and attrs["_output_shapes"].list.shape:
             return _shape_list(attrs["_output_shapes"].list.shape[0])
-        shapes = fdef.attr["_input_shapes"].list.shape if "_input_shapes" in fdef.attr else []
+    if "_input_shapes" in fdef.attr:
+        shapes = fdef.attr["_input_shapes"].list.shape
         if i < len(shapes):
             return _shape_list(shapes[i])
-        return None
-    raise KeyError(name)
+    return None
 
 
 class FunctionGraph:
@@ -192,15 +202,18 @@ class FunctionGraph:
     def arg_names(self) -> List[str]:
         return [a.name for a in self._header.signature.input_arg]
 
+    def _arg_index(self, name: str) -> int:
+        index = getattr(self, "_arg_positions", None)
+        if index is None or len(index) != len(self._header.signature.input_arg):
+            index = self._arg_positions = {a.name: i for i, a in enumerate(self._header.signature.input_arg)}
+        return index[name]
+
     def arg_type(self, name: str) -> DataType:
-        for a in self._header.signature.input_arg:
-            if a.name == name:
-                return a.type
-        raise KeyError(name)
+        return self._header.signature.input_arg[self._arg_index(name)].type
 
     def arg_shape(self, name: str) -> Optional[List[int]]:
         """Static shape recorded for a function argument (None when unknown)."""
-        return arg_shape(self._header, name)
+        return _arg_shape_at(self._header, self._arg_index(name))
 
     def output_refs(self) -> List[Tuple[str, TensorRef]]:
         """(output arg name, tensor) for every function output, in signature order."""
