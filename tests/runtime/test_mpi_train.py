@@ -155,7 +155,8 @@ def _rank_pid(rank, marker):
                 env = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if marker in cmd and "vfgraph.cli" in cmd and f"PMI_RANK={rank}" in env and "VFGRAPH_RANK_WORKER=1" in env:
+        ranked = any(f"{k}={rank}" in env for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))  # MPICH, Open MPI
+        if marker in cmd and "vfgraph.cli" in cmd and ranked and "VFGRAPH_RANK_WORKER=1" in env:
             return int(pid)
     return None
 

@@ -405,8 +405,9 @@ class AllgatherOp : public OpKernel {
     OP_REQUIRES_OK(context, AcquireComm("VfAllgather", name(), &comm));
 
     const int ndims = input.dims();
-    std::vector<int64_t> dims(input.shape().dim_sizes().begin(),
-                              input.shape().dim_sizes().end());
+    // One copy of the sizes: dim_sizes() returns a new vector on every call.
+    const auto sizes = input.shape().dim_sizes();
+    std::vector<int64_t> dims(sizes.begin(), sizes.end());
     GatherRecord mine;
     mine.ndims = ndims;
     mine.dtype = static_cast<int64_t>(input.dtype());
