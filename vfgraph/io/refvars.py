@@ -60,10 +60,6 @@ def _ref_inputs(node: node_def_pb2.NodeDef, get_op_def) -> List[bool]:
     return flags
 
 
-def has_reference_variables(gd: graph_pb2.GraphDef) -> bool:
-    return any(n.op in _VARIABLE for n in gd.node)
-
-
 def to_resource_variables(mg, where: str) -> int:
     """Rewrite the reference variables of MetaGraphDef ``mg`` in place; returns how many."""
     gd = mg.graph_def
