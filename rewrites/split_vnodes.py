@@ -253,9 +253,9 @@ class _Loop:
         fb.fdef.signature.is_stateful = False
         return fb.finish()
 
-    def emit(self, fb: FunctionBuilder, batch: List[str], res: List[str]) -> Tuple[List[str], List[str], str]:
+    def emit(self, fb: FunctionBuilder, batch: List[str], res: List[str]):
         """Run every virtual node of the fed batch; returns (per-output results, gradient sums
-        or tensor lists, number of virtual nodes)."""
+        or tensor lists, number of virtual nodes, the While node)."""
         b, vnodes, keys = self.b, self.vnodes, self.keys
         i32 = type_attr(I32)
         n = batch_size(fb, batch[0], self.batch_types[0])
@@ -295,10 +295,9 @@ class _Loop:
                      T=types_attr(self._loop_types()), cond=func_attr(self.cond_name), body=func_attr(self.body_name),
                      output_shapes=shapes_attr(self._loop_shapes()), parallel_iterations=1,
                      _lower_using_switch_merge=True)
-        self.last = loop
         outs = loop.outputs()
         n_out = len(self.vnode_outs)
-        return outs[1:1 + n_out], outs[1 + n_out:1 + len(self.carried)], nv
+        return outs[1:1 + n_out], outs[1 + n_out:1 + len(self.carried)], nv, loop
 
     def outputs(self, fb: FunctionBuilder, outs: List[str], count: str, nv: str) -> List[str]:
         """The loop's per-output results: sums divided by ``count`` (float32), concatenations,
@@ -372,12 +371,12 @@ def _step_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Lo
     fb, args = FunctionBuilder.like(original, lib)
     by = dict(zip(g.arg_names, args))
     res = [by[a] for a in sig.resource_args]
-    outs, sums, nv = loop.emit(fb, [by[a] for a in sig.batch_args], res)
+    outs, sums, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
     outs, sums, count = loop.reduce(fb, outs, sums, nv, reduce_fn)
     results = loop.outputs(fb, outs, count, nv)
     means = [a if c.combine == "concat" else divide(fb, a, count, c.dtype, c.shape)  # sparse rows: scaled too
              for c, a in zip(step.cut, sums)]
-    call, updated = _update(fb, udef, means, res, after=[loop.last])
+    call, updated = _update(fb, udef, means, res, after=[done])
     for o, a, r in zip(step.outputs, original.signature.output_arg, _assemble(step, results, updated)):
         fb.ret(a.name, fb.op("Identity", [r], name="result", deps=[call], T=type_attr(a.type),
                              shapes=[g.shape(o.ref)])[0], a.type)
@@ -473,7 +472,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
 
     fb, args = FunctionBuilder.like(acc_header, lib)
     by = dict(zip(inner + acc_args, args))
-    outs, sums, nv = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
+    outs, sums, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
     count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
     adds = [fb.op("AssignAddVariableOp", [by[a], v], name="accumulate", dtype=type_attr(t))
             for a, v, t in zip(acc_args, sums + [count], [c.dtype for c in step.cut] + [F32])]
