@@ -18,11 +18,12 @@ import hashlib
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List
 
-from tensorflow.core.framework import types_pb2
+import numpy as np
+from tensorflow.core.framework import function_pb2, types_pb2
 
-from vfgraph.builder import arg_specs, trace_replacement
+from vfgraph.builder import FunctionBuilder, func_attr, shapes_attr, type_attr, types_attr
 from vfgraph.errors import PipelineError
-from vfgraph.ir.graph import FunctionGraph, function_dependencies
+from vfgraph.ir.graph import FunctionGraph, arg_shapes, function_dependencies
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult
@@ -66,9 +67,8 @@ class InsertAllreducePass(Pass):
         for key in todo:
             buffers = []
             for fn in split[key]["reduce_functions"]:
-                header = item.function(fn)
-                body, groups = _reduce_body(header, int(self.fusion_mb * (1 << 20)))
-                for f in trace_replacement(header, body, fn):
+                functions, groups = reduce_functions(item.function(fn), int(self.fusion_mb * (1 << 20)), item.library)
+                for f in functions:
                     item.set_function(f)
                 FunctionGraph(item.function(fn), item.library).verify()
                 buffers.append(groups)
@@ -82,25 +82,18 @@ class InsertAllreducePass(Pass):
         return PassResult(item, True, notes)
 
 
-def _reduce_body(header, limit: int):
-    """The traced body of a reduce function, and its fused buffers (argument names per buffer)."""
-    import tensorflow as tf
-
-    from vfgraph import ops
-
-    names = [a.name for a in header.signature.input_arg]
-    specs = arg_specs(header)
+def _fused_buffers(header, shapes, limit: int) -> List[List[int]]:
+    """Indices of the ``sum_`` arguments per fused buffer: grouped by dtype (in order of first
+    appearance, the same on every rank), then cut at ``limit`` bytes."""
     by_dtype: Dict[int, List[int]] = {}
     for i, a in enumerate(header.signature.input_arg):
         if a.name.startswith("sum_"):
             by_dtype.setdefault(a.type, []).append(i)
     buffers: List[List[int]] = []
-    for dtype, idx in by_dtype.items():  # first-appearance order of dtypes: the same on every rank
+    for dtype, idx in by_dtype.items():
         cur, size = [], 0
         for i in idx:
-            shape = specs[i].shape
-            n = shape.num_elements() if shape.is_fully_defined() else 0
-            nbytes = n * _BYTES.get(dtype, 8)
+            nbytes = _elements(shapes[i]) * _BYTES.get(dtype, 8)
             if cur and size + nbytes > limit:
                 buffers.append(cur)
                 cur, size = [], 0
@@ -108,42 +101,100 @@ def _reduce_body(header, limit: int):
             size += nbytes
         if cur:
             buffers.append(cur)
+    return buffers
+
+
+def _elements(shape) -> int:
+    """Elements of a static shape; 0 when it is not fully known."""
+    if shape is None or any(d < 0 for d in shape):
+        return 0
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def reduce_functions(header, limit: int, library):
+    """A reduce function's new body and its two branches: ``VfSize() > 1`` picks
+    ``<fn>_all`` (fused all-reduce, gathers) over ``<fn>_one`` (identity), so one process
+    runs no collective and copies nothing. Returns (functions, argument names per buffer)."""
+    fn = header.signature.name
+    args = list(header.signature.input_arg)
+    names = [a.name for a in args]
+    types = [a.type for a in args]
+    shapes = arg_shapes(header)
+    outs = [a.name for a in header.signature.output_arg]
+    buffers = _fused_buffers(header, shapes, limit)
     gathers = [i for i, n in enumerate(names) if n.startswith("gather_")]
+    i32 = types_pb2.DT_INT32
 
-    def reduce_all(xs):
-        out, prev = list(xs), []
-        for buf in buffers:
-            static = all(specs[i].shape.is_fully_defined() for i in buf)
-            lane = ALIGN // _BYTES.get(header.signature.input_arg[buf[0]].type, 8) if static else 1
-            sizes = [specs[i].shape.num_elements() if static else tf.size(xs[i]) for i in buf]
-            padded = [-(-n // lane) * lane for n in sizes] if static else sizes
-            with tf.control_dependencies(prev):
-                pieces = []
-                for i, n, p in zip(buf, sizes, padded):
-                    pieces.append(tf.reshape(xs[i], [-1]))
-                    if p > n:  # each tensor starts aligned, so splitting the sum back copies nothing
-                        pieces.append(tf.zeros([p - n], xs[i].dtype))
-                packed = tf.concat(pieces, 0) if len(pieces) > 1 else tf.identity(pieces[0])
-            summed = ops.allreduce(packed)
-            prev = [summed]
-            parts = tf.split(summed, padded if static else tf.stack(padded)) if len(buf) > 1 else [summed]
-            for i, n, p, part in zip(buf, sizes, padded, parts):
-                if static and p > n:
-                    part = part[:n]
-                out[i] = tf.reshape(part, specs[i].shape if static else tf.shape(xs[i]))
-        for i in gathers:
-            with tf.control_dependencies(prev):
-                x = tf.identity(xs[i])
-            out[i] = ops.allgather(x)
-            prev = [out[i]]
-        return out
+    b = FunctionBuilder(f"{fn}_all", library)
+    xs = [b.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None) for i, a in enumerate(args)]
+    flat = b.const([-1], i32, "flat")[0]
+    axis = b.const(0, i32, "axis")[0]
+    out = list(xs)
+    prev: List = []
+    for buf in buffers:
+        dtype = types[buf[0]]
+        t = type_attr(dtype)
+        static = all(shapes[i] is not None and all(d >= 0 for d in shapes[i]) for i in buf)
+        lane = ALIGN // _BYTES.get(dtype, 8) if static else 1
+        sizes = [_elements(shapes[i]) if static else 0 for i in buf]
+        padded = [-(-n // lane) * lane for n in sizes]
+        pieces = []
+        for i, n, p in zip(buf, sizes, padded):
+            pieces.append(b.op("Reshape", [xs[i], flat], name="flat", T=t, Tshape=type_attr(i32))[0])
+            if p > n:  # each tensor starts aligned, so splitting the sum back copies nothing
+                pieces.append(b.const(np.zeros(p - n), dtype, "pad")[0])
+        if len(pieces) > 1:
+            packed = b.op("ConcatV2", pieces + [axis], name="pack", deps=prev, N=len(pieces), T=t,
+                          Tidx=type_attr(i32))
+        else:
+            packed = b.op("Identity", pieces, name="pack", deps=prev, T=t)
+        summed = b.op("VfAllreduce", [packed[0]], name="allreduce", T=t)
+        prev = [summed]
+        if len(buf) > 1:
+            if static:
+                splits = b.const(padded, types_pb2.DT_INT64, "splits")[0]
+            else:
+                sz = [b.op("Size", [xs[i]], name="size", T=t, out_type=type_attr(i32))[0] for i in buf]
+                splits = b.op("Pack", sz, name="splits", N=len(sz), T=type_attr(i32))[0]
+            parts = b.op("SplitV", [summed[0], splits, axis], name="unpack", num_split=len(buf), T=t,
+                         Tlen=type_attr(types_pb2.DT_INT64 if static else i32)).outputs()
+        else:
+            parts = [summed[0]]
+        for i, n, p, part in zip(buf, sizes, padded, parts):
+            if static and p > n:
+                part = b.op("Slice", [part, b.const([0], i32, "begin")[0], b.const([n], i32, "size")[0]],
+                            name="unpad", T=t, Index=type_attr(i32))[0]
+            shape = (b.const(shapes[i], i32, "shape") if static else
+                     b.op("Shape", [xs[i]], name="shape", T=t, out_type=type_attr(i32)))[0]
+            out[i] = b.op("Reshape", [part, shape], name=f"reduced_{i}", T=t, Tshape=type_attr(i32),
+                          shapes=[shapes[i]])[0]
+    for i in gathers:
+        x = b.op("Identity", [xs[i]], name="gather_input", deps=prev, T=type_attr(types[i]))
+        prev = [b.op("VfAllgather", [x[0]], name="allgather", T=type_attr(types[i]), shapes=[shapes[i]])]
+        out[i] = prev[0][0]
+    for name, ref, dtype in zip(outs, out, types):
+        b.ret(name, ref, dtype)
+    multi = b.finish()
 
-    def body(*xs):
-        xs = list(xs)
-        reduced = tf.cond(ops.size() > 1, lambda: reduce_all(xs), lambda: xs)
-        return [r if r.shape.is_fully_defined() else tf.ensure_shape(r, x.shape) for r, x in zip(reduced, xs)]
-
-    return body, [[names[i] for i in buf] for buf in buffers] + [[names[i]] for i in gathers]
+    one = function_pb2.FunctionDef()
+    one.CopyFrom(header)  # split-vnodes' identity
+    one.signature.name = f"{fn}_one"
+    lib = dict(library)
+    lib.update({multi.signature.name: multi, one.signature.name: one})
+    m = FunctionBuilder(fn, lib)
+    xs = [m.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None) for i, a in enumerate(args)]
+    size = m.op("VfSize", name="size")
+    cond = m.op("Greater", [size[0], m.const(1, i32, "one")[0]], name="multi", T=type_attr(i32))
+    branch = m.op("If", [cond[0]] + xs, name="reduce", Tcond=type_attr(types_pb2.DT_BOOL), Tin=types_attr(types),
+                  Tout=types_attr(types), then_branch=func_attr(multi.signature.name),
+                  else_branch=func_attr(one.signature.name), output_shapes=shapes_attr(shapes),
+                  _lower_using_switch_merge=True, shapes=shapes)
+    for k, (name, dtype) in enumerate(zip(outs, types)):
+        m.ret(name, branch[k], dtype)
+    for k, v in header.attr.items():
+        m.fdef.attr[k].CopyFrom(v)
+    groups = [[names[i] for i in buf] for buf in buffers] + [[names[i]] for i in gathers]
+    return [m.finish(), multi, one], groups
 
 
 def graph_fingerprint(item: GraphItem, function: str) -> str:
@@ -172,23 +223,20 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
     g = FunctionGraph(item.function(sig.function), item.library)
     fn = function_name(sig.function, "broadcast", "0")
     header = _header(g, fn, variables, [], [], [])
-
-    def broadcast(*handles):
-        import tensorflow as tf
-
-        from vfgraph import ops
-
-        prev = [ops.check(fingerprint, what=f"signature {key!r}")]
-        for h, a in zip(handles, variables):
-            dtype = tf.dtypes.as_dtype(sig.variables[a].dtype)
-            with tf.control_dependencies(prev):
-                value = tf.raw_ops.ReadVariableOp(resource=h, dtype=dtype)
-            prev = [tf.raw_ops.AssignVariableOp(resource=h, value=ops.broadcast(value, root=0))]
-        with tf.control_dependencies(prev):
-            return []
-
-    for f in trace_replacement(header, broadcast, fn):
-        item.set_function(f)
+    b = FunctionBuilder(fn, item.library)
+    for i, a in enumerate(header.signature.input_arg):
+        b.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None)
+    prev = b.op("VfCheck", name="check", fingerprint=fingerprint, what=f"signature {key!r}")
+    b.control_ret(prev)
+    for a in variables:  # one after another: every rank broadcasts in the same order
+        t = type_attr(sig.variables[a].dtype)
+        value = b.op("ReadVariableOp", [a], name="read", deps=[prev], dtype=t)
+        sent = b.op("VfBroadcast", [value[0]], name="broadcast", T=t, root=0)
+        prev = b.op("AssignVariableOp", [a, sent[0]], name="assign", dtype=t)
+        b.control_ret(prev)
+    for k, v in header.attr.items():
+        b.fdef.attr[k].CopyFrom(v)
+    item.set_function(b.finish())
     name = f"{key}_broadcast"
     add_signature(item, name, fn, cf, bare_id, [], takes_inputs=False)
     return name

@@ -96,8 +96,10 @@ def worker_fusion(args) -> dict:
     import keras
     import tensorflow as tf
 
+    from tensorflow.python.eager import context
+
     from vfgraph.builder import arg_specs, tf_dtype
-    from vfgraph.rewrites.insert_allreduce import _reduce_body
+    from vfgraph.rewrites.insert_allreduce import reduce_functions
     from vfgraph.rewrites.split_vnodes import reduce_function
     from vfgraph.runtime.world import world
 
@@ -106,12 +108,19 @@ def worker_fusion(args) -> dict:
     model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
     shapes = [list(v.shape) for v in model.trainable_variables]
     specs = [(f"sum_{k}", 1, s) for k, s in enumerate(shapes)] + [(f"sum_{len(shapes)}", 1, [])]
-    header = reduce_function("bench_reduce", specs)
-    values = [tf.ones(s.shape, tf_dtype(1)) for s in arg_specs(header)]
+    values = [tf.ones(s, tf_dtype(1)) for _, _, s in specs]
     result = {"tensors": len(shapes), "parameters": int(sum(v.numpy().size for v in values))}
     for label, limit in [("per_tensor", 1)] + [(f"fused_{mb}mb", mb << 20) for mb in FUSION_MB]:
-        body, buffers = _reduce_body(header, limit)
-        fn = tf.function(body, input_signature=arg_specs(header)).get_concrete_function()
+        header = reduce_function(f"bench_reduce_{label}", specs)
+        functions, buffers = reduce_functions(header, limit, {})
+        for f in reversed(functions):  # the branches before the function that calls them
+            context.context().add_function_def(f)
+        types = [tf_dtype(a.type) for a in header.signature.output_arg]
+
+        def call(*xs, name=header.signature.name, types=types):
+            return tf.raw_ops.StatefulPartitionedCall(args=xs, Tout=types, f=name)
+
+        fn = tf.function(call, input_signature=arg_specs(header)).get_concrete_function()
         for _ in range(3):
             fn(*values)
         times = []

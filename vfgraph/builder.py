@@ -1,6 +1,5 @@
-"""Builds new library functions: extracted pieces of a function, bodies written node by node
-(:class:`FunctionBuilder`: the virtual-node loop, reductions, broadcasts), and bodies traced
-with TensorFlow (:func:`trace_replacement`, for the serving loop).
+"""Builds new library functions: extracted pieces of a function, and bodies written node by
+node (:class:`FunctionBuilder`: the virtual-node loop, the serving loop, reductions, broadcasts).
 
 Writing NodeDefs directly costs microseconds per node; tracing costs about a millisecond per
 op (TensorFlow builds, shape-infers and auto-orders every op in a FuncGraph), which made
@@ -9,13 +8,12 @@ needs as an explicit control dependency instead of relying on a tracer to infer 
 """
 from __future__ import annotations
 
-import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
-from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, parse_input, verify_function_def
+from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, verify_function_def
 
 
 def _stateful(g: FunctionGraph, name: str) -> bool:
@@ -122,63 +120,6 @@ def arg_specs(fdef: function_pb2.FunctionDef) -> list:
     return specs
 
 
-def trace_replacement(
-    original: function_pb2.FunctionDef,
-    body: Callable,
-    prefix: str,
-) -> List[function_pb2.FunctionDef]:
-    """Trace ``body(*args)`` with ``original``'s argument specs into FunctionDefs.
-
-    The first FunctionDef returned takes ``original``'s name, argument names and attributes
-    and its output names, so every caller sees a drop-in replacement; nested functions
-    (loop bodies and conditions) are renamed ``<prefix>_<role>`` deterministically.
-    """
-    import tensorflow as tf
-
-    specs = arg_specs(original)
-    traced = tf.function(body, input_signature=specs, autograph=False).get_concrete_function()
-    main = function_pb2.FunctionDef()
-    main.CopyFrom(traced.function_def)
-    annotate_shapes(main, traced.graph)
-    nested = [f for f in traced.graph.as_graph_def().library.function]
-    renames: Dict[str, str] = {main.signature.name: original.signature.name}
-    used: Dict[str, int] = {}
-    for f in sorted(nested, key=lambda f: _trace_order(f.signature.name)):
-        role = re.sub(r"_\d+$", "", f.signature.name).lstrip("_")
-        k = used.get(role, 0)
-        used[role] = k + 1
-        renames[f.signature.name] = f"{prefix}_{role}" + (f"_{k}" if k else "")
-    out = [main] + sorted(nested, key=lambda f: renames[f.signature.name])  # stable library order
-    _rename_references(main, renames)
-    for f in out[1:]:  # loop bodies and conditions: TensorFlow also derived argument names from them
-        _rename_everywhere(f, renames)
-    # Drop-in signature: the original's argument names, attributes and output names.
-    arg_map = {a.name: b.name for a, b in zip(main.signature.input_arg, original.signature.input_arg)}
-    for node in main.node_def:
-        for i, s in enumerate(node.input):
-            ref, ctl = parse_input(s)
-            if ref.is_function_arg and ref.node in arg_map:
-                node.input[i] = ("^" if ctl else "") + arg_map[ref.node]
-    for k, v in list(main.ret.items()):
-        ref, _ = parse_input(v)
-        if ref.is_function_arg and ref.node in arg_map:
-            main.ret[k] = arg_map[ref.node]
-    for a, b in zip(main.signature.input_arg, original.signature.input_arg):
-        a.name = b.name
-    main.ClearField("arg_attr")
-    for i, v in original.arg_attr.items():
-        main.arg_attr[i].CopyFrom(v)
-    rets = [main.ret[a.name] for a in main.signature.output_arg]
-    main.ClearField("ret")
-    for a, b, r in zip(main.signature.output_arg, original.signature.output_arg, rets):
-        a.name = b.name
-        main.ret[b.name] = r
-    main.attr.clear()
-    for k, v in original.attr.items():
-        main.attr[k].CopyFrom(v)
-    return out
-
-
 def annotate_shapes(fdef: function_pb2.FunctionDef, graph) -> None:
     """Record each node's static output shapes (``_output_shapes``), as TensorFlow's own
     SavedModel export does, so later passes and ``inspect`` can read them."""
@@ -190,46 +131,6 @@ def annotate_shapes(fdef: function_pb2.FunctionDef, graph) -> None:
         shapes = node.attr["_output_shapes"].list.shape
         for t in op.outputs:
             shapes.add().CopyFrom(t.shape.as_proto())
-
-
-def _rename_references(fdef: function_pb2.FunctionDef, renames: Dict[str, str]) -> None:
-    """Rename ``fdef`` and the functions its nodes call (op types and function attributes)."""
-    from vfgraph.ir.graph import iter_func_attrs
-
-    fdef.signature.name = renames.get(fdef.signature.name, fdef.signature.name)
-    for node in fdef.node_def:
-        node.op = renames.get(node.op, node.op)
-        for fa in iter_func_attrs(node):
-            fa.name = renames.get(fa.name, fa.name)
-
-
-def _rename_everywhere(fdef: function_pb2.FunctionDef, renames: Dict[str, str]) -> None:
-    """Rename functions, and every argument or node name TensorFlow derived from them."""
-    if not renames:
-        return
-    pattern = re.compile("|".join(re.escape(k) for k in sorted(renames, key=len, reverse=True)))
-
-    def sub(text: str) -> str:
-        return pattern.sub(lambda m: renames[m.group(0)], text)
-
-    _rename_references(fdef, renames)
-    sig = fdef.signature
-    for arg in list(sig.input_arg) + list(sig.output_arg):
-        arg.name = sub(arg.name)
-    sig.control_output[:] = [sub(c) for c in sig.control_output]
-    for node in fdef.node_def:
-        node.name = sub(node.name)
-        node.input[:] = [sub(x) for x in node.input]
-    for field in (fdef.ret, fdef.control_ret):
-        items = [(sub(k), sub(v)) for k, v in field.items()]
-        field.clear()
-        for k, v in items:
-            field[k] = v
-
-
-def _trace_order(name: str) -> Tuple[int, str]:
-    m = re.search(r"_(\d+)$", name)
-    return (int(m.group(1)) if m else 0, name)
 
 
 # --------------------------------------------------------------------------- direct construction
