@@ -2,9 +2,12 @@
 
 scaling  The digits MLP (hidden width --hidden, default 1024) and the batch-norm digits
          CNN of examples/export.py, rewritten with ``vnode_batch=16`` and the all-reduce, trained
-         at a global batch of --batch (default 128: 8 virtual nodes) with one intra-op thread per process:
-         examples/s on 2 ranks (4 virtual nodes each) against 1 rank (8), both launched with
-         ``mpiexec`` by this script. Target: ratio >= 1.8.
+         at each global batch of --batch (default 128, 512 and 2048: 8, 32 and 128 virtual
+         nodes) with one intra-op thread per process: examples/s on 2 ranks (half the virtual
+         nodes each) against 1 rank, both launched with ``mpiexec`` by this script. Target:
+         ratio >= 1.8. Also 2 ranks running the model rewritten without the all-reduce (each
+         trains on its half alone): the ratio the machine allows with no communication, so
+         the gap between the two is what summing the gradients costs.
 fusion   The gradients of keras.applications.ResNet50 (weights=None, 10 classes: 161 tensors,
          23.6M parameters) summed over 2 ranks by insert-allreduce's reduce function, fused
          into buffers of at most 1, 4, 16 and 64 MiB against one all-reduce per tensor (a buffer
@@ -35,7 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
     p.add_argument("--json", default="/tmp/vfgraph_bench_scaling.json")
     p.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
-    p.add_argument("--batch", type=int, default=128, help="global batch (a multiple of 16)")
+    p.add_argument("--batch", default="128,512,2048", help="global batches, comma-separated (multiples of 32)")
     p.add_argument("--no-fusion", action="store_true", help="skip the fusion measurement")
     p.add_argument("--worker", choices=("scaling", "fusion"), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -67,10 +70,10 @@ def worker_scaling(args) -> dict:
     loaded = tf.saved_model.load(args.model)
     fn = loaded.signatures["train"]
     data = load_npz(args.data)
-    per = shares(args.batch // VNODE_BATCH, w.size)
+    per = shares(int(args.batch) // VNODE_BATCH, w.size)
     lo, hi = sum(per[:w.rank]) * VNODE_BATCH, sum(per[:w.rank + 1]) * VNODE_BATCH
     feed = {"x": tf.constant(data["x"][lo:hi].astype(np.float32)), "y": tf.constant(data["y"][lo:hi].astype(np.int32))}
-    if w.size > 1:
+    if w.size > 1 and "train_broadcast" in loaded.signatures:
         loaded.signatures["train_broadcast"]()
     for _ in range(5):
         fn(**feed)
@@ -82,7 +85,7 @@ def worker_scaling(args) -> dict:
             out = fn(**feed)
         float(out["loss"])
         times.append(w.comm.allreduce(time.perf_counter() - t, op=_max()))
-    return {"ranks": w.size, "examples_per_s": args.batch * args.steps / statistics.median(times)}
+    return {"ranks": w.size, "examples_per_s": int(args.batch) * args.steps / statistics.median(times)}
 
 
 def _max():
@@ -168,26 +171,37 @@ def main() -> int:
     import vfgraph
 
     steps, reps = (20, 3) if args.quick else (args.steps, args.reps)
-    report = {"git": git_state(), "batch": args.batch, "vnode_batch": VNODE_BATCH, "scaling": {}, "targets":
+    batches = [int(x) for x in args.batch.split(",")]
+    report = {"git": git_state(), "batches": batches, "vnode_batch": VNODE_BATCH, "scaling": {}, "targets":
               {"scaling 2 ranks / 1 rank": 1.8}}
     with tempfile.TemporaryDirectory() as tmp:
         export.digits_data(os.path.join(tmp, "data"))
         data = os.path.join(tmp, "data", "train.npz")
         models = {"mlp": lambda p: export.digits_mlp(p, optimizer="momentum", hidden=args.hidden),
                   "cnn": lambda p: export.digits_cnn(p)}
-        print(f"{'model':8} {'1 rank ex/s':>12} {'2 ranks ex/s':>13} {'ratio':>7}")
+        print(f"{'model':6} {'batch':>6} {'1 rank ex/s':>12} {'2 ranks ex/s':>13} {'ratio':>6} "
+              f"{'2 ranks, no all-reduce ex/s':>28} {'ratio':>6}")
         for name, make in models.items():
-            src, out = os.path.join(tmp, name), os.path.join(tmp, name + "_v8")
+            src = os.path.join(tmp, name)
             make(src)
-            vfgraph.save(vfgraph.rewrite(src, vnodes=args.batch // VNODE_BATCH, vnode_batch=VNODE_BATCH,
-                                         allreduce="mpi"), out)
-            common = ["--worker", "scaling", "--model", out, "--data", data, "--steps", str(steps), "--reps", str(reps),
-                      "--batch", str(args.batch)]
-            one, two = _launch(1, *common), _launch(2, *common)
-            ratio = two["examples_per_s"] / one["examples_per_s"]
-            report["scaling"][name] = {"1 rank": one["examples_per_s"], "2 ranks": two["examples_per_s"],
-                                       "ratio": ratio}
-            print(f"{name:8} {one['examples_per_s']:12.0f} {two['examples_per_s']:13.0f} {ratio:7.2f}")
+            for batch in batches:
+                outs = {}
+                for allreduce in ("mpi", "none"):
+                    outs[allreduce] = os.path.join(tmp, f"{name}_{batch}_{allreduce}")
+                    vfgraph.save(vfgraph.rewrite(src, vnodes=batch // VNODE_BATCH, vnode_batch=VNODE_BATCH,
+                                                 allreduce=allreduce), outs[allreduce])
+                common = ["--worker", "scaling", "--data", data, "--steps", str(steps), "--reps", str(reps),
+                          "--batch", str(batch)]
+                one = _launch(1, "--model", outs["mpi"], *common)
+                two = _launch(2, "--model", outs["mpi"], *common)
+                alone = _launch(2, "--model", outs["none"], *common)
+                got = {"1 rank": one["examples_per_s"], "2 ranks": two["examples_per_s"],
+                       "ratio": two["examples_per_s"] / one["examples_per_s"],
+                       "2 ranks without all-reduce": alone["examples_per_s"],
+                       "ratio without all-reduce": alone["examples_per_s"] / one["examples_per_s"]}
+                report["scaling"][f"{name} batch {batch}"] = got
+                print(f"{name:6} {batch:6d} {got['1 rank']:12.0f} {got['2 ranks']:13.0f} {got['ratio']:6.2f} "
+                      f"{got['2 ranks without all-reduce']:28.0f} {got['ratio without all-reduce']:6.2f}")
     if args.no_fusion:
         write_report(args.json, report)
         return 0
