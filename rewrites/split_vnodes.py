@@ -342,6 +342,12 @@ def divide(fb: FunctionBuilder, value: str, count: str, dtype: int, shape=None) 
     return fb.op("RealDiv", [value, count], name="mean", T=type_attr(dtype), shapes=[shape])[0]
 
 
+def _means(fb: FunctionBuilder, step: TrainStep, sums: List[str], count: str) -> List[str]:
+    """The gradients the update gets: sums divided by the number of virtual nodes; sparse
+    gradients' rows are scaled the same way and their indices passed as they are."""
+    return [a if c.combine == "concat" else divide(fb, a, count, c.dtype, c.shape) for c, a in zip(step.cut, sums)]
+
+
 def _assemble(step: TrainStep, vnode_results: List, updated) -> List:
     """The function's outputs in the original order."""
     vi = iter(vnode_results)
@@ -374,9 +380,7 @@ def _step_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Lo
     outs, sums, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
     outs, sums, count = loop.reduce(fb, outs, sums, nv, reduce_fn)
     results = loop.outputs(fb, outs, count, nv)
-    means = [a if c.combine == "concat" else divide(fb, a, count, c.dtype, c.shape)  # sparse rows: scaled too
-             for c, a in zip(step.cut, sums)]
-    call, updated = _update(fb, udef, means, res, after=[done])
+    call, updated = _update(fb, udef, _means(fb, step, sums, count), res, after=[done])
     for o, a, r in zip(step.outputs, original.signature.output_arg, _assemble(step, results, updated)):
         fb.ret(a.name, fb.op("Identity", [r], name="result", deps=[call], T=type_attr(a.type),
                              shapes=[g.shape(o.ref)])[0], a.type)
@@ -429,8 +433,8 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     og = item.meta_graph.object_graph_def
     if item.kind != "saved_model" or not og.nodes:
         return [f"step-wise signatures: not added to {item.kind} models"]
-    if any(c.combine != "mean" for c in step.cut):
-        return ["step-wise signatures: not added (sparse gradients have no fixed-size accumulator)"]
+    if any(c.combine != "mean" and (not c.shape or any(d < 0 for d in c.shape[1:])) for c in step.cut):
+        return ["step-wise signatures: not added (sparse gradient rows of unknown shape)"]
     if any(o.side != "vnode" for o in step.outputs):
         return ["step-wise signatures: not added (an output is computed by the update)"]
     found = _signature_wrapper(item, sig.key)
@@ -474,8 +478,8 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     by = dict(zip(inner + acc_args, args))
     outs, sums, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
     count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
-    adds = [fb.op("AssignAddVariableOp", [by[a], v], name="accumulate", dtype=type_attr(t))
-            for a, v, t in zip(acc_args, sums + [count], [c.dtype for c in step.cut] + [F32])]
+    adds = [_accumulate(fb, by[a], v, c) for a, v, c in zip(acc_args, sums, step.cut)]
+    adds.append(fb.op("AssignAddVariableOp", [by["vf_count"], count], name="accumulate", dtype=type_attr(F32)))
     for a in adds:
         fb.control_ret(a)
     for o, a, r in zip(step.outputs, acc_header.signature.output_arg, loop.outputs(fb, outs, count, nv)):
@@ -490,10 +494,14 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     reduced = fb.op("StatefulPartitionedCall", sums, name="reduce", Tin=types_attr(types), Tout=types_attr(types),
                     f=func_attr(reduce_fn))
     got = reduced.outputs()
-    means = [divide(fb, v, got[-1], c.dtype, c.shape) for v, c in zip(got[:-1], step.cut)]
-    call, _ = _update(fb, udef, means, [by[a] for a in sig.resource_args], after=[reduced])
+    some = fb.op("Greater", [got[-1], fb.const(0.0, F32, "zero")[0]], name="some", T=type_attr(F32))[0]
+    ok = check(fb, some, f"vfgraph: {sig.key}_apply found no accumulated virtual node; "
+                         f"call {sig.key}_accumulate with a batch first")
+    means = _means(fb, step, got[:-1], got[-1])
+    call, _ = _update(fb, udef, means, [by[a] for a in sig.resource_args], after=[reduced, ok])
     for a, c in zip(acc_args, step.cut):
-        zeros = fb.op("Fill", [fb.const(c.shape, I32, "shape")[0], fb.const(0, c.dtype, "zero")[0]], name="zeros",
+        empty = c.shape if c.combine == "mean" else [0] + list(c.shape[1:])  # sparse: no rows yet
+        zeros = fb.op("Fill", [fb.const(empty, I32, "shape")[0], fb.const(0, c.dtype, "zero")[0]], name="zeros",
                       T=type_attr(c.dtype), index_type=type_attr(I32))[0]
         fb.control_ret(fb.op("AssignVariableOp", [by[a], zeros], name="reset", deps=[call], dtype=type_attr(c.dtype)))
     fb.control_ret(fb.op("AssignVariableOp", [by["vf_count"], fb.const(0.0, F32, "zero")[0]], name="reset",
@@ -502,6 +510,18 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     add_signature(item, f"{sig.key}_accumulate", acc_fn, cf, bare_id, acc_ids, takes_inputs=True)
     add_signature(item, f"{sig.key}_apply", apply_fn, cf, bare_id, acc_ids, takes_inputs=False)
     return []
+
+
+def _accumulate(fb: FunctionBuilder, acc: str, value: str, c) -> str:
+    """Add one call's gradient sum to accumulator ``acc``; a sparse gradient's rows (a tensor
+    list from the loop) are appended to the rows accumulated so far."""
+    t = type_attr(c.dtype)
+    if c.combine == "mean":
+        return fb.op("AssignAddVariableOp", [acc, value], name="accumulate", dtype=t)
+    old = fb.op("ReadVariableOp", [acc], name="rows", dtype=t)[0]
+    new = list_concat(fb, value, c.dtype)
+    rows = fb.op("ConcatV2", [old, new, fb.const(0, I32, "axis")[0]], name="append", N=2, T=t, Tidx=type_attr(I32))
+    return fb.op("AssignVariableOp", [acc, rows[0]], name="accumulate", dtype=t)
 
 
 def add_signature(item: GraphItem, key: str, fn: str, cf, bare_id: int, extra_bound: List[int],

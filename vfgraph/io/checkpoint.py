@@ -58,7 +58,8 @@ def extend_checkpoint(src_prefix: str, dst_prefix: str, og: saved_object_graph_p
             key = f"{paths[node_id]}/.ATTRIBUTES/VARIABLE_VALUE"
             node.attributes.add(name="VARIABLE_VALUE", full_name=var.name, checkpoint_key=key)
             names.append(key)
-            tensors.append(np.zeros([d.size for d in var.shape.dim], tf.dtypes.as_dtype(var.dtype).as_numpy_dtype))
+            dims = [max(d.size, 0) for d in var.shape.dim]  # an unknown dimension starts empty (sparse rows)
+            tensors.append(np.zeros(dims, tf.dtypes.as_dtype(var.dtype).as_numpy_dtype))
     names.append(OBJECT_GRAPH_KEY)
     tensors.append(np.array(ckpt_graph.SerializeToString(deterministic=True), dtype=object))
     os.makedirs(os.path.dirname(dst_prefix), exist_ok=True)
