@@ -431,45 +431,34 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     mode for runtimes that feed virtual nodes one call at a time. Returns notes."""
     sig = step.signature
     og = item.meta_graph.object_graph_def
-    if item.kind != "saved_model" or not og.nodes:
+    tf1 = item.kind == "tf1_saved_model"
+    if not tf1 and (item.kind != "saved_model" or not og.nodes):
         return [f"step-wise signatures: not added to {item.kind} models"]
     if any(c.combine != "mean" and (not c.shape or any(d < 0 for d in c.shape[1:])) for c in step.cut):
         return ["step-wise signatures: not added (sparse gradient rows of unknown shape)"]
     if any(o.side != "vnode" for o in step.outputs):
         return ["step-wise signatures: not added (an output is computed by the update)"]
-    found = _signature_wrapper(item, sig.key)
-    if found is None:
-        return [f"step-wise signatures: signature {sig.key!r} has no wrapper vfgraph can extend"]
-    wrapper, forward, bare_id = found
-    cf = og.concrete_functions[wrapper.signature.name]
-    # Accumulator variables in the object graph, under the root's "vf_accumulators".
-    holder_id = len(og.nodes)
-    holder = og.nodes.add()
-    holder.user_object.identifier = "_generic_user_object"
-    holder.user_object.version.producer = 1
-    holder.user_object.version.min_consumer = 1
-    og.nodes[0].children.add(node_id=holder_id, local_name=ACCUMULATORS)
-    acc_ids = []
-    specs = [(f"grad_{k}", c.dtype, c.shape) for k, c in enumerate(step.cut)] + [("count", types_pb2.DT_FLOAT, [])]
-    for local, dtype, shape in specs:
-        node = og.nodes.add()
-        node.variable.dtype = dtype
-        for d in shape:
-            node.variable.shape.dim.add().size = d
-        node.variable.name = f"{ACCUMULATORS}/{local}"
-        node.variable.trainable = False
-        holder.children.add(node_id=len(og.nodes) - 1, local_name=local)
-        acc_ids.append(len(og.nodes) - 1)
+    if tf1:  # the signature function is called from the graph: its own arguments and outputs
+        inner, n_inputs = list(g.arg_names), len(sig.batch_args)
+        out_names = [a.name for a in g.header.signature.output_arg]
+    else:
+        found = _signature_wrapper(item, sig.key)
+        if found is None:
+            return [f"step-wise signatures: signature {sig.key!r} has no wrapper vfgraph can extend"]
+        wrapper, forward, bare_id = found
+        cf = og.concrete_functions[wrapper.signature.name]
+        # the wrapper's argument order: inputs, then bound variables
+        inner = [forward[a.name] for a in wrapper.signature.input_arg]
+        n_inputs = len(inner) - len(cf.bound_inputs)
+        out_names = [a.name for a in wrapper.signature.output_arg]
+    specs = [(f"grad_{k}", c.dtype, c.shape) for k, c in enumerate(step.cut)] + [("count", F32, [])]
     acc_args = [f"vf_accumulator_{k}" for k in range(len(step.cut))] + ["vf_count"]
-    # Library functions, with the wrapper's argument order (inputs, then bound variables).
-    inner = [forward[a.name] for a in wrapper.signature.input_arg]
-    n_inputs = len(inner) - len(cf.bound_inputs)
     # Names of object-graph functions end in an integer (TensorFlow's fingerprinting needs it).
     acc_fn = function_name(sig.function, "accumulate", "0")
     apply_fn = function_name(sig.function, "apply", "0")
-    acc_header = _header(g, acc_fn, inner, acc_args, [a.name for a in wrapper.signature.output_arg],
-                         [g.dtype(o.ref) for o in step.outputs])
-    apply_header = _header(g, apply_fn, inner[n_inputs:], acc_args, [], [])
+    acc_header = _header(g, acc_fn, inner, acc_args, out_names, [g.dtype(o.ref) for o in step.outputs])
+    counted = ["vnodes"] if tf1 else []  # a TF1 signature needs an output: the virtual nodes applied
+    apply_header = _header(g, apply_fn, inner[n_inputs:], acc_args, counted, [F32] * len(counted))
     reduce_fn = function_name(sig.function, "apply_reduce")
     item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step, with_outputs=False)))
     lib = item.library
@@ -504,12 +493,111 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
         zeros = fb.op("Fill", [fb.const(empty, I32, "shape")[0], fb.const(0, c.dtype, "zero")[0]], name="zeros",
                       T=type_attr(c.dtype), index_type=type_attr(I32))[0]
         fb.control_ret(fb.op("AssignVariableOp", [by[a], zeros], name="reset", deps=[call], dtype=type_attr(c.dtype)))
-    fb.control_ret(fb.op("AssignVariableOp", [by["vf_count"], fb.const(0.0, F32, "zero")[0]], name="reset",
-                         deps=[call], dtype=type_attr(F32)))
+    reset = fb.op("AssignVariableOp", [by["vf_count"], fb.const(0.0, F32, "zero")[0]], name="reset",
+                  deps=[call], dtype=type_attr(F32))
+    fb.control_ret(reset)
+    for name in counted:
+        fb.ret(name, fb.op("Identity", [got[-1]], name="applied", deps=[reset], T=type_attr(F32), shapes=[[]])[0], F32)
     item.set_function(fb.finish())
+    if tf1:
+        _tf1_stepwise(item, sig, specs, acc_fn, apply_fn)
+        return []
+    acc_ids = _object_graph_accumulators(og, specs)
     add_signature(item, f"{sig.key}_accumulate", acc_fn, cf, bare_id, acc_ids, takes_inputs=True)
     add_signature(item, f"{sig.key}_apply", apply_fn, cf, bare_id, acc_ids, takes_inputs=False)
     return []
+
+
+def _object_graph_accumulators(og, specs) -> List[int]:
+    """Accumulator variables in the object graph, under the root's ``vf_accumulators``;
+    returns their node ids."""
+    holder_id = len(og.nodes)
+    holder = og.nodes.add()
+    holder.user_object.identifier = "_generic_user_object"
+    holder.user_object.version.producer = 1
+    holder.user_object.version.min_consumer = 1
+    og.nodes[0].children.add(node_id=holder_id, local_name=ACCUMULATORS)
+    acc_ids = []
+    for local, dtype, shape in specs:
+        node = og.nodes.add()
+        node.variable.dtype = dtype
+        for d in shape:
+            node.variable.shape.dim.add().size = d
+        node.variable.name = f"{ACCUMULATORS}/{local}"
+        node.variable.trainable = False
+        holder.children.add(node_id=len(og.nodes) - 1, local_name=local)
+        acc_ids.append(len(og.nodes) - 1)
+    return acc_ids
+
+
+INIT_OP = "__saved_model_init_op"
+
+
+def _tf1_stepwise(item: GraphItem, sig, specs, acc_fn: str, apply_fn: str) -> None:
+    """TF1: accumulator variables as graph nodes, zeroed by the SavedModel's init op (chained
+    before the model's own), and two signature_defs calling the step-wise functions."""
+    from tensorflow.core.framework import attr_value_pb2
+
+    from vfgraph.builder import shape_proto
+
+    mg = item.meta_graph
+    gd = mg.graph_def
+
+    def node(name, op, inputs=(), **attrs):
+        n = gd.node.add(name=name, op=op)
+        n.input.extend(inputs)
+        for k, v in attrs.items():
+            n.attr[k].CopyFrom(v)
+        return name
+
+    def const(name, value, dtype):
+        return node(name, "Const", dtype=type_attr(dtype), value=attr_value_pb2.AttrValue(
+            tensor=make_tensor_proto(np.array(value, dtype=tf_dtype(dtype).as_numpy_dtype))))
+
+    handles, zeroed = [], []
+    for local, dtype, shape in specs:
+        name = f"{ACCUMULATORS}/{local}"
+        handles.append(node(name, "VarHandleOp", dtype=type_attr(dtype),
+                            shape=attr_value_pb2.AttrValue(shape=shape_proto(shape)),
+                            shared_name=attr_value_pb2.AttrValue(s=name.encode()),
+                            container=attr_value_pb2.AttrValue(s=b"")))
+        empty = [max(d, 0) for d in shape]  # sparse rows: none yet
+        zeros = node(f"{name}/zeros", "Fill", [const(f"{name}/shape", empty, I32), const(f"{name}/zero", 0, dtype)],
+                     T=type_attr(dtype), index_type=type_attr(I32))
+        zeroed.append(node(f"{name}/init", "AssignVariableOp", [name, zeros], dtype=type_attr(dtype)))
+    before = ""
+    if INIT_OP in mg.signature_def:
+        before = mg.signature_def[INIT_OP].outputs[INIT_OP].name
+    else:
+        for key in ("saved_model_main_op", "legacy_init_op"):  # what the loader would run otherwise
+            if mg.collection_def[key].node_list.value:
+                before = mg.collection_def[key].node_list.value[0]
+                break
+            del mg.collection_def[key]
+    init = node("vf/init_op", "NoOp", ["^" + z for z in zeroed] + (["^" + before.split(":")[0]] if before else []))
+    mg.signature_def[INIT_OP].outputs[INIT_OP].name = init
+    train = mg.signature_def[sig.key]
+    fdefs = item.library
+    for key, fn, inputs in ((f"{sig.key}_accumulate", acc_fn, sig.call_inputs),
+                            (f"{sig.key}_apply", apply_fn, sig.call_inputs[len(sig.batch_args):])):
+        fdef = fdefs[fn]
+        call = node(f"vf/{key}", "StatefulPartitionedCall", list(inputs) + handles,
+                    f=attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=fn)),
+                    Tin=types_attr([a.type for a in fdef.signature.input_arg]),
+                    Tout=types_attr([a.type for a in fdef.signature.output_arg]))
+        sd = mg.signature_def[key]
+        sd.method_name = train.method_name
+        if fn == acc_fn:
+            for k, t in train.inputs.items():
+                sd.inputs[k].CopyFrom(t)
+            for k, out_key in enumerate(sig.output_keys):
+                sd.outputs[out_key].CopyFrom(train.outputs[out_key])
+                sd.outputs[out_key].name = f"{call}:{k}"
+        else:
+            sd.outputs["vnodes"].name = f"{call}:0"
+            sd.outputs["vnodes"].dtype = F32
+            sd.outputs["vnodes"].tensor_shape.SetInParent()
+        item.preserve.add(fn)
 
 
 def _accumulate(fb: FunctionBuilder, acc: str, value: str, c) -> str:

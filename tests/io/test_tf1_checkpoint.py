@@ -142,3 +142,26 @@ def test_bad_checkpoint_input(models, tmp_path):
     assert "add_to_collection('train_op'" in _error(["rewrite", bare, "--checkpoint", meta[:-5], "-o", tmp_path / "o4"])
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 3, 4))
     assert open(meta, "rb").read() == open(lone, "rb").read()  # input untouched
+
+
+def test_stepwise_signatures_in_a_tf1_session(rewritten):
+    """train_accumulate twice (16 examples each) then train_apply, in a TF1 Session, gives the
+    looped step over the 32: accumulators are graph variables zeroed by the init op."""
+    out = rewritten("tf1-ref:adam", 4, 8)
+    want, want_loss = run_session(rewritten_session(out))
+    with tf.Graph().as_default() as g, v1.Session(graph=g) as sess:
+        mg = v1.saved_model.load(sess, ["serve"], out)
+        acc, apply = mg.signature_def["train_accumulate"], mg.signature_def["train_apply"]
+        got_loss = []
+        for x, y in BATCHES:
+            halves = [sess.run(acc.outputs["loss"].name, {acc.inputs["x"].name: x[i:i + 16],
+                                                          acc.inputs["y"].name: y[i:i + 16]}) for i in (0, 16)]
+            assert sess.run(apply.outputs["vnodes"].name) == 4.0
+            got_loss.append(np.mean(halves))
+        got = {v.name: sess.run(v) for v in v1.global_variables()}
+        with pytest.raises(tf.errors.InvalidArgumentError, match="train_apply found no accumulated virtual node"):
+            sess.run(apply.outputs["vnodes"].name)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
