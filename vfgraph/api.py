@@ -1,6 +1,8 @@
 """load -> pipeline -> verify -> save, in one place."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 from typing import Callable, Optional, Sequence, Union
 
@@ -68,6 +70,27 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     it out, "auto" adds it when vfgraph's MPI ops are available here."""
     if allreduce not in ("auto", "mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi', 'none' or 'auto'")
+    with _gc_paused():
+        return _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce,
+                        fusion_mb, checkpoint, loss)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause Python's cyclic garbage collector: a rewrite allocates hundreds of thousands of
+    small objects and almost no cycles, and each full collection rescans everything TensorFlow
+    holds (a fifth of ResNet-50's rewrite time). Reference counting still frees as usual."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce, fusion_mb,
+             checkpoint, loss) -> GraphItem:
     item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
     if pipeline is None:
         has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)

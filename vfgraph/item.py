@@ -1,7 +1,7 @@
 """GraphItem: what a pass sees (the GrapplerItem analogue)."""
 from __future__ import annotations
 
-import copy
+import pickle
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -89,8 +89,10 @@ class GraphItem:
     def copy(self) -> "GraphItem":
         sm = saved_model_pb2.SavedModel()
         sm.CopyFrom(self.saved_model)
-        return GraphItem(self.source, self.kind, sm, copy.deepcopy(self.signatures),
-                         set(self.preserve), copy.deepcopy(self.metadata), self.variables_prefix)
+        # a pickle round trip copies the signature records and metadata (plain dataclasses,
+        # dicts, lists) several times faster than copy.deepcopy
+        signatures, metadata = pickle.loads(pickle.dumps((self.signatures, self.metadata), pickle.HIGHEST_PROTOCOL))
+        return GraphItem(self.source, self.kind, sm, signatures, set(self.preserve), metadata, self.variables_prefix)
 
     def training_signature(self, key: Optional[str] = None) -> Optional[SignatureInfo]:
         if key is not None:

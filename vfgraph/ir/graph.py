@@ -325,19 +325,6 @@ class FunctionGraph:
             raise nx.NetworkXUnfeasible("Graph contains a cycle or graph changed during iteration")
         return [n for n in order if n in self.nodes]
 
-    def _is_acyclic(self) -> bool:
-        children, indegree = self._dependency_lists()
-        ready = [n for n, d in indegree.items() if d == 0]
-        done = 0
-        while ready:
-            n = ready.pop()
-            done += 1
-            for c in children[n]:
-                indegree[c] -= 1
-                if indegree[c] == 0:
-                    ready.append(c)
-        return done == len(indegree)
-
     def ancestors(self, roots: Iterable[str], follow: Callable[[str], Iterable[str]]) -> set:
         seen, stack = set(), [r for r in roots if r in self.nodes]
         while stack:
@@ -408,21 +395,29 @@ class FunctionGraph:
     def verify(self) -> None:
         """Raise :class:`VerifyError` naming the first broken node or output."""
         args = set(self.arg_names)
-        for name, node in self.nodes.items():
+        nodes = self.nodes
+        children: Dict[str, List[str]] = {}
+        indegree: Dict[str, int] = {}
+        for name, node in nodes.items():
+            preds = set()
             for s in node.input:
                 t, ctl = parse_input(s)
                 if t.node in args and not ctl:
                     if t.arg is not None:
                         raise VerifyError(f"{self.name}: node {name!r} reads argument {s!r} with an output index")
                     continue
-                if t.node not in self.nodes:
+                if t.node not in nodes:
                     raise VerifyError(f"{self.name}: node {name!r} input {s!r} refers to a missing node")
                 if not ctl:
-                    simple = _simple_outputs(self.nodes[t.node].op, self.library)
+                    simple = _simple_outputs(nodes[t.node].op, self.library)
                     if simple is None:
                         self.flat_index(t)
                     elif t.index != 0 or t.arg not in simple:
                         raise VerifyError(f"node {t.node!r} has no output {t.arg}:{t.index}")
+                preds.add(t.node)
+            indegree[name] = len(preds)
+            for p in preds:
+                children.setdefault(p, []).append(name)
         for k, v in self._header.ret.items():
             t, _ = parse_input(v)
             if t.node not in args and t.node not in self.nodes:
@@ -433,7 +428,15 @@ class FunctionGraph:
         names = {a.name for a in self.signature.output_arg}
         if names != set(self._header.ret):
             raise VerifyError(f"{self.name}: outputs {sorted(names)} do not match ret {sorted(self._header.ret)}")
-        if not self._is_acyclic():
+        ready = [n for n, d in indegree.items() if d == 0]  # Kahn: every node ordered iff acyclic
+        done = 0
+        while ready:
+            done += 1
+            for c in children.get(ready.pop(), ()):
+                indegree[c] -= 1
+                if indegree[c] == 0:
+                    ready.append(c)
+        if done != len(indegree):
             cycle = nx.find_cycle(self.to_networkx())
             raise VerifyError(f"{self.name}: cycle through {cycle[0][0]!r}")
 
