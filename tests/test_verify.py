@@ -1,0 +1,39 @@
+"""FunctionGraph.verify on small hand-written FunctionDefs: what it accepts and what it names."""
+import pytest
+from google.protobuf import text_format
+from tensorflow.core.framework import function_pb2
+
+from vfgraph.errors import VerifyError
+from vfgraph.ir.graph import FunctionGraph
+
+GOOD = """
+signature { name: "f" input_arg { name: "x" type: DT_FLOAT } output_arg { name: "y" type: DT_FLOAT } }
+node_def { name: "a" op: "Relu" input: "x" attr { key: "T" value { type: DT_FLOAT } } }
+node_def { name: "b" op: "AddV2" input: "a:activations:0" input: "x" input: "^c"
+           attr { key: "T" value { type: DT_FLOAT } } }
+node_def { name: "c" op: "NoOp" input: "^a" }
+ret { key: "y" value: "b:z:0" }
+"""
+
+
+def graph(text: str) -> FunctionGraph:
+    return FunctionGraph(text_format.Parse(text, function_pb2.FunctionDef()), {})
+
+
+def test_a_well_formed_function_verifies():
+    graph(GOOD).verify()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (('input: "^a"', 'input: "^b"'), "cycle through"),                       # c waits for b, b for c
+    (('input: "^a"', 'input: "^missing"'), "refers to a missing node"),
+    (('"a:activations:0"', '"a:activations:1"'), "has no output activations:1"),
+    (('"a:activations:0"', '"a:output:0"'), "has no output output:0"),
+    (('value: "b:z:0"', 'value: "gone:z:0"'), "output 'y' refers to missing"),
+    (('input: "x" attr', 'input: "x:0" attr'), "reads argument 'x:0' with an output index"),
+])
+def test_broken_functions_name_what_is_wrong(edit, message):
+    text = GOOD.replace(*edit)
+    assert text != GOOD
+    with pytest.raises(VerifyError, match=message):
+        graph(text).verify()
