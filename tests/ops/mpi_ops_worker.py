@@ -129,6 +129,20 @@ def collectives(model_dir):
         return equal(ops.allreduce(x).numpy(), np.full(3_000_001, 3.0, np.float32))
     check("allreduce 3M floats", large)
 
+    @tf.function
+    def reduce_intermediate(x):
+        return ops.allreduce(x * 1.0 + float(rank))  # forwarded: reduced in place, huge pages collapsed
+
+    def in_place_large():  # the same buffer memory again and again, with different contents
+        base = np.arange(5_000_000, dtype=np.float32) % 9973
+        for step in range(3):
+            x = base + step
+            want = size * x + sum(range(size))
+            if not equal(reduce_intermediate(tf.constant(x)).numpy(), want):
+                return False
+        return True
+    check("allreduce 20 MB in place, repeatedly", in_place_large)
+
     check("allreduce scalar and empty",
           lambda: equal(ops.allreduce(tf.constant(rank + 1)).numpy(), np.int32(3))
           and equal(ops.allreduce(tf.zeros([0, 4])).numpy(), np.zeros([0, 4], np.float32)))

@@ -13,10 +13,12 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <climits>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -235,6 +237,33 @@ void AdviseHugePages(void* data, size_t bytes) {
 #endif
 }
 
+// Backs the whole 2 MiB pages inside a large buffer that already holds data with
+// transparent huge pages now (MADV_COLLAPSE, Linux >= 6.1), once per page
+// address: TensorFlow's allocator hands the same memory to a step's gradient
+// buffer again and again, so a reduced-in-place buffer is collapsed on its
+// first use and the MPI library's copies of it walk 512 times fewer pages
+// afterwards. Content is preserved. Advisory; failures (older kernels) are
+// ignored. Called with the collective mutex held.
+void CollapseHugePages(void* data, size_t bytes) {
+#ifdef __linux__
+  constexpr int kMadvCollapse = 25;  // MADV_COLLAPSE, not in every libc's headers
+  constexpr uintptr_t kHugePage = uintptr_t{1} << 21;
+  static std::set<uintptr_t>* done = new std::set<uintptr_t>();
+  static bool unsupported = false;
+  if (unsupported || bytes < 2 * kHugePage) return;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (start + bytes) & ~(kHugePage - 1);
+  for (uintptr_t page = begin; page < end; page += kHugePage) {
+    if (!done->insert(page).second) continue;
+    if (madvise(reinterpret_cast<void*>(page), kHugePage, kMadvCollapse) != 0 && errno == EINVAL) {
+      unsupported = true;  // no MADV_COLLAPSE here
+      return;
+    }
+  }
+#endif
+}
+
 // Copies the input into a freshly allocated output when the input buffer could
 // not be forwarded (someone else still holds it).
 void CopyUnlessForwarded(int forwarded, const Tensor& input, Tensor* output) {
@@ -285,6 +314,7 @@ class AllreduceOp : public OpKernel {
     CopyUnlessForwarded(forwarded, input, output);
 
     std::lock_guard<std::mutex> lock(CollectiveMutex());
+    if (forwarded >= 0) CollapseHugePages(output->data(), output->TotalBytes());
     Comm comm;
     OP_REQUIRES_OK(context, AcquireComm("VfAllreduce", name(), &comm));
     if (kIsHalf<T>) {
