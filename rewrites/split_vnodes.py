@@ -17,7 +17,7 @@ from tensorflow.python.framework.tensor_util import make_tensor_proto
 from typing import ClassVar, List, Tuple
 
 from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, with_dynamic_batch
-from vfgraph.builder import (I32, FunctionBuilder, batch_size, check, extract_function, func_attr, list_concat,
+from vfgraph.builder import (I32, FunctionBuilder, Node, batch_size, check, extract_function, func_attr, list_concat,
                              shapes_attr, slice_rows, tf_dtype, type_attr, types_attr)
 from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
@@ -600,7 +600,7 @@ def _tf1_stepwise(item: GraphItem, sig, specs, acc_fn: str, apply_fn: str) -> No
         item.preserve.add(fn)
 
 
-def _accumulate(fb: FunctionBuilder, acc: str, value: str, c) -> str:
+def _accumulate(fb: FunctionBuilder, acc: str, value: str, c) -> Node:
     """Add one call's gradient sum to accumulator ``acc``; a sparse gradient's rows (a tensor
     list from the loop) are appended to the rows accumulated so far."""
     t = type_attr(c.dtype)
