@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from tensorflow.core.framework import node_def_pb2, types_pb2
+from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow.python.framework.tensor_util import make_tensor_proto
 from typing import ClassVar, List, Tuple
 
@@ -499,12 +500,19 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     for name in counted:
         fb.ret(name, fb.op("Identity", [got[-1]], name="applied", deps=[reset], T=type_attr(F32), shapes=[[]])[0], F32)
     item.set_function(fb.finish())
+    handles = _graph_variables(item.meta_graph, specs)
     if tf1:
-        _tf1_stepwise(item, sig, specs, acc_fn, apply_fn)
+        train = item.meta_graph.signature_def[sig.key]
+        _graph_signature(item, f"{sig.key}_accumulate", acc_fn, sig.call_inputs + handles, sig.key,
+                         [(k, train.outputs[k]) for k in sig.output_keys])
+        vnodes = meta_graph_pb2.TensorInfo(name="", dtype=F32)
+        vnodes.tensor_shape.SetInParent()
+        _graph_signature(item, f"{sig.key}_apply", apply_fn, sig.call_inputs[n_inputs:] + handles, None,
+                         [("vnodes", vnodes)])
         return []
     acc_ids = _object_graph_accumulators(og, specs)
-    add_signature(item, f"{sig.key}_accumulate", acc_fn, cf, bare_id, acc_ids, takes_inputs=True)
-    add_signature(item, f"{sig.key}_apply", apply_fn, cf, bare_id, acc_ids, takes_inputs=False)
+    add_signature(item, f"{sig.key}_accumulate", acc_fn, cf, bare_id, acc_ids, True, sig.key, handles)
+    add_signature(item, f"{sig.key}_apply", apply_fn, cf, bare_id, acc_ids, False, sig.key, handles)
     return []
 
 
@@ -533,38 +541,40 @@ def _object_graph_accumulators(og, specs) -> List[int]:
 INIT_OP = "__saved_model_init_op"
 
 
-def _tf1_stepwise(item: GraphItem, sig, specs, acc_fn: str, apply_fn: str) -> None:
-    """TF1: accumulator variables as graph nodes, zeroed by the SavedModel's init op (chained
-    before the model's own), and two signature_defs calling the step-wise functions."""
+def _graph_node(gd, name: str, op: str, inputs=(), **attrs) -> str:
+    n = gd.node.add(name=name, op=op)
+    n.input.extend(inputs)
+    for k, v in attrs.items():
+        n.attr[k].CopyFrom(v)
+    return name
+
+
+def _graph_variables(mg, specs) -> List[str]:
+    """Graph nodes (``VarHandleOp``) for the accumulators, for loaders that run the graph
+    (TF1 sessions, ``saved_model_cli``, serving): zeroed by the SavedModel's init op,
+    which runs them before the model's own init op. Returns the node names."""
     from tensorflow.core.framework import attr_value_pb2
 
     from vfgraph.builder import shape_proto
 
-    mg = item.meta_graph
     gd = mg.graph_def
 
-    def node(name, op, inputs=(), **attrs):
-        n = gd.node.add(name=name, op=op)
-        n.input.extend(inputs)
-        for k, v in attrs.items():
-            n.attr[k].CopyFrom(v)
-        return name
-
     def const(name, value, dtype):
-        return node(name, "Const", dtype=type_attr(dtype), value=attr_value_pb2.AttrValue(
+        return _graph_node(gd, name, "Const", dtype=type_attr(dtype), value=attr_value_pb2.AttrValue(
             tensor=make_tensor_proto(np.array(value, dtype=tf_dtype(dtype).as_numpy_dtype))))
 
     handles, zeroed = [], []
     for local, dtype, shape in specs:
         name = f"{ACCUMULATORS}/{local}"
-        handles.append(node(name, "VarHandleOp", dtype=type_attr(dtype),
-                            shape=attr_value_pb2.AttrValue(shape=shape_proto(shape)),
-                            shared_name=attr_value_pb2.AttrValue(s=name.encode()),
-                            container=attr_value_pb2.AttrValue(s=b"")))
+        handles.append(_graph_node(gd, name, "VarHandleOp", dtype=type_attr(dtype),
+                                   shape=attr_value_pb2.AttrValue(shape=shape_proto(shape)),
+                                   shared_name=attr_value_pb2.AttrValue(s=name.encode()),
+                                   container=attr_value_pb2.AttrValue(s=b"")))
         empty = [max(d, 0) for d in shape]  # sparse rows: none yet
-        zeros = node(f"{name}/zeros", "Fill", [const(f"{name}/shape", empty, I32), const(f"{name}/zero", 0, dtype)],
-                     T=type_attr(dtype), index_type=type_attr(I32))
-        zeroed.append(node(f"{name}/init", "AssignVariableOp", [name, zeros], dtype=type_attr(dtype)))
+        zeros = _graph_node(gd, f"{name}/zeros", "Fill",
+                            [const(f"{name}/shape", empty, I32), const(f"{name}/zero", 0, dtype)],
+                            T=type_attr(dtype), index_type=type_attr(I32))
+        zeroed.append(_graph_node(gd, f"{name}/init", "AssignVariableOp", [name, zeros], dtype=type_attr(dtype)))
     before = ""
     if INIT_OP in mg.signature_def:
         before = mg.signature_def[INIT_OP].outputs[INIT_OP].name
@@ -574,30 +584,33 @@ def _tf1_stepwise(item: GraphItem, sig, specs, acc_fn: str, apply_fn: str) -> No
                 before = mg.collection_def[key].node_list.value[0]
                 break
             del mg.collection_def[key]
-    init = node("vf/init_op", "NoOp", ["^" + z for z in zeroed] + (["^" + before.split(":")[0]] if before else []))
+    init = _graph_node(gd, "vf/init_op", "NoOp",
+                       ["^" + z for z in zeroed] + (["^" + before.split(":")[0]] if before else []))
     mg.signature_def[INIT_OP].outputs[INIT_OP].name = init
-    train = mg.signature_def[sig.key]
-    fdefs = item.library
-    for key, fn, inputs in ((f"{sig.key}_accumulate", acc_fn, sig.call_inputs),
-                            (f"{sig.key}_apply", apply_fn, sig.call_inputs[len(sig.batch_args):])):
-        fdef = fdefs[fn]
-        call = node(f"vf/{key}", "StatefulPartitionedCall", list(inputs) + handles,
-                    f=attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=fn)),
-                    Tin=types_attr([a.type for a in fdef.signature.input_arg]),
-                    Tout=types_attr([a.type for a in fdef.signature.output_arg]))
-        sd = mg.signature_def[key]
-        sd.method_name = train.method_name
-        if fn == acc_fn:
-            for k, t in train.inputs.items():
-                sd.inputs[k].CopyFrom(t)
-            for k, out_key in enumerate(sig.output_keys):
-                sd.outputs[out_key].CopyFrom(train.outputs[out_key])
-                sd.outputs[out_key].name = f"{call}:{k}"
-        else:
-            sd.outputs["vnodes"].name = f"{call}:0"
-            sd.outputs["vnodes"].dtype = F32
-            sd.outputs["vnodes"].tensor_shape.SetInParent()
-        item.preserve.add(fn)
+    return handles
+
+
+def _graph_signature(item: GraphItem, key: str, fn: str, inputs: List[str], like, outputs) -> None:
+    """signature_def ``key``: a graph node calling library function ``fn`` on ``inputs``; the
+    signature's inputs are those of signature_def ``like`` (None: no inputs), its outputs
+    ``outputs`` ((key, TensorInfo) in ``fn``'s output order, renamed to the call's)."""
+    from tensorflow.core.framework import attr_value_pb2
+
+    mg = item.meta_graph
+    fdef = item.library[fn]
+    call = _graph_node(mg.graph_def, f"vf/{key}", "StatefulPartitionedCall", inputs,
+                       f=attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=fn)),
+                       Tin=types_attr([a.type for a in fdef.signature.input_arg]),
+                       Tout=types_attr([a.type for a in fdef.signature.output_arg]))
+    sd = mg.signature_def[key]
+    sd.method_name = mg.signature_def[like].method_name if like is not None else "tensorflow/serving/predict"
+    if like is not None:
+        for k, t in mg.signature_def[like].inputs.items():
+            sd.inputs[k].CopyFrom(t)
+    for k, (out_key, info) in enumerate(outputs):
+        sd.outputs[out_key].CopyFrom(info)
+        sd.outputs[out_key].name = f"{call}:{k}"
+    item.preserve.add(fn)
 
 
 def _accumulate(fb: FunctionBuilder, acc: str, value: str, c) -> Node:
@@ -613,10 +626,12 @@ def _accumulate(fb: FunctionBuilder, acc: str, value: str, c) -> Node:
 
 
 def add_signature(item: GraphItem, key: str, fn: str, cf, bare_id: int, extra_bound: List[int],
-                  takes_inputs: bool) -> None:
+                  takes_inputs: bool, like: str, extra_handles: List[str]) -> None:
     """Register library function ``fn`` as signature ``key``: a bare concrete function like
-    the training signature's (object-graph entry ``cf``, node ``bare_id``), bound to the same
-    variables plus ``extra_bound``; without ``takes_inputs`` it takes no inputs and returns {}."""
+    signature ``like``'s (object-graph entry ``cf``, node ``bare_id``), bound to the same
+    variables plus ``extra_bound``; without ``takes_inputs`` it takes no inputs and returns {}.
+    The signature_def map gets it too (what ``saved_model_cli`` and graph loaders read): a
+    graph call fed like ``like``'s call, plus the graph variables ``extra_handles``."""
     from tensorflow.python.saved_model import nested_structure_coder
 
     og = item.meta_graph.object_graph_def
@@ -634,6 +649,16 @@ def add_signature(item: GraphItem, key: str, fn: str, cf, bare_id: int, extra_bo
         entry.output_signature.CopyFrom(nested_structure_coder.encode_structure({}))
     sigs.children.add(node_id=len(og.nodes) - 1, local_name=key)
     item.preserve.add(fn)
+    mg = item.meta_graph
+    model = mg.signature_def[like]
+    out = next(iter(model.outputs.values())).name.split(":")[0]
+    call = next(n for n in mg.graph_def.node if n.name == out)
+    fed = [i for i in call.input if not i.startswith("^")]
+    outputs = sorted(model.outputs.items(), key=lambda kv: int(kv[1].name.split(":")[1]))  # the call's order
+    if takes_inputs:
+        _graph_signature(item, key, fn, fed + extra_handles, like, outputs)
+    else:
+        _graph_signature(item, key, fn, fed[len(fed) - len(cf.bound_inputs):] + extra_handles, None, [])
 
 
 def _signature_wrapper(item: GraphItem, key: str):

@@ -124,6 +124,10 @@ def test_saved_model_cli_shows_rewritten_model(rewritten):
     cli = shutil.which("saved_model_cli", path=os.path.dirname(sys.executable)) or "saved_model_cli"
     show = subprocess.run([cli, "show", "--dir", out, "--all"], capture_output=True, text=True, env=ENV)
     assert show.returncode == 0 and "signature_def['train']" in show.stdout
+    for key in ("train_accumulate", "train_apply"):  # the step-wise pair is in the signature_def map too
+        assert f"signature_def['{key}']" in show.stdout, show.stdout[-3000:]
+    acc = show.stdout.split("signature_def['train_accumulate']")[1].split("signature_def[")[0]
+    assert "inputs['x']" in acc and "outputs['loss']" in acc
     # `saved_model_cli run` cannot restore the variables of a TF2 tf.Module export (the
     # original fails the same way), so running is checked with tf.saved_model.load below.
 
