@@ -8,6 +8,7 @@ needs as an explicit control dependency instead of relying on a tracer to infer 
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2, types_pb2
@@ -159,11 +160,26 @@ def types_attr(dtypes: Sequence[int]):
 
 
 def shapes_attr(shapes: Sequence[Optional[Sequence[int]]]):
+    """A list-of-shapes AttrValue (shared between calls: copy it, do not change it)."""
+    return _shapes_attr(tuple(None if s is None else tuple(s) for s in shapes))
+
+
+@lru_cache(maxsize=4096)
+def _shapes_attr(shapes: Tuple[Optional[Tuple[int, ...]], ...]):
     v = attr_value_pb2.AttrValue()
     v.list.SetInParent()
     for s in shapes:
         v.list.shape.add().CopyFrom(shape_proto(s))
     return v
+
+
+@lru_cache(maxsize=None)
+def _op_defaults(op: str) -> Optional[Tuple[Tuple[str, attr_value_pb2.AttrValue], ...]]:
+    """The attributes registered op ``op`` has defaults for (None: not registered)."""
+    op_def = op_def_registry.get(op)
+    if op_def is None:
+        return None
+    return tuple((a.name, a.default_value) for a in op_def.attr if a.HasField("default_value"))
 
 
 def func_attr(name: str):
@@ -206,11 +222,15 @@ class Node:
 
     def outputs(self) -> List[str]:
         """Every flat output as an input reference (computed once: nodes can have thousands)."""
-        from vfgraph.ir.graph import output_layout
+        from vfgraph.ir.graph import output_layout, output_names
 
         if self._refs is None:
             name = self.proto.name
-            self._refs = [f"{name}:{arg}:{idx}" for arg, idx, _ in output_layout(self.proto, self._library)]
+            simple = output_names(self.proto.op, self._library)
+            if simple is not None:
+                self._refs = [f"{name}:{arg}:0" for arg in simple]
+            else:
+                self._refs = [f"{name}:{arg}:{idx}" for arg, idx, _ in output_layout(self.proto, self._library)]
         return self._refs
 
 
@@ -268,12 +288,12 @@ class FunctionBuilder:
         for k, v in attrs.items():
             node.attr[k].CopyFrom(_attr_value(v))
         if op not in self.library:
-            op_def = op_def_registry.get(op)
-            if op_def is None:
+            defaults = _op_defaults(op)
+            if defaults is None:
                 raise KeyError(f"op {op!r} is not registered")
-            for a in op_def.attr:
-                if a.name not in node.attr and a.HasField("default_value"):
-                    node.attr[a.name].CopyFrom(a.default_value)
+            for a, value in defaults:
+                if a not in node.attr:
+                    node.attr[a].CopyFrom(value)
         if shapes is not None:
             node.attr["_output_shapes"].CopyFrom(shapes_attr(shapes))
         return Node(node, self.library)
@@ -286,8 +306,12 @@ class FunctionBuilder:
         array = np.asarray(value, dtype=dtypes.as_dtype(dtype).as_numpy_dtype)
         key = (dtype, array.shape, array.tobytes() if array.dtype != object else repr(array.tolist()))
         if key not in self._consts:  # one node per distinct constant
-            self._consts[key] = self.op("Const", [], name=name, dtype=type_attr(dtype),
-                                        value=attr_value_pb2.AttrValue(tensor=make_tensor_proto(array)),
+            tensor = _TENSORS.get(key)
+            if tensor is None:  # make_tensor_proto is slow; the same small constants recur
+                tensor = attr_value_pb2.AttrValue(tensor=make_tensor_proto(array))
+                if array.size <= 64:
+                    _TENSORS[key] = tensor
+            self._consts[key] = self.op("Const", [], name=name, dtype=type_attr(dtype), value=tensor,
                                         shapes=[list(array.shape)])
         return self._consts[key]
 
@@ -305,6 +329,10 @@ class FunctionBuilder:
         """The function. Inputs were checked as nodes were added, and output references come
         from the op definitions, so no separate verify pass is needed."""
         return self.fdef
+
+
+# Small constants' tensor attributes by (dtype, shape, bytes), shared by every builder.
+_TENSORS: Dict[tuple, attr_value_pb2.AttrValue] = {}
 
 
 # The pieces every generated loop uses.

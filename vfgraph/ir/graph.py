@@ -96,12 +96,24 @@ def _simple_outputs(op: str, library: Mapping[str, function_pb2.FunctionDef]) ->
     if op in library:
         return None
     if op not in _SIMPLE_OUTPUTS:
-        od = op_def_registry.get(op)
-        if od is None:
-            return None
-        lists = any(a.number_attr or a.type_list_attr for a in od.output_arg)
-        _SIMPLE_OUTPUTS[op] = None if lists else frozenset(a.name for a in od.output_arg)
+        names = output_names(op, library)
+        _SIMPLE_OUTPUTS[op] = None if names is None else frozenset(names)
     return _SIMPLE_OUTPUTS[op]
+
+
+def output_names(op: str, library: Mapping[str, function_pb2.FunctionDef]) -> Optional[Tuple[str, ...]]:
+    """The output names of a registered op without list outputs, in order (each has index 0
+    only); None for other ops."""
+    if op in library:
+        return None
+    if op not in _OUTPUT_NAMES:
+        od = op_def_registry.get(op)
+        lists = od is None or any(a.number_attr or a.type_list_attr for a in od.output_arg)
+        _OUTPUT_NAMES[op] = None if lists else tuple(a.name for a in od.output_arg)
+    return _OUTPUT_NAMES[op]
+
+
+_OUTPUT_NAMES: Dict[str, Optional[Tuple[str, ...]]] = {}
 
 
 def _output_recipe(od: op_def_pb2.OpDef) -> Tuple[Tuple[str, str, int, str, str], ...]:
