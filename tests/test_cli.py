@@ -128,6 +128,13 @@ def test_saved_model_cli_shows_rewritten_model(rewritten):
         assert f"signature_def['{key}']" in show.stdout, show.stdout[-3000:]
     acc = show.stdout.split("signature_def['train_accumulate']")[1].split("signature_def[")[0]
     assert "inputs['x']" in acc and "outputs['loss']" in acc
+    # loaded again, the step-wise pair is the runtime's, not one of the model's signatures
+    import vfgraph
+
+    assert sorted(vfgraph.load(out).signatures) == ["serving_default", "train"]
+    res = vf("inspect", out)
+    assert res.returncode == 0 and "step-wise: signatures 'train_accumulate' (repeat) and 'train_apply'" in res.stdout
+    assert "signature 'train_accumulate'" not in res.stdout
     # `saved_model_cli run` cannot restore the variables of a TF2 tf.Module export (the
     # original fails the same way), so running is checked with tf.saved_model.load below.
 

@@ -195,6 +195,8 @@ def cmd_inspect(args) -> int:
         rw = report["rewrites"].get("split-vnodes", {}).get(key)
         if rw:
             print(f"  virtual nodes: V={rw['vnodes']} b={rw['vnode_batch'] or 'fed batch / V'}")
+            if rw.get("stepwise"):
+                print(f"  step-wise: signatures {key + '_accumulate'!r} (repeat) and {key + '_apply'!r}")
         ar = report["rewrites"].get("insert-allreduce", {}).get(key)
         if ar:
             fused = [b for b in ar["buffers"][0] if b[0].startswith("sum_")]

@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Dict, Optional
+from typing import Dict, Optional, Set
 
 from google.protobuf.message import DecodeError
 from tensorflow.core.framework import types_pb2
@@ -58,15 +58,31 @@ def load_saved_model(path: str) -> GraphItem:
         if _has_variables(mg) or (tf1.is_tf1(sm) and mg.HasField("saver_def")):
             raise InputError(f"{var_dir}: variables are missing (no variables.index); copy the whole SavedModel directory")
     try:
-        item = item_from_proto(sm, path)
+        metadata = read_metadata(path) or {}
+    except (ValueError, OSError) as e:
+        raise InputError(f"{os.path.join(path, METADATA_FILE)}: unreadable ({e})") from None
+    try:
+        item = item_from_proto(sm, path, added_signatures(metadata))
     except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
         raise InputError(f"{os.path.join(path, SAVED_MODEL_PB)}: inconsistent SavedModel ({type(e).__name__}: {e}); "
                          "re-export the model") from None
-    try:
-        item.metadata = read_metadata(path) or {}
-    except (ValueError, OSError) as e:
-        raise InputError(f"{os.path.join(path, METADATA_FILE)}: unreadable ({e})") from None
+    item.metadata = metadata
     return item
+
+
+def added_signatures(metadata: dict) -> Set[str]:
+    """Keys of the signatures vfgraph added to a model it rewrote (step-wise pairs,
+    broadcasts): runtime entry points, not the model's own signatures, so passes leave them
+    alone."""
+    rewrites = metadata.get("rewrites", {})
+    keys = set()
+    for key, rec in rewrites.get("split-vnodes", {}).items():
+        if rec.get("stepwise"):
+            keys |= {f"{key}_accumulate", f"{key}_apply"}
+    for rec in rewrites.get("insert-allreduce", {}).values():
+        if rec.get("broadcast_signature"):
+            keys.add(rec["broadcast_signature"])
+    return keys
 
 
 def load_saved_model_text(path: str) -> GraphItem:
@@ -84,20 +100,21 @@ def load_saved_model_text(path: str) -> GraphItem:
     return item_from_proto(sm, os.path.abspath(path))
 
 
-def item_from_proto(sm: saved_model_pb2.SavedModel, path: str) -> GraphItem:
-    """Build the item for a parsed SavedModel; ``path`` names it in messages."""
+def item_from_proto(sm: saved_model_pb2.SavedModel, path: str, skip: Set[str] = frozenset()) -> GraphItem:
+    """Build the item for a parsed SavedModel; ``path`` names it in messages; signatures in
+    ``skip`` are left out."""
     mg = sm.meta_graphs[0]
     graph_nodes = {n.name: n for n in mg.graph_def.node}
     library = {f.signature.name: f for f in mg.graph_def.library.function}
     signatures: Dict[str, SignatureInfo] = {}
     for key in sorted(mg.signature_def):
-        if key.startswith("__"):
+        if key.startswith("__") or key in skip:
             continue
         info = _signature_info(path, key, mg.signature_def[key], graph_nodes, library)
         if info is not None:
             signatures[key] = info
     if not signatures and tf1.is_tf1(sm):
-        return tf1.convert(sm, path)
+        return tf1.convert(sm, path, skip)
     return GraphItem(source=path, kind="saved_model", saved_model=sm, signatures=signatures)
 
 

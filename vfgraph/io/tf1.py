@@ -11,7 +11,7 @@ replaced by a NoOp of the same name that runs the call.
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from tensorflow.core.framework import function_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
@@ -37,8 +37,8 @@ def is_tf1(sm: saved_model_pb2.SavedModel) -> bool:
     return not mg.object_graph_def.nodes and bool(mg.graph_def.node)
 
 
-def convert(sm: saved_model_pb2.SavedModel, path: str) -> GraphItem:
-    """Turn each signature of a TF1 MetaGraph into a library function."""
+def convert(sm: saved_model_pb2.SavedModel, path: str, skip: Set[str] = frozenset()) -> GraphItem:
+    """Turn each signature of a TF1 MetaGraph (but those in ``skip``) into a library function."""
     import tensorflow as tf
 
     from vfgraph.io import refvars
@@ -57,7 +57,7 @@ def convert(sm: saved_model_pb2.SavedModel, path: str) -> GraphItem:
     library = {f.signature.name: f for f in gd.library.function}
     signatures: Dict[str, SignatureInfo] = {}
     for key in sorted(mg.signature_def):
-        if key.startswith("__"):
+        if key.startswith("__") or key in skip:
             continue
         fdef, info = _signature_function(path, key, mg.signature_def[key], nodes, shapes, library)
         mg.graph_def.library.function.add().CopyFrom(fdef)
