@@ -79,7 +79,7 @@ class SplitVnodesPass(Pass):
             item.set_function(f)
         FunctionGraph(item.function(sig.function), item.library).verify()
         item.preserve.add(sig.function)
-        notes = add_stepwise(item, g, step, loop, udef) if self.stepwise else []
+        notes = add_stepwise(item, g, step, loop, udef, reduce_fn) if self.stepwise else []
         record = item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})
         record[sig.key] = {
             "function": sig.function,
@@ -89,8 +89,7 @@ class SplitVnodesPass(Pass):
             "update_function": update_fn,
             "per_vnode_seeds": seeded,
             "stepwise": not notes and self.stepwise,
-            "reduce_functions": [f for f in (reduce_fn, function_name(sig.function, "apply_reduce"))
-                                 if f in item.library],
+            "reduce_functions": [reduce_fn],
             "gradients": [{"tensor": str(c.ref), "variable": sig.variables[c.variable].name if c.variable else None,
                            "role": c.role, "shape": c.shape} for c in step.cut],
         }
@@ -389,14 +388,16 @@ def _step_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Lo
 
 
 # --------------------------------------------------------------------------- reduce point
-def _reduce_specs(g: FunctionGraph, step: TrainStep, with_outputs: bool = True) -> List[Tuple[str, int, list]]:
+def _output_sum_specs(g: FunctionGraph, step: TrainStep) -> List[Tuple[int, list, str]]:
+    """(dtype, shape, "sum") of the loop's output sums (outputs averaged over virtual nodes)."""
+    return [(g.dtype(o.ref), g.shape(o.ref), "sum") for o in step.outputs if o.side == "vnode" and o.combine == "mean"]
+
+
+def _reduce_specs(g: FunctionGraph, step: TrainStep) -> List[Tuple[str, int, list]]:
     """(argument name, dtype, shape) of what a step reduces over processes: the loop's output
     sums, the gradient sums (``sum_k``) or sparse rows (``gather_k``), and the number of
     virtual nodes (last, float32)."""
-    specs = []
-    if with_outputs:
-        specs += [(g.dtype(o.ref), g.shape(o.ref), "sum") for o in step.outputs
-                  if o.side == "vnode" and o.combine == "mean"]
+    specs = _output_sum_specs(g, step)
     specs += [(c.dtype, c.shape, "sum" if c.combine == "mean" else "gather") for c in step.cut]
     specs.append((types_pb2.DT_FLOAT, [], "sum"))
     return [(f"{kind}_{k}", dtype, shape) for k, (dtype, shape, kind) in enumerate(specs)]
@@ -425,7 +426,7 @@ def reduce_function(name: str, specs: List[Tuple[str, int, list]]):
 ACCUMULATORS = "vf_accumulators"
 
 
-def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop, udef) -> List[str]:
+def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop, udef, reduce_fn: str) -> List[str]:
     """Add ``<train>_accumulate`` (run the fed batch's virtual nodes, add their gradient sums
     and count into accumulator variables, return their mean loss) and ``<train>_apply``
     (average the accumulators, apply the original update once, reset them): the step-wise
@@ -460,8 +461,6 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     acc_header = _header(g, acc_fn, inner, acc_args, out_names, [g.dtype(o.ref) for o in step.outputs])
     counted = ["vnodes"] if tf1 else []  # a TF1 signature needs an output: the virtual nodes applied
     apply_header = _header(g, apply_fn, inner[n_inputs:], acc_args, counted, [F32] * len(counted))
-    reduce_fn = function_name(sig.function, "apply_reduce")
-    item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step, with_outputs=False)))
     lib = item.library
 
     fb, args = FunctionBuilder.like(acc_header, lib)
@@ -481,9 +480,16 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     by = dict(zip(inner[n_inputs:] + acc_args, args))
     types = [c.dtype for c in step.cut] + [F32]
     sums = [fb.op("ReadVariableOp", [by[a]], name="sum", dtype=type_attr(t))[0] for a, t in zip(acc_args, types)]
-    reduced = fb.op("StatefulPartitionedCall", sums, name="reduce", Tin=types_attr(types), Tout=types_attr(types),
-                    f=func_attr(reduce_fn))
-    got = reduced.outputs()
+    # The step's own reduce function (one fused reduction per model); the loop-output sums it
+    # also takes (the loss) are zeros here.
+    unused = [(fb.op("Fill", [fb.const(shape, I32, "shape")[0], fb.const(0, t, "zero")[0]], name="unused",
+                     T=type_attr(t), index_type=type_attr(I32))[0], t)
+              for t, shape, _ in _output_sum_specs(g, step)]
+    args = [v for v, _ in unused] + sums
+    arg_types = [t for _, t in unused] + types
+    reduced = fb.op("StatefulPartitionedCall", args, name="reduce", Tin=types_attr(arg_types),
+                    Tout=types_attr(arg_types), f=func_attr(reduce_fn))
+    got = reduced.outputs()[len(unused):]
     some = fb.op("Greater", [got[-1], fb.const(0.0, F32, "zero")[0]], name="some", T=type_attr(F32))[0]
     ok = check(fb, some, f"vfgraph: {sig.key}_apply found no accumulated virtual node; "
                          f"call {sig.key}_accumulate with a batch first")
