@@ -238,5 +238,5 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
         b.fdef.attr[k].CopyFrom(v)
     item.set_function(b.finish())
     name = f"{key}_broadcast"
-    add_signature(item, name, fn, cf, bare_id, [], False, key, [])
+    add_signature(item, name, fn, cf, bare_id, [], takes_inputs=False, like=key, extra_handles=[])
     return name

@@ -19,7 +19,7 @@ from typing import ClassVar, List, Tuple
 
 from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, with_dynamic_batch
 from vfgraph.builder import (I32, FunctionBuilder, Node, batch_size, check, extract_function, func_attr, list_concat,
-                             shapes_attr, slice_rows, tf_dtype, type_attr, types_attr)
+                             shapes_attr, slice_rows, tf_dtype, type_attr, types_attr, zeros)
 from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.ir.names import function_name
@@ -286,8 +286,7 @@ class _Loop:
                 if shape is None or any(d < 0 for d in shape):
                     raise PipelineError(f"signature {self.step.signature.key!r}: a summed value has no static shape "
                                         f"({shape}); vfgraph cannot size its accumulator")
-                inits.append(fb.op("Fill", [fb.const(shape, I32, "shape")[0], fb.const(0, t, "zero")[0]],
-                                   name="zeros", T=type_attr(t), index_type=i32, shapes=[shape])[0])
+                inits.append(zeros(fb, shape, t, shapes=[shape]))
             else:
                 inits.append(fb.op("TensorListReserve", [fb.const(-1, I32, "element_shape")[0], nv], name="list",
                                    element_dtype=type_attr(t), shape_type=i32)[0])
@@ -482,9 +481,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     sums = [fb.op("ReadVariableOp", [by[a]], name="sum", dtype=type_attr(t))[0] for a, t in zip(acc_args, types)]
     # The step's own reduce function (one fused reduction per model); the loop-output sums it
     # also takes (the loss) are zeros here.
-    unused = [(fb.op("Fill", [fb.const(shape, I32, "shape")[0], fb.const(0, t, "zero")[0]], name="unused",
-                     T=type_attr(t), index_type=type_attr(I32))[0], t)
-              for t, shape, _ in _output_sum_specs(g, step)]
+    unused = [(zeros(fb, shape, t, "unused"), t) for t, shape, _ in _output_sum_specs(g, step)]
     args = [v for v, _ in unused] + sums
     arg_types = [t for _, t in unused] + types
     reduced = fb.op("StatefulPartitionedCall", args, name="reduce", Tin=types_attr(arg_types),
@@ -497,9 +494,8 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     call, _ = _update(fb, udef, means, [by[a] for a in sig.resource_args], after=[reduced, ok])
     for a, c in zip(acc_args, step.cut):
         empty = c.shape if c.combine == "mean" else [0] + list(c.shape[1:])  # sparse: no rows yet
-        zeros = fb.op("Fill", [fb.const(empty, I32, "shape")[0], fb.const(0, c.dtype, "zero")[0]], name="zeros",
-                      T=type_attr(c.dtype), index_type=type_attr(I32))[0]
-        fb.control_ret(fb.op("AssignVariableOp", [by[a], zeros], name="reset", deps=[call], dtype=type_attr(c.dtype)))
+        fb.control_ret(fb.op("AssignVariableOp", [by[a], zeros(fb, empty, c.dtype)], name="reset", deps=[call],
+                             dtype=type_attr(c.dtype)))
     reset = fb.op("AssignVariableOp", [by["vf_count"], fb.const(0.0, F32, "zero")[0]], name="reset",
                   deps=[call], dtype=type_attr(F32))
     fb.control_ret(reset)
@@ -517,8 +513,10 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
                          [("vnodes", vnodes)])
         return []
     acc_ids = _object_graph_accumulators(og, specs)
-    add_signature(item, f"{sig.key}_accumulate", acc_fn, cf, bare_id, acc_ids, True, sig.key, handles)
-    add_signature(item, f"{sig.key}_apply", apply_fn, cf, bare_id, acc_ids, False, sig.key, handles)
+    add_signature(item, f"{sig.key}_accumulate", acc_fn, cf, bare_id, acc_ids, takes_inputs=True, like=sig.key,
+                  extra_handles=handles)
+    add_signature(item, f"{sig.key}_apply", apply_fn, cf, bare_id, acc_ids, takes_inputs=False, like=sig.key,
+                  extra_handles=handles)
     return []
 
 
@@ -586,10 +584,9 @@ def _graph_variables(mg, specs) -> List[str]:
         before = mg.signature_def[INIT_OP].outputs[INIT_OP].name
     else:
         for key in ("saved_model_main_op", "legacy_init_op"):  # what the loader would run otherwise
-            if mg.collection_def[key].node_list.value:
+            if key in mg.collection_def and mg.collection_def[key].node_list.value:
                 before = mg.collection_def[key].node_list.value[0]
                 break
-            del mg.collection_def[key]
     init = _graph_node(gd, "vf/init_op", "NoOp",
                        ["^" + z for z in zeroed] + (["^" + before.split(":")[0]] if before else []))
     mg.signature_def[INIT_OP].outputs[INIT_OP].name = init
@@ -657,9 +654,7 @@ def add_signature(item: GraphItem, key: str, fn: str, cf, bare_id: int, extra_bo
     item.preserve.add(fn)
     mg = item.meta_graph
     model = mg.signature_def[like]
-    out = next(iter(model.outputs.values())).name.split(":")[0]
-    call = next(n for n in mg.graph_def.node if n.name == out)
-    fed = [i for i in call.input if not i.startswith("^")]
+    fed = [i for i in _signature_call(mg, like).input if not i.startswith("^")]
     outputs = sorted(model.outputs.items(), key=lambda kv: int(kv[1].name.split(":")[1]))  # the call's order
     if takes_inputs:
         _graph_signature(item, key, fn, fed + extra_handles, like, outputs)
@@ -667,11 +662,16 @@ def add_signature(item: GraphItem, key: str, fn: str, cf, bare_id: int, extra_bo
         _graph_signature(item, key, fn, fed[len(fed) - len(cf.bound_inputs):] + extra_handles, None, [])
 
 
+def _signature_call(mg, key: str):
+    """The graph node signature_def ``key``'s outputs come from (None: not in the graph)."""
+    out = next(iter(mg.signature_def[key].outputs.values())).name.split(":")[0]
+    return next((n for n in mg.graph_def.node if n.name == out), None)
+
+
 def _signature_wrapper(item: GraphItem, key: str):
     """(wrapper FunctionDef, wrapper arg -> inner arg, object-graph node id) for signature ``key``."""
     mg = item.meta_graph
-    out = next(iter(mg.signature_def[key].outputs.values())).name.split(":")[0]
-    call = next((n for n in mg.graph_def.node if n.name == out), None)
+    call = _signature_call(mg, key)
     if call is None or "f" not in call.attr:
         return None
     wrapper = item.function(call.attr["f"].func.name)

@@ -339,6 +339,12 @@ _TENSORS: Dict[tuple, attr_value_pb2.AttrValue] = {}
 I32 = types_pb2.DT_INT32
 
 
+def zeros(fb: FunctionBuilder, shape: Sequence[int], dtype: int, name: str = "zeros", shapes=None) -> str:
+    """A ``dtype`` tensor of zeros of the static ``shape``."""
+    return fb.op("Fill", [fb.const(shape, I32, "shape")[0], fb.const(0, dtype, "zero")[0]], name=name,
+                 T=type_attr(dtype), index_type=type_attr(I32), shapes=shapes)[0]
+
+
 def batch_size(fb: FunctionBuilder, x: str, dtype: int) -> str:
     """The leading dimension of ``x`` as an int32 scalar."""
     shape = fb.op("Shape", [x], name="shape", T=type_attr(dtype), out_type=type_attr(I32))[0]

@@ -87,20 +87,6 @@ def output_layout(
 _REGISTERED_OUTPUTS: Dict[str, Tuple[Tuple[str, str, int, str, str], ...]] = {}
 
 
-# op type -> names of its outputs when none is a list (each has index 0 only), else None
-_SIMPLE_OUTPUTS: Dict[str, Optional[frozenset]] = {}
-
-
-def _simple_outputs(op: str, library: Mapping[str, function_pb2.FunctionDef]) -> Optional[frozenset]:
-    """The output names of a registered op without list outputs (the fast check in verify)."""
-    if op in library:
-        return None
-    if op not in _SIMPLE_OUTPUTS:
-        names = output_names(op, library)
-        _SIMPLE_OUTPUTS[op] = None if names is None else frozenset(names)
-    return _SIMPLE_OUTPUTS[op]
-
-
 def output_names(op: str, library: Mapping[str, function_pb2.FunctionDef]) -> Optional[Tuple[str, ...]]:
     """The output names of a registered op without list outputs, in order (each has index 0
     only); None for other ops."""
@@ -421,7 +407,7 @@ class FunctionGraph:
                 if t.node not in nodes:
                     raise VerifyError(f"{self.name}: node {name!r} input {s!r} refers to a missing node")
                 if not ctl:
-                    simple = _simple_outputs(nodes[t.node].op, self.library)
+                    simple = output_names(nodes[t.node].op, self.library)
                     if simple is None:
                         self.flat_index(t)
                     elif t.index != 0 or t.arg not in simple:
