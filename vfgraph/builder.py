@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
-from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, verify_function_def
+from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, parse_input, verify_function_def
 
 
 def _stateful(g: FunctionGraph, name: str) -> bool:
@@ -41,24 +41,36 @@ def extract_function(
     nodes in ``drop`` are never kept. With ``side_effects``, stateful nodes (variable
     writes) are kept as control outputs; otherwise only data ancestors of the outputs stay.
     """
-    work = FunctionGraph._adopt(g.to_function_def(), g.library)  # edits stay in the copy
-    work.replace_uses({ref: TensorRef(arg_name) for arg_name, ref in new_args})
+    table = {str(ref): arg_name for arg_name, ref in new_args}  # these tensors become arguments
     roots = [r.node for _, r in outputs if not r.is_function_arg]
     effects: List[str] = []
     if side_effects:
-        effects = [n for n in work.nodes if n not in drop and _stateful(work, n)]
+        effects = [n for n in g.nodes if n not in drop and _stateful(g, n)]
         roots += effects
 
     def follow(n: str):
         if n in drop:
             return []
-        return [t.node for t, ctl in work.inputs(n) if side_effects or not ctl]
+        return [t.node for s in g.nodes[n].input if s not in table
+                for t, ctl in (parse_input(s),) if side_effects or not ctl]
 
-    keep = {n for n in work.ancestors(roots, follow) if n not in drop}
+    keep = {n for n in g.ancestors(roots, follow) if n not in drop}
     if side_effects:
         effects = [n for n in effects if n in keep]
-    work.keep_only(keep)
-    fdef = work.to_function_def()
+    # Only the kept nodes are copied; their inputs are redirected to the new arguments, and
+    # control inputs from nodes left out are dropped.
+    fdef = function_pb2.FunctionDef()
+    fdef.CopyFrom(g.header)
+    del fdef.node_def[:]  # (a read-only graph's header still holds them)
+    for n, node in g.nodes.items():
+        if n not in keep:
+            continue
+        copy = fdef.node_def.add()
+        copy.CopyFrom(node)
+        if any(s in table or s.startswith("^") and s[1:] not in keep for s in node.input):
+            inputs = [table.get(s, s) for s in node.input if not (s.startswith("^") and s[1:] not in keep)]
+            del copy.input[:]
+            copy.input.extend(inputs)
     sig = fdef.signature
     sig.name = name
     old_args = {a.name: (i, a) for i, a in enumerate(sig.input_arg)}
