@@ -19,7 +19,7 @@ from typing import ClassVar, List, Tuple
 
 from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, with_dynamic_batch
 from vfgraph.builder import (I32, FunctionBuilder, Node, batch_size, check, extract_function, func_attr, list_concat,
-                             shapes_attr, slice_rows, tf_dtype, type_attr, types_attr, zeros)
+                             shapes_attr, slice_rows, tensor_attr, tf_dtype, type_attr, types_attr, zeros)
 from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.ir.names import function_name
@@ -122,11 +122,12 @@ def _distinct_seeds(fdef, library) -> List[str]:
     (index 0 keeps the original seed, so one virtual node reproduces the original step).
     Returns the seed reads changed; adds the ``vnode_index`` argument when there are any.
     """
-    g = FunctionGraph(fdef, library)
+    g = FunctionGraph._over(fdef, library)  # read only until a seed read is found
+    ints = (types_pb2.DT_INT64, types_pb2.DT_INT32)
+    candidates = {n for n, node in g.nodes.items() if node.op == "ReadVariableOp" and node.attr["dtype"].type in ints}
     reads = []
-    for name in g.topological_order():
-        node = g.nodes[name]
-        if node.op != "ReadVariableOp" or node.attr["dtype"].type not in (types_pb2.DT_INT64, types_pb2.DT_INT32):
+    for name in g.topological_order() if candidates else ():
+        if name not in candidates:
             continue
         seen, stack = set(), [name]
         while stack:
@@ -564,8 +565,7 @@ def _graph_variables(mg, specs) -> List[str]:
     gd = mg.graph_def
 
     def const(name, value, dtype):
-        return _graph_node(gd, name, "Const", dtype=type_attr(dtype), value=attr_value_pb2.AttrValue(
-            tensor=make_tensor_proto(np.array(value, dtype=tf_dtype(dtype).as_numpy_dtype))))
+        return _graph_node(gd, name, "Const", dtype=type_attr(dtype), value=tensor_attr(value, dtype))
 
     handles, zeroed = [], []
     for local, dtype, shape in specs:

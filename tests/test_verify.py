@@ -37,3 +37,19 @@ def test_broken_functions_name_what_is_wrong(edit, message):
     assert text != GOOD
     with pytest.raises(VerifyError, match=message):
         graph(text).verify()
+
+
+def test_extracted_functions_verify_and_name_what_was_left_out():
+    from vfgraph.builder import extract_function
+    from vfgraph.ir.graph import TensorRef, verify_function_def
+
+    g = graph(GOOD)
+    out = extract_function(g, "f_b", [("y", TensorRef("b", "z", 0))],
+                           new_args=[("a_value", TensorRef("a", "activations", 0))])
+    verify_function_def(out, {})
+    assert [n.name for n in out.node_def] == ["b"]  # a is now an argument; c only ordered b
+    assert list(out.node_def[0].input) == ["a_value", "x"]
+    with pytest.raises(VerifyError, match="node 'a' input 'x' refers to a node or argument left out"):
+        extract_function(g, "f_b", [("y", TensorRef("b", "z", 0))], keep_args=[])
+    with pytest.raises(VerifyError, match="node 'b' input 'a:activations:0' refers to a node or argument left out"):
+        extract_function(g, "f_b", [("y", TensorRef("b", "z", 0))], drop=frozenset({"a"}))

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence, Union
 from vfgraph import __version__
 from vfgraph.errors import InputError
 from vfgraph.io import graphdef, metagraph, savedmodel
-from vfgraph.ir.graph import FunctionGraph
+from vfgraph.ir.graph import verify_function_def
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, Sequential, parse_pipeline
 
@@ -114,10 +114,8 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
 def verify(item: GraphItem) -> None:
     """Check every library function the signatures reach."""
     lib = item.library
-    for sig in item.signatures.values():
-        FunctionGraph(lib[sig.function], lib).verify()
-    for name in sorted(item.preserve):
-        FunctionGraph(lib[name], lib).verify()
+    for name in sorted({sig.function for sig in item.signatures.values()} | item.preserve):
+        verify_function_def(lib[name], lib)
 
 
 def save(item: GraphItem, out: Union[str, os.PathLike], force: bool = False) -> str:

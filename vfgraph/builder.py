@@ -14,7 +14,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
-from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, parse_input, verify_function_def
+from vfgraph.errors import VerifyError
+from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, parse_input
 
 
 def _stateful(g: FunctionGraph, name: str) -> bool:
@@ -34,7 +35,7 @@ def extract_function(
     drop: frozenset = frozenset(),
     side_effects: bool = False,
 ) -> function_pb2.FunctionDef:
-    """A new function computing ``outputs`` from a copy of ``g``.
+    """A new function computing ``outputs`` from a copy of ``g`` (a verified graph).
 
     ``new_args`` turns internal tensors into arguments (everything upstream of them that is
     no longer needed disappears); ``keep_args`` are the original arguments kept, in order;
@@ -107,7 +108,16 @@ def extract_function(
     sig.is_stateful = True
     if "_input_shapes" in fdef.attr:
         del fdef.attr["_input_shapes"]
-    verify_function_def(fdef, g.library)
+    # Every kept node and output must still find what it reads (``drop`` and ``keep_args`` can
+    # take it away); output names and acyclicity carry over from ``g``, which was verified.
+    defined = keep.union(a.name for a in sig.input_arg)
+    for node in fdef.node_def:
+        for s in node.input:
+            if parse_input(s)[0].node not in defined:
+                raise VerifyError(f"{name}: node {node.name!r} input {s!r} refers to a node or argument left out")
+    for k, v in fdef.ret.items():
+        if parse_input(v)[0].node not in defined:
+            raise VerifyError(f"{name}: output {k!r} refers to {v!r}, which was left out")
     return fdef
 
 
@@ -313,17 +323,11 @@ class FunctionBuilder:
     def const(self, value, dtype: int, name: str = "Const") -> Node:
         import numpy as np
         from tensorflow.python.framework import dtypes
-        from tensorflow.python.framework.tensor_util import make_tensor_proto
 
         array = np.asarray(value, dtype=dtypes.as_dtype(dtype).as_numpy_dtype)
-        key = (dtype, array.shape, array.tobytes() if array.dtype != object else repr(array.tolist()))
+        key = _const_key(array, dtype)
         if key not in self._consts:  # one node per distinct constant
-            tensor = _TENSORS.get(key)
-            if tensor is None:  # make_tensor_proto is slow; the same small constants recur
-                tensor = attr_value_pb2.AttrValue(tensor=make_tensor_proto(array))
-                if array.size <= 64:
-                    _TENSORS[key] = tensor
-            self._consts[key] = self.op("Const", [], name=name, dtype=type_attr(dtype), value=tensor,
+            self._consts[key] = self.op("Const", [], name=name, dtype=type_attr(dtype), value=_tensor_attr(array, key),
                                         shapes=[list(array.shape)])
         return self._consts[key]
 
@@ -345,6 +349,30 @@ class FunctionBuilder:
 
 # Small constants' tensor attributes by (dtype, shape, bytes), shared by every builder.
 _TENSORS: Dict[tuple, attr_value_pb2.AttrValue] = {}
+
+
+def _tensor_attr(array, key: tuple) -> attr_value_pb2.AttrValue:
+    tensor = _TENSORS.get(key)
+    if tensor is None:  # make_tensor_proto is slow; the same small constants recur
+        from tensorflow.python.framework.tensor_util import make_tensor_proto
+
+        tensor = attr_value_pb2.AttrValue(tensor=make_tensor_proto(array))
+        if array.size <= 64:
+            _TENSORS[key] = tensor
+    return tensor
+
+
+def tensor_attr(value, dtype: int) -> attr_value_pb2.AttrValue:
+    """A constant's ``value`` attribute (shared between calls: copy it, do not change it)."""
+    import numpy as np
+    from tensorflow.python.framework import dtypes
+
+    array = np.asarray(value, dtype=dtypes.as_dtype(dtype).as_numpy_dtype)
+    return _tensor_attr(array, _const_key(array, dtype))
+
+
+def _const_key(array, dtype: int) -> tuple:
+    return dtype, array.shape, array.tobytes() if array.dtype != object else repr(array.tolist())
 
 
 # The pieces every generated loop uses.

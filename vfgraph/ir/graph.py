@@ -463,17 +463,38 @@ def iter_func_attrs(node: node_def_pb2.NodeDef) -> Iterator:
 def function_dependencies(name: str, library: Mapping[str, function_pb2.FunctionDef]) -> List[str]:
     """``name`` and every library function it calls, transitively, in a stable order."""
     order: List[str] = []
+    seen = set()
     stack = [name]
     while stack:
         f = stack.pop()
-        if f in order or f not in library:
+        if f in seen or f not in library:
             continue
+        seen.add(f)
         order.append(f)
         for node in library[f].node_def:
-            if node.op in library:
-                stack.append(node.op)
-            stack.extend(fa.name for fa in iter_func_attrs(node))
+            op = node.op
+            if op in library:
+                stack.append(op)
+                stack.extend(fa.name for fa in iter_func_attrs(node))
+                continue
+            keys = _func_attr_names(op)
+            if keys is None:
+                stack.extend(fa.name for fa in iter_func_attrs(node))
+            else:
+                for k in keys:
+                    if k in node.attr:
+                        v = node.attr[k]
+                        stack.extend([v.func.name] if v.HasField("func") else [x.name for x in v.list.func])
     return order
+
+
+@lru_cache(maxsize=None)
+def _func_attr_names(op: str) -> Optional[Tuple[str, ...]]:
+    """The attributes of registered op ``op`` that can hold functions (None: not registered)."""
+    od = op_def_registry.get(op)
+    if od is None:
+        return None
+    return tuple(a.name for a in od.attr if a.type in ("func", "list(func)"))
 
 
 def is_resource(dtype: DataType) -> bool:
