@@ -61,7 +61,7 @@ class InsertAllreducePass(Pass):
         todo = [k for k in keys if k not in done]
         if not todo:
             return PassResult(item, False, ["all-reduce already inserted"])
-        item = item.copy()
+        item = item.for_edit()
         notes: List[str] = []
         record = item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})
         for key in todo:

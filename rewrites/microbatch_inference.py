@@ -36,7 +36,7 @@ class MicrobatchInferencePass(Pass):
             return PassResult(item, False, ["microbatch-inference: no slice size (give vnode-batch); serving unchanged"])
         done = item.metadata.get("rewrites", {}).get(self.name, {})
         train = {r["function"] for r in item.metadata.get("rewrites", {}).get("split-vnodes", {}).values()}
-        item = item.copy()
+        item = item.for_edit()
         notes: List[str] = []
         modified = False
         seen_functions = set()

@@ -52,7 +52,7 @@ class SplitVnodesPass(Pass):
         done = item.metadata.get("rewrites", {}).get(self.name, {})
         if sig.key in done:
             return PassResult(item, False, [f"signature {sig.key!r} already has virtual nodes"])
-        item = item.copy()
+        item = item.for_edit()
         original = FunctionGraph(item.function(sig.function), item.library)
         original.verify()
         check_batch_inputs(original, sig)

@@ -56,5 +56,6 @@ def test_golden(before, update_goldens):
     # Idempotence: running the pass again changes nothing more.
     again, _ = Sequential(parse_pipeline(spec))(out)
     assert canonical_text(again) == got
+    assert canonical_text(out) == got  # a pipeline's result is not edited by the next pipeline
     # The input item is untouched.
     assert canonical_text(vfgraph.load(before)) == canonical_text(item)

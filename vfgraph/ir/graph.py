@@ -7,9 +7,8 @@ verbs that keep the consumer index right, and :meth:`verify` says what is wrong 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 import networkx as nx
 from tensorflow.core.framework import function_pb2, node_def_pb2, op_def_pb2, types_pb2
@@ -20,9 +19,10 @@ from vfgraph.errors import VerifyError
 DataType = int  # a types_pb2 enum value
 
 
-@dataclass(frozen=True, order=True)
-class TensorRef:
-    """One tensor in a function body: a function argument, or output ``arg:index`` of a node."""
+class TensorRef(NamedTuple):
+    """One tensor in a function body: a function argument, or output ``arg:index`` of a node.
+    (A named tuple: hashed and compared in C, which the analyses' dictionaries of tensors
+    spend much of their time on.)"""
 
     node: str
     arg: Optional[str] = None
@@ -394,25 +394,33 @@ class FunctionGraph:
         """Raise :class:`VerifyError` naming the first broken node or output."""
         args = set(self.arg_names)
         nodes = self.nodes
+        # Every valid input string -> the node it waits for (None: an argument), so checking an
+        # input is one lookup; anything else takes the slow path that says what is wrong.
+        produced: Dict[str, Optional[str]] = dict.fromkeys(args)
+        known: Dict[str, bool] = {}
+        for name, node in nodes.items():
+            produced["^" + name] = name
+            op = node.op
+            simple = output_names(op, self.library)
+            if simple is not None:
+                for a in simple:
+                    produced[f"{name}:{a}:0"] = name
+                continue
+            if op not in known:
+                known[op] = op in self.library or op_def_registry.get(op) is not None
+            if known[op]:
+                for a, k, _ in self.layout(name):
+                    produced[f"{name}:{a}:{k}"] = name
         children: Dict[str, List[str]] = {}
         indegree: Dict[str, int] = {}
         for name, node in nodes.items():
             preds = set()
             for s in node.input:
-                t, ctl = parse_input(s)
-                if t.node in args and not ctl:
-                    if t.arg is not None:
-                        raise VerifyError(f"{self.name}: node {name!r} reads argument {s!r} with an output index")
-                    continue
-                if t.node not in nodes:
-                    raise VerifyError(f"{self.name}: node {name!r} input {s!r} refers to a missing node")
-                if not ctl:
-                    simple = output_names(nodes[t.node].op, self.library)
-                    if simple is None:
-                        self.flat_index(t)
-                    elif t.index != 0 or t.arg not in simple:
-                        raise VerifyError(f"node {t.node!r} has no output {t.arg}:{t.index}")
-                preds.add(t.node)
+                p = produced.get(s, _NOT_PRODUCED)
+                if p is _NOT_PRODUCED:
+                    p = self._checked_input(name, s, args)
+                if p is not None:
+                    preds.add(p)
             indegree[name] = len(preds)
             for p in preds:
                 children.setdefault(p, []).append(name)
@@ -437,6 +445,22 @@ class FunctionGraph:
         if done != len(indegree):
             cycle = nx.find_cycle(self.to_networkx())
             raise VerifyError(f"{self.name}: cycle through {cycle[0][0]!r}")
+
+    def _checked_input(self, name: str, s: str, args) -> Optional[str]:
+        """The node input ``s`` of node ``name`` waits for (None: none), or the error."""
+        t, ctl = parse_input(s)
+        if t.node in args and not ctl:
+            if t.arg is not None:
+                raise VerifyError(f"{self.name}: node {name!r} reads argument {s!r} with an output index")
+            return None
+        if t.node not in self.nodes:
+            raise VerifyError(f"{self.name}: node {name!r} input {s!r} refers to a missing node")
+        if not ctl:
+            self.flat_index(t)  # names the missing output
+        return t.node
+
+
+_NOT_PRODUCED = object()
 
 
 def verify_function_def(fdef: function_pb2.FunctionDef,

@@ -128,18 +128,25 @@ class Sequential:
         return ",".join(p.spec() for p in self.passes)
 
     def __call__(self, item: GraphItem) -> Tuple[GraphItem, List[str]]:
+        """Run the passes. A pass's new item is handed to the next pass to edit in place
+        (only the first copy is made); ``after_each`` sees each one before the next pass runs."""
         done: List[str] = []
         notes: List[str] = []
-        for p in self.passes:
-            try:
-                result = p.call(item)
-            except VfgraphError as e:
-                before = f" (after {', '.join(done)})" if done else ""
-                raise type(e)(f"pass {p.name}{before}: {e}") from None
-            item = result.item
-            notes.extend(result.notes)
-            done.append(p.name)
-            log.info("pass %s: %s", p.name, "modified" if result.modified else "no change")
-            if self.after_each is not None:
-                self.after_each(p, item)
+        try:
+            for p in self.passes:
+                try:
+                    result = p.call(item)
+                except VfgraphError as e:
+                    before = f" (after {', '.join(done)})" if done else ""
+                    raise type(e)(f"pass {p.name}{before}: {e}") from None
+                if result.item is not item:
+                    result.item._pipeline_owned = True
+                item = result.item
+                notes.extend(result.notes)
+                done.append(p.name)
+                log.info("pass %s: %s", p.name, "modified" if result.modified else "no change")
+                if self.after_each is not None:
+                    self.after_each(p, item)
+        finally:
+            item._pipeline_owned = False
         return item, notes
