@@ -253,16 +253,17 @@ def check_batch_inputs(g: FunctionGraph, sig: SignatureInfo) -> None:
 def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     """Find the cut of ``g`` (the training signature's function)."""
     check_batch_inputs(g, sig)
-    writes: Dict[str, List[str]] = {}
-    for name in g.topological_order():
-        node = g.nodes[name]
+    found: Dict[str, List[str]] = {}
+    for name, node in g.nodes.items():
         if is_write(node.op) and node.input:
             res = resource_root(g, g.data_inputs(name)[0])
             if res is None:
                 raise DetectionError(
                     f"signature {sig.key!r}: variable write {name!r} ({node.op}) does not write a captured "
                     "variable; vfgraph cannot tell which variable it updates")
-            writes.setdefault(res, []).append(name)
+            found.setdefault(res, []).append(name)
+    order = {r: i for i, r in enumerate(sig.resource_args)}
+    writes = {r: found[r] for r in sorted(found, key=lambda r: (order.get(r, 1 << 30), r))}
     dep = batch_dependent_nodes(g, sig.batch_args)
     sinks = [w for ws in writes.values() for w in ws if w in dep]
     if not sinks:
@@ -286,7 +287,6 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     forward = g.ancestors([r.node for _, r in g.output_refs() if not r.is_function_arg],
                           lambda n: [t.node for t in g.data_inputs(n)])
     forward_reads = _forward_read_args(g, forward | vnode_nodes)
-    order = {r: i for i, r in enumerate(sig.resource_args)}
     cut: List[CutTensor] = []
     for ref in cut_refs:
         fed = reach.get(ref, [])
@@ -335,43 +335,41 @@ class _FlowGraph:
         self.keys: list = [_SRC, _SNK]
         self.succ: List[List[int]] = [[], []]
         self.unit = bytearray(2)  # 1 for an "in" vertex whose one edge (to "out") has capacity 1
-        self._ids: Dict[tuple, int] = {}
+        self._op: Dict[str, int] = {}
+        self._in: Dict[TensorRef, int] = {}
+        self._out: Dict[TensorRef, int] = {}
         batch = set(sig.batch_args)
         for a in sig.batch_args:
-            self.succ[0].append(self._tensor("out", TensorRef(a)))
-        for name in dep:
-            op = self._vertex(("op", name), ("op", name))
+            self.succ[0].append(self._vertex(self._out, TensorRef(a), "out"))
+        for name in sorted(dep):
+            op = self._vertex(self._op, name, "op")
             for t in g.data_inputs(name):
-                if t.is_function_arg and t.node not in batch:
+                if t.node not in dep if t.arg is not None else t.node not in batch:
                     continue
-                if not t.is_function_arg and t.node not in dep:
-                    continue
-                self.succ[self._tensor("out", t)].append(op)
+                self.succ[self._vertex(self._out, t, "out")].append(op)
             for t in g.outputs(name):
-                i, o = self._tensor("in", t), self._tensor("out", t)
+                i, o = self._vertex(self._in, t, "in"), self._vertex(self._out, t, "out")
                 self.succ[op].append(i)
                 if not self.succ[i]:
                     self.succ[i].append(o)
                 if cuttable(t):
                     self.unit[i] = 1
         for w in sinks:
-            self.succ[self._vertex(("op", w), ("op", w))].append(1)
+            self.succ[self._vertex(self._op, w, "op")].append(1)
         self.pred: List[List[int]] = [[] for _ in self.keys]
         for u, vs in enumerate(self.succ):
             for v in vs:
                 self.pred[v].append(u)
 
-    def _vertex(self, key: tuple, label) -> int:
-        i = self._ids.get(key)
+    def _vertex(self, ids: dict, key, side: str) -> int:
+        """The vertex of ``key`` in ``ids`` (op names, "in" or "out" tensors); labelled (side, key)."""
+        i = ids.get(key)
         if i is None:
-            i = self._ids[key] = len(self.keys)
-            self.keys.append(label)
+            i = ids[key] = len(self.keys)
+            self.keys.append((side, key))
             self.succ.append([])
             self.unit.append(0)
         return i
-
-    def _tensor(self, side: str, t: TensorRef) -> int:
-        return self._vertex((side, t.node, t.arg, t.index), (side, t))
 
     # ------------------------------------------------------------------ minimum cut
     def _closure(self, start: int, edges: List[List[int]], forward: bool) -> bytearray:
@@ -532,7 +530,7 @@ class _FlowGraph:
         out: List[TensorRef] = []
         chosen: Set[TensorRef] = set()
         for ref in cut:
-            best, node = ref, self._ids[("out", ref.node, ref.arg, ref.index)]
+            best, node = ref, self._out[ref]
             while node in idom and idom[node] != node:
                 node = idom[node]
                 if node == 0:
@@ -551,7 +549,7 @@ class _FlowGraph:
         """Ops reachable from the batch without crossing the cut: the per-virtual-node part."""
         stop = bytearray(len(self.keys))
         for t in cut:
-            i = self._ids.get(("in", t.node, t.arg, t.index))
+            i = self._in.get(t)
             if i is not None:
                 stop[i] = 1
         seen = bytearray(len(self.keys))
@@ -690,12 +688,11 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
 def _forward_read_args(g: FunctionGraph, vnode_nodes: Set[str]) -> Set[str]:
     """Resource args read by the forward pass (the model's parameters)."""
     found = set()
-    for name in vnode_nodes:
-        for t in g.data_inputs(name):
-            if not t.is_function_arg and t.node in g.nodes and g.nodes[t.node].op == "ReadVariableOp":
-                res = resource_root(g, g.data_inputs(t.node)[0])
-                if res:
-                    found.add(res)
+    for name, node in g.nodes.items():
+        if node.op == "ReadVariableOp" and any(c in vnode_nodes for c, _ in g.consumers(g.outputs(name)[0])):
+            res = resource_root(g, g.data_inputs(name)[0])
+            if res:
+                found.add(res)
     return found
 
 
