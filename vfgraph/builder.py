@@ -300,24 +300,26 @@ class FunctionBuilder:
 
     def op(self, op: str, inputs: Sequence[str] = (), name: str = "", deps: Sequence = (),
            shapes: Optional[Sequence[Optional[Sequence[int]]]] = None, **attrs) -> Node:
-        node = self.fdef.node_def.add(name=self._unique(name or op), op=op)
-        node.input.extend(inputs)
-        node.input.extend(d.ctl if isinstance(d, Node) else d if d.startswith("^") else "^" + d for d in deps)
-        for s in node.input:  # only earlier nodes: a built function is acyclic by construction
-            if s.lstrip("^").split(":", 1)[0] not in self._defined:
-                raise KeyError(f"{self.fdef.signature.name}: node {node.name!r} reads {s!r}, which is not defined yet")
-        self._defined.add(node.name)
-        for k, v in attrs.items():
-            node.attr[k].CopyFrom(_attr_value(v))
+        name = self._unique(name or op)
+        inputs = list(inputs)
+        for d in deps:
+            inputs.append(d.ctl if isinstance(d, Node) else d if d.startswith("^") else "^" + d)
+        defined = self._defined
+        for s in inputs:  # only earlier nodes: a built function is acyclic by construction
+            if s.lstrip("^").split(":", 1)[0] not in defined:
+                raise KeyError(f"{self.fdef.signature.name}: node {name!r} reads {s!r}, which is not defined yet")
+        values = {k: v if isinstance(v, attr_value_pb2.AttrValue) else _attr_value(v) for k, v in attrs.items()}
         if op not in self.library:
             defaults = _op_defaults(op)
             if defaults is None:
                 raise KeyError(f"op {op!r} is not registered")
             for a, value in defaults:
-                if a not in node.attr:
-                    node.attr[a].CopyFrom(value)
+                if a not in values:
+                    values[a] = value
         if shapes is not None:
-            node.attr["_output_shapes"].CopyFrom(shapes_attr(shapes))
+            values["_output_shapes"] = shapes_attr(shapes)
+        node = self.fdef.node_def.add(name=name, op=op, input=inputs, attr=values)
+        defined.add(name)
         return Node(node, self.library)
 
     def const(self, value, dtype: int, name: str = "Const") -> Node:
