@@ -568,17 +568,21 @@ def _graph_variables(mg, specs) -> List[str]:
         return _graph_node(gd, name, "Const", dtype=type_attr(dtype), value=tensor_attr(value, dtype))
 
     handles, zeroed = [], []
+    fills = {}  # (shape, dtype) -> a Fill node: one per distinct shape
     for local, dtype, shape in specs:
         name = f"{ACCUMULATORS}/{local}"
         handles.append(_graph_node(gd, name, "VarHandleOp", dtype=type_attr(dtype),
                                    shape=attr_value_pb2.AttrValue(shape=shape_proto(shape)),
                                    shared_name=attr_value_pb2.AttrValue(s=name.encode()),
                                    container=attr_value_pb2.AttrValue(s=b"")))
-        empty = [max(d, 0) for d in shape]  # sparse rows: none yet
-        zeros = _graph_node(gd, f"{name}/zeros", "Fill",
-                            [const(f"{name}/shape", empty, I32), const(f"{name}/zero", 0, dtype)],
-                            T=type_attr(dtype), index_type=type_attr(I32))
-        zeroed.append(_graph_node(gd, f"{name}/init", "AssignVariableOp", [name, zeros], dtype=type_attr(dtype)))
+        empty = tuple(max(d, 0) for d in shape)  # sparse rows: none yet
+        if (empty, dtype) not in fills:
+            base = f"{ACCUMULATORS}/zeros_{len(fills)}"
+            fills[empty, dtype] = _graph_node(gd, base, "Fill",
+                                              [const(f"{base}/shape", empty, I32), const(f"{base}/zero", 0, dtype)],
+                                              T=type_attr(dtype), index_type=type_attr(I32))
+        zeroed.append(_graph_node(gd, f"{name}/init", "AssignVariableOp", [name, fills[empty, dtype]],
+                                  dtype=type_attr(dtype)))
     before = ""
     if INIT_OP in mg.signature_def:
         before = mg.signature_def[INIT_OP].outputs[INIT_OP].name

@@ -269,6 +269,7 @@ class FunctionBuilder:
         self.library = library if library is not None else {}
         self._used: Dict[str, int] = {}
         self._consts: Dict[tuple, Node] = {}
+        self.zeros: Dict[tuple, str] = {}  # see zeros()
         self._defined: set = set()  # arguments and nodes so far: inputs must name one of them
 
     @classmethod
@@ -382,9 +383,13 @@ I32 = types_pb2.DT_INT32
 
 
 def zeros(fb: FunctionBuilder, shape: Sequence[int], dtype: int, name: str = "zeros", shapes=None) -> str:
-    """A ``dtype`` tensor of zeros of the static ``shape``."""
-    return fb.op("Fill", [fb.const(shape, I32, "shape")[0], fb.const(0, dtype, "zero")[0]], name=name,
-                 T=type_attr(dtype), index_type=type_attr(I32), shapes=shapes)[0]
+    """A ``dtype`` tensor of zeros of the static ``shape`` (one node per function, shape and dtype:
+    a model's many variables of the same shape share it)."""
+    key = (tuple(shape), dtype, repr(shapes))
+    if key not in fb.zeros:
+        fb.zeros[key] = fb.op("Fill", [fb.const(shape, I32, "shape")[0], fb.const(0, dtype, "zero")[0]], name=name,
+                              T=type_attr(dtype), index_type=type_attr(I32), shapes=shapes)[0]
+    return fb.zeros[key]
 
 
 def batch_size(fb: FunctionBuilder, x: str, dtype: int) -> str:
