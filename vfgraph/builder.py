@@ -68,10 +68,13 @@ def extract_function(
             continue
         copy = fdef.node_def.add()
         copy.CopyFrom(node)
-        if any(s in table or s.startswith("^") and s[1:] not in keep for s in node.input):
-            inputs = [table.get(s, s) for s in node.input if not (s.startswith("^") and s[1:] not in keep)]
-            del copy.input[:]
-            copy.input.extend(inputs)
+        inputs = copy.input
+        for s in inputs:
+            if s in table or s[:1] == "^" and s[1:] not in keep:
+                kept = [table.get(s, s) for s in inputs if not (s[:1] == "^" and s[1:] not in keep)]
+                del inputs[:]
+                inputs.extend(kept)
+                break
     sig = fdef.signature
     sig.name = name
     old_args = {a.name: (i, a) for i, a in enumerate(sig.input_arg)}
@@ -291,7 +294,7 @@ class FunctionBuilder:
         if attr is not None:
             self.fdef.arg_attr[k].CopyFrom(attr)
         elif shape is not None:
-            self.fdef.arg_attr[k].attr["_output_shapes"].list.shape.add().CopyFrom(shape_proto(shape))
+            self.fdef.arg_attr[k].attr["_output_shapes"].CopyFrom(shapes_attr([shape]))
         return name
 
     def _unique(self, base: str) -> str:

@@ -19,7 +19,7 @@ import networkx as nx
 from tensorflow.core.framework import types_pb2
 
 from vfgraph.errors import DetectionError
-from vfgraph.ir.graph import FunctionGraph, TensorRef
+from vfgraph.ir.graph import FunctionGraph, TensorRef, shape_list
 from vfgraph.item import SignatureInfo
 
 FLOAT_TYPES = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE}
@@ -143,6 +143,23 @@ class _Cuttable:
             for t in g.outputs(n):
                 self.blocked.add(t)
                 roots.extend(c for c, _ in g.consumers(t))
+
+    def outputs(self, name: str) -> List[bool]:
+        """Whether each output of node ``name`` may be cut (``self(ref)`` for each, in one pass
+        over the node's recorded shapes)."""
+        g = self.g
+        node = g.nodes[name]
+        recorded = node.attr["_output_shapes"].list.shape if "_output_shapes" in node.attr else ()
+        flags = []
+        for i, (ref, (_, _, dtype)) in enumerate(zip(g.outputs(name), g.layout(name))):
+            if ref in self.sparse:
+                flags.append(True)
+            elif ref in self.blocked or dtype not in FLOAT_TYPES:
+                flags.append(False)
+            else:
+                shape = self.shapes.get(ref) or (shape_list(recorded[i]) if i < len(recorded) else None)
+                flags.append(shape is not None and all(d >= 0 for d in shape))
+        return flags
 
     def __call__(self, ref: TensorRef) -> bool:
         if ref in self.sparse:
@@ -330,8 +347,8 @@ class _FlowGraph:
     feeds the sink.
     """
 
-    def __init__(self, g: FunctionGraph, sig: SignatureInfo, dep: Set[str],
-                 cuttable: Callable[[TensorRef], bool], sinks: List[str]):
+    def __init__(self, g: FunctionGraph, sig: SignatureInfo, dep: Set[str], cuttable: "_Cuttable",
+                 sinks: List[str]):
         self.keys: list = [_SRC, _SNK]
         self.succ: List[List[int]] = [[], []]
         self.unit = bytearray(2)  # 1 for an "in" vertex whose one edge (to "out") has capacity 1
@@ -347,12 +364,12 @@ class _FlowGraph:
                 if t.node not in dep if t.arg is not None else t.node not in batch:
                     continue
                 self.succ[self._vertex(self._out, t, "out")].append(op)
-            for t in g.outputs(name):
+            for t, unit in zip(g.outputs(name), cuttable.outputs(name)):
                 i, o = self._vertex(self._in, t, "in"), self._vertex(self._out, t, "out")
                 self.succ[op].append(i)
                 if not self.succ[i]:
                     self.succ[i].append(o)
-                if cuttable(t):
+                if unit:
                     self.unit[i] = 1
         for w in sinks:
             self.succ[self._vertex(self._op, w, "op")].append(1)
