@@ -172,8 +172,13 @@ def _signature_info(path, key, sig, graph_nodes, library) -> Optional[SignatureI
 
 def _single_call(fdef, library):
     """If ``fdef`` only forwards all its arguments to one library call, return (node, callee)."""
-    calls = [n for n in fdef.node_def if n.op in _CALL_OPS]
-    if len(calls) != 1 or any(n.op not in _CALL_OPS + _PASSTHROUGH for n in fdef.node_def):
+    calls = []
+    for n in fdef.node_def:  # stops at the first node that does more than forward (a model's body)
+        if n.op in _CALL_OPS:
+            calls.append(n)
+        elif n.op not in _PASSTHROUGH:
+            return None
+    if len(calls) != 1:
         return None
     node = calls[0]
     callee = library.get(node.attr["f"].func.name)
