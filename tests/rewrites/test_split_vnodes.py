@@ -134,6 +134,13 @@ def test_rewrite_is_deterministic_and_leaves_input_alone(models, tmp_path):
     b = vfgraph.save(vfgraph.rewrite(src, vnodes=4, vnode_batch=8), tmp_path / "b")
     assert digest(a) == digest(b)
     assert digest(src) == before
+    # A loaded item given to rewrite is not edited (the pipeline works on its own copy), and
+    # gives the same output as the path.
+    item = vfgraph.load(src)
+    proto = item.saved_model.SerializeToString(deterministic=True)
+    c = vfgraph.save(vfgraph.rewrite(item, vnodes=4, vnode_batch=8), tmp_path / "c")
+    assert item.saved_model.SerializeToString(deterministic=True) == proto
+    assert digest(c) == digest(a)
 
 
 @pytest.mark.parametrize("name", ["embedding:sgd", "embedding:adam", "embedding:adagrad", "lstm", "transformer:sgd"])

@@ -341,9 +341,9 @@ class _FlowGraph:
     """The flow network the cut is found in, over integer vertices.
 
     Vertices: the source, the sink, ``("op", name)`` for every batch-dependent node, and
-    ``("in", t)`` -> ``("out", t)`` for every tensor ``t`` they produce (batch arguments
-    have only an "out" vertex, fed by the source). Every edge has unbounded capacity except
-    ``in -> out`` of a cuttable tensor (capacity 1); every batch-dependent variable write
+    ``("in", t)`` -> ``("out", t)`` for every cuttable tensor ``t`` they produce (an
+    uncuttable tensor, and a batch argument, has only its "out" vertex). Every edge has
+    unbounded capacity except ``in -> out`` (capacity 1); every batch-dependent variable write
     feeds the sink.
     """
 
@@ -365,12 +365,14 @@ class _FlowGraph:
                     continue
                 self.succ[self._vertex(self._out, t, "out")].append(op)
             for t, unit in zip(g.outputs(name), cuttable.outputs(name)):
-                i, o = self._vertex(self._in, t, "in"), self._vertex(self._out, t, "out")
-                self.succ[op].append(i)
-                if not self.succ[i]:
-                    self.succ[i].append(o)
+                o = self._vertex(self._out, t, "out")
                 if unit:
+                    i = self._vertex(self._in, t, "in")
+                    self.succ[op].append(i)
+                    self.succ[i].append(o)
                     self.unit[i] = 1
+                else:  # "in" and "out" of an uncuttable tensor are one vertex (the edge between is unbounded)
+                    self.succ[op].append(o)
         for w in sinks:
             self.succ[self._vertex(self._op, w, "op")].append(1)
         self.pred: List[List[int]] = [[] for _ in self.keys]
