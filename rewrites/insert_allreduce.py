@@ -15,6 +15,7 @@ It also adds a ``<train>_broadcast`` signature that checks every rank loaded the
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List
 
@@ -108,7 +109,7 @@ def _elements(shape) -> int:
     """Elements of a static shape; 0 when it is not fully known."""
     if shape is None or any(d < 0 for d in shape):
         return 0
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(shape)  # Python integers: exact, and no numpy call per tensor
 
 
 def reduce_functions(header, limit: int, library):
