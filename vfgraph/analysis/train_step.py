@@ -685,6 +685,10 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
         t = frontier.popleft()
         src = label[t]
         for consumer, slot in g.consumers(t):
+            if consumer in vnode_nodes:
+                # Every path out of the per-virtual-node part leaves through a cut tensor, which
+                # is labelled already (distance 0): walking it changes no claim.
+                continue
             res = write_res.get(consumer)
             if res is not None and res not in claimed:
                 claimed.add(res)
