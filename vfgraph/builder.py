@@ -312,7 +312,7 @@ class FunctionBuilder:
         for s in inputs:  # only earlier nodes: a built function is acyclic by construction
             if s.lstrip("^").split(":", 1)[0] not in defined:
                 raise KeyError(f"{self.fdef.signature.name}: node {name!r} reads {s!r}, which is not defined yet")
-        values = {k: v if isinstance(v, attr_value_pb2.AttrValue) else _attr_value(v) for k, v in attrs.items()}
+        values = {k: _attr_value(v) for k, v in attrs.items()}
         if op not in self.library:
             defaults = _op_defaults(op)
             if defaults is None:

@@ -145,8 +145,7 @@ class _Cuttable:
                 roots.extend(c for c, _ in g.consumers(t))
 
     def outputs(self, name: str) -> List[bool]:
-        """Whether each output of node ``name`` may be cut (``self(ref)`` for each, in one pass
-        over the node's recorded shapes)."""
+        """Whether each output of node ``name`` may be cut (one pass over its recorded shapes)."""
         g = self.g
         node = g.nodes[name]
         recorded = node.attr["_output_shapes"].list.shape if "_output_shapes" in node.attr else ()
@@ -164,10 +163,7 @@ class _Cuttable:
     def __call__(self, ref: TensorRef) -> bool:
         if ref in self.sparse:
             return True
-        if ref.is_function_arg or ref in self.blocked or self.g.dtype(ref) not in FLOAT_TYPES:
-            return False
-        shape = self.shapes.get(ref) or self.g.shape(ref)
-        return shape is not None and all(d >= 0 for d in shape)
+        return not ref.is_function_arg and self.outputs(ref.node)[self.g.flat_index(ref)]
 
 
 _SAME_SHAPE = {"Identity", "Neg", "Cast", "Square", "Sqrt", "Rsqrt", "Abs", "Sign", "StopGradient", "Snapshot"}

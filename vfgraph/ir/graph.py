@@ -164,14 +164,6 @@ class FunctionGraph:
         g._layout_cache, g._outputs_cache, g._index_cache = {}, {}, {}
         return g
 
-    @classmethod
-    def _adopt(cls, fdef: function_pb2.FunctionDef,
-               library: Optional[Mapping[str, function_pb2.FunctionDef]] = None) -> "FunctionGraph":
-        """A graph that takes ``fdef`` over (no copy; the caller must not use ``fdef`` again)."""
-        g = cls._over(fdef, library)
-        del fdef.node_def[:]
-        return g
-
     def to_function_def(self) -> function_pb2.FunctionDef:
         out = function_pb2.FunctionDef()
         out.CopyFrom(self._header)
