@@ -67,7 +67,8 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
 
     ``allreduce``: "mpi" adds the all-reduce over MPI ranks to the training step, "none" leaves
-    it out, "auto" adds it when vfgraph's MPI ops are available here."""
+    it out, "auto" adds it when vfgraph's MPI ops are available here. ``after_each(pass, item)``
+    sees each pass's result before the next pass edits it in place (``item.copy()`` keeps one)."""
     if allreduce not in ("auto", "mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi', 'none' or 'auto'")
     with _gc_paused():
