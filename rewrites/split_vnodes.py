@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 from tensorflow.core.framework import node_def_pb2, types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
-from tensorflow.python.framework.tensor_util import make_tensor_proto
 from typing import ClassVar, List, Tuple
 
 from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, with_dynamic_batch
 from vfgraph.builder import (I32, FunctionBuilder, Node, batch_size, check, extract_function, func_attr, list_concat,
-                             shapes_attr, slice_rows, tensor_attr, tf_dtype, type_attr, types_attr, zeros)
+                             shapes_attr, slice_rows, tensor_attr, type_attr, types_attr, zeros)
 from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.ir.names import function_name
@@ -151,7 +149,7 @@ def _distinct_seeds(fdef, library) -> List[str]:
         shift = 32 if dtype == types_pb2.DT_INT64 else 16
         base = f"vf/split-vnodes/{name}"
         g.add_node(_node(f"{base}/stride", "Const", [], dtype=dtype,
-                         value=make_tensor_proto(np.array([0, 1 << shift], dtype=tf_dtype(dtype).as_numpy_dtype))))
+                         value=tensor_attr([0, 1 << shift], dtype).tensor))
         g.add_node(_node(f"{base}/index", "Cast", [VNODE_INDEX], SrcT=types_pb2.DT_INT64, DstT=dtype, Truncate=False))
         g.add_node(_node(f"{base}/offset", "Mul", [f"{base}/stride:output:0", f"{base}/index:y:0"], T=dtype))
         g.replace_all_uses_with(value, TensorRef(f"{base}/seed", "z", 0))

@@ -97,7 +97,6 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
     else:  # loaded here and held by nothing else: the passes may edit it in place
         item = load(model, outputs, checkpoint, loss)
         item._pipeline_owned = True
-    source, variables_prefix = item.source, item.variables_prefix
     if pipeline is None:
         has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
         if allreduce == "auto":
@@ -110,7 +109,7 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
     verify(out)
     history = list(out.metadata.get("history", []))
     history.append({"pipeline": seq.spec(),
-                    "source_fingerprint": savedmodel.source_fingerprint(source, variables_prefix),
+                    "source_fingerprint": savedmodel.source_fingerprint(item.source, item.variables_prefix),
                     "vfgraph_version": __version__})
     out.metadata["history"] = history
     out.metadata["notes"] = notes

@@ -19,7 +19,7 @@ import networkx as nx
 from tensorflow.core.framework import types_pb2
 
 from vfgraph.errors import DetectionError
-from vfgraph.ir.graph import FunctionGraph, TensorRef, shape_list
+from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.item import SignatureInfo
 
 FLOAT_TYPES = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE}
@@ -147,8 +147,7 @@ class _Cuttable:
     def outputs(self, name: str) -> List[bool]:
         """Whether each output of node ``name`` may be cut (one pass over its recorded shapes)."""
         g = self.g
-        node = g.nodes[name]
-        recorded = node.attr["_output_shapes"].list.shape if "_output_shapes" in node.attr else ()
+        recorded = g.output_shapes(name)
         flags = []
         for i, (ref, (_, _, dtype)) in enumerate(zip(g.outputs(name), g.layout(name))):
             if ref in self.sparse:
@@ -156,7 +155,7 @@ class _Cuttable:
             elif ref in self.blocked or dtype not in FLOAT_TYPES:
                 flags.append(False)
             else:
-                shape = self.shapes.get(ref) or (shape_list(recorded[i]) if i < len(recorded) else None)
+                shape = self.shapes.get(ref) or (recorded[i] if i < len(recorded) else None)
                 flags.append(shape is not None and all(d >= 0 for d in shape))
         return flags
 

@@ -123,11 +123,11 @@ def _arg_shape_at(fdef: function_pb2.FunctionDef, i: int) -> Optional[List[int]]
     if i in fdef.arg_attr:
         attrs = fdef.arg_attr[i].attr
         if "_output_shapes" in attrs and attrs["_output_shapes"].list.shape:
-            return shape_list(attrs["_output_shapes"].list.shape[0])
+            return _shape_list(attrs["_output_shapes"].list.shape[0])
     if "_input_shapes" in fdef.attr:
         shapes = fdef.attr["_input_shapes"].list.shape
         if i < len(shapes):
-            return shape_list(shapes[i])
+            return _shape_list(shapes[i])
     return None
 
 
@@ -250,12 +250,19 @@ class FunctionGraph:
         """Static shape from the ``_output_shapes`` the exporter recorded (-1: unknown dim)."""
         if ref.is_function_arg:
             return self.arg_shape(ref.node)
-        node = self.nodes[ref.node]
-        if "_output_shapes" not in node.attr:
+        shapes = self.output_shapes(ref.node)
+        if not shapes:
             return None
-        shapes = node.attr["_output_shapes"].list.shape
         i = self.flat_index(ref)
-        return shape_list(shapes[i]) if i < len(shapes) else None
+        return shapes[i] if i < len(shapes) else None
+
+    def output_shapes(self, node: str) -> List[Optional[List[int]]]:
+        """The shapes recorded for ``node``'s outputs, in flat order (may be fewer than its
+        outputs, or none; None: unknown rank)."""
+        attrs = self.nodes[node].attr
+        if "_output_shapes" not in attrs:
+            return []
+        return [_shape_list(s) for s in attrs["_output_shapes"].list.shape]
 
     def consumers(self, ref: TensorRef) -> List[Tuple[str, int]]:
         if self._consumers is None:
@@ -461,16 +468,17 @@ def verify_function_def(fdef: function_pb2.FunctionDef,
     FunctionGraph._over(fdef, library).verify()
 
 
-def shape_list(shape) -> Optional[List[int]]:
+def _shape_list(shape) -> Optional[List[int]]:
     """A TensorShapeProto as a list of dimensions (-1: unknown); None for unknown rank."""
     if shape.unknown_rank:
         return None
     return [d.size for d in shape.dim]
 
 
-def iter_func_attrs(node: node_def_pb2.NodeDef) -> Iterator:
-    """Yield every NameAttrList inside ``node``'s attrs (single and list-valued)."""
-    for v in node.attr.values():
+def iter_func_attrs(node: node_def_pb2.NodeDef, keys: Optional[Iterable[str]] = None) -> Iterator:
+    """Yield every NameAttrList inside ``node``'s attrs (single and list-valued); only those
+    of the attributes ``keys`` when given."""
+    for v in node.attr.values() if keys is None else (node.attr[k] for k in keys if k in node.attr):
         if v.HasField("func"):
             yield v.func
         elif v.HasField("list"):
@@ -492,16 +500,7 @@ def function_dependencies(name: str, library: Mapping[str, function_pb2.Function
             op = node.op
             if op in library:
                 stack.append(op)
-                stack.extend(fa.name for fa in iter_func_attrs(node))
-                continue
-            keys = _func_attr_names(op)
-            if keys is None:
-                stack.extend(fa.name for fa in iter_func_attrs(node))
-            else:
-                for k in keys:
-                    if k in node.attr:
-                        v = node.attr[k]
-                        stack.extend([v.func.name] if v.HasField("func") else [x.name for x in v.list.func])
+            stack.extend(fa.name for fa in iter_func_attrs(node, None if op in library else _func_attr_names(op)))
     return order
 
 
