@@ -121,6 +121,7 @@ class _Cuttable:
         self.shapes = shapes
         self.sparse: Dict[TensorRef, str] = {}
         self.blocked: Set[TensorRef] = set()
+        self._flags: Dict[str, List[bool]] = {}
         roots = []
         for name in sorted(dep):
             roles = _sparse_roles(g, name)
@@ -145,7 +146,14 @@ class _Cuttable:
                 roots.extend(c for c, _ in g.consumers(t))
 
     def outputs(self, name: str) -> List[bool]:
-        """Whether each output of node ``name`` may be cut (one pass over its recorded shapes)."""
+        """Whether each output of node ``name`` may be cut (one pass over its recorded shapes,
+        kept: a node with many outputs is asked once per output)."""
+        flags = self._flags.get(name)
+        if flags is None:
+            flags = self._flags[name] = self._node_flags(name)
+        return flags
+
+    def _node_flags(self, name: str) -> List[bool]:
         g = self.g
         recorded = g.output_shapes(name)
         flags = []

@@ -250,11 +250,12 @@ class FunctionGraph:
         """Static shape from the ``_output_shapes`` the exporter recorded (-1: unknown dim)."""
         if ref.is_function_arg:
             return self.arg_shape(ref.node)
-        shapes = self.output_shapes(ref.node)
-        if not shapes:
+        attrs = self.nodes[ref.node].attr
+        if "_output_shapes" not in attrs:
             return None
+        shapes = attrs["_output_shapes"].list.shape
         i = self.flat_index(ref)
-        return shapes[i] if i < len(shapes) else None
+        return _shape_list(shapes[i]) if i < len(shapes) else None
 
     def output_shapes(self, node: str) -> List[Optional[List[int]]]:
         """The shapes recorded for ``node``'s outputs, in flat order (may be fewer than its
