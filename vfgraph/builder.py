@@ -43,6 +43,7 @@ def extract_function(
     writes) are kept as control outputs; otherwise only data ancestors of the outputs stay.
     """
     table = {str(ref): arg_name for arg_name, ref in new_args}  # these tensors become arguments
+    cut = {ref for _, ref in new_args}
     roots = [r.node for _, r in outputs if not r.is_function_arg]
     effects: List[str] = []
     if side_effects:
@@ -52,8 +53,7 @@ def extract_function(
     def follow(n: str):
         if n in drop:
             return []
-        return [t.node for s in g.nodes[n].input if s not in table
-                for t, ctl in (parse_input(s),) if side_effects or not ctl]
+        return [t.node for t, ctl in g.inputs(n) if (side_effects or not ctl) and (ctl or t not in cut)]
 
     keep = {n for n in g.ancestors(roots, follow) if n not in drop}
     if side_effects:

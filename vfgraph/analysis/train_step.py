@@ -99,14 +99,13 @@ def resource_root(g: FunctionGraph, ref: TensorRef) -> Optional[str]:
 
 def batch_dependent_nodes(g: FunctionGraph, batch_args: List[str]) -> Set[str]:
     """Nodes reachable from the batch arguments through data edges."""
-    frontier = [TensorRef(a) for a in batch_args]
+    frontier = list(batch_args)
     seen: Set[str] = set()
     while frontier:
-        t = frontier.pop()
-        for consumer, _ in g.consumers(t):
+        for consumer in g.data_children(frontier.pop()):
             if consumer not in seen:
                 seen.add(consumer)
-                frontier.extend(g.outputs(consumer))
+                frontier.append(consumer)
     return seen
 
 
@@ -155,16 +154,24 @@ class _Cuttable:
 
     def _node_flags(self, name: str) -> List[bool]:
         g = self.g
-        recorded = g.output_shapes(name)
+        attrs = g.nodes[name].attr
+        recorded = attrs["_output_shapes"].list.shape if "_output_shapes" in attrs else ()
+        sparse, blocked, shapes = self.sparse, self.blocked, self.shapes
         flags = []
         for i, (ref, (_, _, dtype)) in enumerate(zip(g.outputs(name), g.layout(name))):
-            if ref in self.sparse:
+            if ref in sparse:
                 flags.append(True)
-            elif ref in self.blocked or dtype not in FLOAT_TYPES:
+            elif ref in blocked or dtype not in FLOAT_TYPES:
                 flags.append(False)
             else:
-                shape = self.shapes.get(ref) or (recorded[i] if i < len(recorded) else None)
-                flags.append(shape is not None and all(d >= 0 for d in shape))
+                shape = shapes.get(ref)
+                if shape:
+                    flags.append(all(d >= 0 for d in shape))
+                elif i < len(recorded):
+                    p = recorded[i]
+                    flags.append(not p.unknown_rank and all(d.size >= 0 for d in p.dim))
+                else:
+                    flags.append(False)
         return flags
 
     def __call__(self, ref: TensorRef) -> bool:
@@ -352,46 +359,60 @@ class _FlowGraph:
 
     def __init__(self, g: FunctionGraph, sig: SignatureInfo, dep: Set[str], cuttable: "_Cuttable",
                  sinks: List[str]):
-        self.keys: list = [_SRC, _SNK]
-        self.succ: List[List[int]] = [[], []]
-        self.unit = bytearray(2)  # 1 for an "in" vertex whose one edge (to "out") has capacity 1
-        self._op: Dict[str, int] = {}
-        self._in: Dict[TensorRef, int] = {}
-        self._out: Dict[TensorRef, int] = {}
+        keys: list = [_SRC, _SNK]
+        succ: List[List[int]] = [[], []]
+        unit = bytearray(2)  # 1 for an "in" vertex whose one edge (to "out") has capacity 1
+        op_ids: Dict[str, int] = {}
+        in_ids: Dict[TensorRef, int] = {}
+        out_ids: Dict[TensorRef, int] = {}
+        self.keys, self.succ, self.unit, self._op, self._in, self._out = keys, succ, unit, op_ids, in_ids, out_ids
         batch = set(sig.batch_args)
         for a in sig.batch_args:
-            self.succ[0].append(self._vertex(self._out, TensorRef(a), "out"))
+            t = TensorRef(a)
+            out_ids[t] = len(keys)
+            succ[0].append(len(keys))
+            keys.append(("out", t))
+            succ.append([])
+            unit.append(0)
+        # (Inlined vertex creation: this loop visits every batch-dependent tensor.)
         for name in sorted(dep):
-            op = self._vertex(self._op, name, "op")
-            for t in g.data_inputs(name):
-                if t.node not in dep if t.arg is not None else t.node not in batch:
+            op = op_ids[name] = len(keys)
+            keys.append(("op", name))
+            succ.append([])
+            unit.append(0)
+            for t, ctl in g.inputs(name):
+                if ctl or (t.node not in dep if t.arg is not None else t.node not in batch):
                     continue
-                self.succ[self._vertex(self._out, t, "out")].append(op)
-            for t, unit in zip(g.outputs(name), cuttable.outputs(name)):
-                o = self._vertex(self._out, t, "out")
-                if unit:
-                    i = self._vertex(self._in, t, "in")
-                    self.succ[op].append(i)
-                    self.succ[i].append(o)
-                    self.unit[i] = 1
+                o = out_ids.get(t)
+                if o is None:
+                    o = out_ids[t] = len(keys)
+                    keys.append(("out", t))
+                    succ.append([op])
+                    unit.append(0)
+                else:
+                    succ[o].append(op)
+            for t, cuttable_t in zip(g.outputs(name), cuttable.outputs(name)):
+                o = out_ids.get(t)
+                if o is None:
+                    o = out_ids[t] = len(keys)
+                    keys.append(("out", t))
+                    succ.append([])
+                    unit.append(0)
+                if cuttable_t:
+                    i = in_ids[t] = len(keys)
+                    keys.append(("in", t))
+                    succ.append([o])
+                    unit.append(1)
+                    succ[op].append(i)
                 else:  # "in" and "out" of an uncuttable tensor are one vertex (the edge between is unbounded)
-                    self.succ[op].append(o)
+                    succ[op].append(o)
         for w in sinks:
-            self.succ[self._vertex(self._op, w, "op")].append(1)
-        self.pred: List[List[int]] = [[] for _ in self.keys]
-        for u, vs in enumerate(self.succ):
+            succ[op_ids[w]].append(1)
+        pred: List[List[int]] = [[] for _ in keys]
+        for u, vs in enumerate(succ):
             for v in vs:
-                self.pred[v].append(u)
-
-    def _vertex(self, ids: dict, key, side: str) -> int:
-        """The vertex of ``key`` in ``ids`` (op names, "in" or "out" tensors); labelled (side, key)."""
-        i = ids.get(key)
-        if i is None:
-            i = ids[key] = len(self.keys)
-            self.keys.append((side, key))
-            self.succ.append([])
-            self.unit.append(0)
-        return i
+                pred[v].append(u)
+        self.pred = pred
 
     # ------------------------------------------------------------------ minimum cut
     def _closure(self, start: int, edges: List[List[int]], forward: bool) -> bytearray:

@@ -146,6 +146,7 @@ class FunctionGraph:
         self._layout_cache: Dict[str, List[Tuple[str, int, DataType]]] = {}
         self._outputs_cache: Dict[str, List[TensorRef]] = {}
         self._index_cache: Dict[str, Dict[Tuple[str, int], int]] = {}
+        self._inputs_cache: Dict[str, List[Tuple[TensorRef, bool]]] = {}
 
     # ----------------------------------------------------------------- boundary
     @classmethod
@@ -161,7 +162,7 @@ class FunctionGraph:
         g.library = library or {}
         g.nodes = {n.name: n for n in fdef.node_def}
         g._consumers = None
-        g._layout_cache, g._outputs_cache, g._index_cache = {}, {}, {}
+        g._layout_cache, g._outputs_cache, g._index_cache, g._inputs_cache = {}, {}, {}, {}
         return g
 
     def to_function_def(self) -> function_pb2.FunctionDef:
@@ -211,7 +212,12 @@ class FunctionGraph:
 
     # ----------------------------------------------------------------- queries
     def inputs(self, node: str) -> List[Tuple[TensorRef, bool]]:
-        return [parse_input(s) for s in self.nodes[node].input]
+        """(tensor, is_control) for each input of ``node``, parsed once (reading a protobuf
+        field costs more than the walks that ask for it; edits through the verbs renew it)."""
+        found = self._inputs_cache.get(node)
+        if found is None:
+            found = self._inputs_cache[node] = [parse_input(s) for s in self.nodes[node].input]
+        return found
 
     def data_inputs(self, node: str) -> List[TensorRef]:
         return [t for t, ctl in self.inputs(node) if not ctl]
@@ -266,15 +272,33 @@ class FunctionGraph:
         return [_shape_list(s) for s in attrs["_output_shapes"].list.shape]
 
     def consumers(self, ref: TensorRef) -> List[Tuple[str, int]]:
+        """(node, input position) of every data input that reads ``ref``."""
         if self._consumers is None:
-            idx: Dict[TensorRef, List[Tuple[str, int]]] = {}
-            for name, node in self.nodes.items():
-                for i, s in enumerate(node.input):
-                    t, ctl = parse_input(s)
-                    if not ctl:
-                        idx.setdefault(t, []).append((name, i))
-            self._consumers = idx
+            self._index()
         return self._consumers.get(ref, [])
+
+    def data_children(self, name: str) -> List[str]:
+        """The nodes that read any output of node (or argument) ``name`` through a data edge,
+        each once: the node-level graph the reachability walks use."""
+        if self._consumers is None:
+            self._index()
+        return self._children.get(name, [])
+
+    def _index(self) -> None:
+        """Build the consumer index and the node-level data edges in one pass over the inputs."""
+        idx: Dict[TensorRef, List[Tuple[str, int]]] = {}
+        children: Dict[str, List[str]] = {}
+        for name in self.nodes:
+            last = None
+            for i, (t, ctl) in enumerate(self.inputs(name)):
+                if not ctl:
+                    idx.setdefault(t, []).append((name, i))
+                    if t.node != last:
+                        kids = children.setdefault(t.node, [])
+                        if not kids or kids[-1] != name:
+                            kids.append(name)
+                        last = t.node
+        self._consumers, self._children = idx, children
 
     def to_networkx(self, control: bool = True) -> nx.DiGraph:
         """Node-level dependency graph (edges producer -> consumer); args are nodes too."""
@@ -334,8 +358,10 @@ class FunctionGraph:
         return seen
 
     # ----------------------------------------------------------------- edits
-    def _dirty(self) -> None:
+    def _dirty(self, inputs_changed: bool = False) -> None:
         self._consumers = None
+        if inputs_changed:
+            self._inputs_cache.clear()
 
     def add_node(self, node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
         if node.name in self.nodes or node.name in self.arg_names:
@@ -344,6 +370,7 @@ class FunctionGraph:
         self._layout_cache.pop(node.name, None)
         self._outputs_cache.pop(node.name, None)
         self._index_cache.pop(node.name, None)
+        self._inputs_cache.pop(node.name, None)
         self._dirty()
         return node
 
@@ -353,6 +380,7 @@ class FunctionGraph:
             self._layout_cache.pop(n, None)
             self._outputs_cache.pop(n, None)
             self._index_cache.pop(n, None)
+            self._inputs_cache.pop(n, None)
         self._dirty()
 
     def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> int:
@@ -372,7 +400,7 @@ class FunctionGraph:
             if v in table:
                 self._header.ret[k] = table[v]
                 count += 1
-        self._dirty()
+        self._dirty(inputs_changed=True)
         return count
 
     def keep_only(self, keep: Iterable[str]) -> None:
@@ -387,7 +415,7 @@ class FunctionGraph:
             node.input.extend(kept)
         for k in [k for k, v in self._header.control_ret.items() if v not in keep]:
             del self._header.control_ret[k]
-        self._dirty()
+        self._dirty(inputs_changed=True)
 
     # ----------------------------------------------------------------- checks
     def verify(self) -> None:
