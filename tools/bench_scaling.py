@@ -1,10 +1,11 @@
 """Data-parallel scaling and all-reduce fusion, measured under mpiexec in one invocation.
 
 scaling  The digits MLP (hidden width --hidden, default 1024) and the batch-norm digits
-         CNN of examples/export.py, rewritten with ``vnode_batch=16`` and the all-reduce, trained
-         at each global batch of --batch (default 128, 512 and 2048: 8, 32 and 128 virtual
-         nodes) with one intra-op thread per process: examples/s on 2 ranks (half the virtual
-         nodes each) against 1 rank, both launched with ``mpiexec`` by this script. Target:
+         CNN of examples/export.py, rewritten with virtual nodes of b examples (--vnode-batch,
+         default 16 and 64) and the all-reduce, trained at each global batch of --batch
+         (default 128, 512 and 2048: 8, 32 and 128 virtual nodes of 16) with one TensorFlow
+         thread per process (intra- and inter-op, as ``vfgraph train --threads 1``): examples/s on 2 ranks (half the virtual nodes each) against
+         1 rank, both launched with ``mpiexec`` by this script. Target:
          ratio >= 1.8. Also 2 ranks running the model rewritten without the all-reduce (each
          trains on its half alone): the ratio the machine allows with no communication, so
          the gap between the two is what summing the gradients costs. Each configuration
@@ -29,7 +30,6 @@ import time
 
 from benchlib import git_state, write_report
 
-VNODE_BATCH = 16
 FUSION_MB = (1, 4, 16, 64)
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--json", default="/tmp/vfgraph_bench_scaling.json")
     p.add_argument("--hidden", type=int, default=1024, help="MLP hidden width")
     p.add_argument("--batch", default="128,512,2048", help="global batches, comma-separated (multiples of 32)")
+    p.add_argument("--vnode-batch", default="16,64",
+                   help="examples per virtual node, comma-separated (each global batch divides into 2x as many)")
+    p.add_argument("--models", default="mlp,cnn", help="models to scale, comma-separated (mlp, cnn)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved repetitions of each configuration (best kept)")
     p.add_argument("--no-fusion", action="store_true", help="skip the fusion measurement")
     p.add_argument("--worker", choices=("scaling", "fusion"), help=argparse.SUPPRESS)
@@ -50,30 +53,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _threads():
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)  # a collective blocks one inter-op thread
-
-
 def worker_scaling(args) -> dict:
     """Time training steps of ``args.model`` on this rank's share of a global batch."""
     import numpy as np
 
     import vfgraph  # noqa: F401  (registers the ops)
     from vfgraph.runtime.train import load_npz
-    from vfgraph.runtime.world import shares, world
-
-    _threads()
-    import tensorflow as tf
+    from vfgraph.runtime.world import place_threads, shares, world
 
     w = world(need_mpi=True)
+    place_threads(w, 1)  # what ``vfgraph train --threads 1`` does: one intra-op and one inter-op thread
+    import tensorflow as tf
+
     loaded = tf.saved_model.load(args.model)
     fn = loaded.signatures["train"]
     data = load_npz(args.data)
-    per = shares(int(args.batch) // VNODE_BATCH, w.size)
-    lo, hi = sum(per[:w.rank]) * VNODE_BATCH, sum(per[:w.rank + 1]) * VNODE_BATCH
+    b = int(args.vnode_batch)
+    per = shares(int(args.batch) // b, w.size)
+    lo, hi = sum(per[:w.rank]) * b, sum(per[:w.rank + 1]) * b
     feed = {"x": tf.constant(data["x"][lo:hi].astype(np.float32)), "y": tf.constant(data["y"][lo:hi].astype(np.int32))}
     if w.size > 1 and "train_broadcast" in loaded.signatures:
         loaded.signatures["train_broadcast"]()
@@ -106,10 +103,10 @@ def worker_fusion(args) -> dict:
     from vfgraph.builder import arg_specs, tf_dtype
     from vfgraph.rewrites.insert_allreduce import reduce_functions
     from vfgraph.rewrites.split_vnodes import reduce_function
-    from vfgraph.runtime.world import world
+    from vfgraph.runtime.world import place_threads, world
 
-    _threads()
     w = world(need_mpi=True)
+    place_threads(w, 1)
     model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
     shapes = [list(v.shape) for v in model.trainable_variables]
     specs = [(f"sum_{k}", 1, s) for k, s in enumerate(shapes)] + [(f"sum_{len(shapes)}", 1, [])]
@@ -174,26 +171,27 @@ def main() -> int:
 
     steps, reps, rounds = (20, 3, 1) if args.quick else (args.steps, args.reps, args.rounds)
     batches = [int(x) for x in args.batch.split(",")]
-    report = {"git": git_state(), "batches": batches, "vnode_batch": VNODE_BATCH, "scaling": {}, "targets":
+    vnode_batches = [int(x) for x in args.vnode_batch.split(",")]
+    report = {"git": git_state(), "batches": batches, "vnode_batches": vnode_batches, "scaling": {}, "targets":
               {"scaling 2 ranks / 1 rank": 1.8}}
     with tempfile.TemporaryDirectory() as tmp:
         export.digits_data(os.path.join(tmp, "data"))
         data = os.path.join(tmp, "data", "train.npz")
         models = {"mlp": lambda p: export.digits_mlp(p, optimizer="momentum", hidden=args.hidden),
                   "cnn": lambda p: export.digits_cnn(p)}
-        print(f"{'model':6} {'batch':>6} {'1 rank ex/s':>12} {'2 ranks ex/s':>13} {'ratio':>6} "
+        print(f"{'model':6} {'batch':>6} {'b':>4} {'1 rank ex/s':>12} {'2 ranks ex/s':>13} {'ratio':>6} "
               f"{'2 ranks, no all-reduce ex/s':>28} {'ratio':>6}")
-        for name, make in models.items():
+        for name in args.models.split(","):
             src = os.path.join(tmp, name)
-            make(src)
-            for batch in batches:
+            models[name](src)
+            for batch, b in [(batch, b) for batch in batches for b in vnode_batches if batch % (2 * b) == 0]:
                 outs = {}
                 for allreduce in ("mpi", "none"):
-                    outs[allreduce] = os.path.join(tmp, f"{name}_{batch}_{allreduce}")
-                    vfgraph.save(vfgraph.rewrite(src, vnodes=batch // VNODE_BATCH, vnode_batch=VNODE_BATCH,
+                    outs[allreduce] = os.path.join(tmp, f"{name}_{batch}_{b}_{allreduce}")
+                    vfgraph.save(vfgraph.rewrite(src, vnodes=batch // b, vnode_batch=b,
                                                  allreduce=allreduce), outs[allreduce])
                 common = ["--worker", "scaling", "--data", data, "--steps", str(steps), "--reps", str(reps),
-                          "--batch", str(batch)]
+                          "--batch", str(batch), "--vnode-batch", str(b)]
                 runs = {"1 rank": [], "2 ranks": [], "2 ranks without all-reduce": []}
                 for _ in range(rounds):  # interleaved, best of each: the machine is shared and noisy
                     runs["1 rank"].append(_launch(1, "--model", outs["mpi"], *common)["examples_per_s"])
@@ -204,8 +202,8 @@ def main() -> int:
                 got["ratio"] = got["2 ranks"] / got["1 rank"]
                 got["ratio without all-reduce"] = got["2 ranks without all-reduce"] / got["1 rank"]
                 got["runs"] = runs
-                report["scaling"][f"{name} batch {batch}"] = got
-                print(f"{name:6} {batch:6d} {got['1 rank']:12.0f} {got['2 ranks']:13.0f} {got['ratio']:6.2f} "
+                report["scaling"][f"{name} batch {batch} b {b}"] = got
+                print(f"{name:6} {batch:6d} {b:4d} {got['1 rank']:12.0f} {got['2 ranks']:13.0f} {got['ratio']:6.2f} "
                       f"{got['2 ranks without all-reduce']:28.0f} {got['ratio without all-reduce']:6.2f}")
     if args.no_fusion:
         write_report(args.json, report)

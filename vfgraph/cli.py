@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--vnodes-per-rank", help="under mpiexec: virtual nodes of each rank, e.g. 5,3 "
                    "(default: the global batch's virtual nodes split evenly)")
+    t.add_argument("--threads", type=int, help="TensorFlow intra-op and inter-op threads per rank (default: the "
+                   "CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
 
     bo = sub.add_parser("build-ops", help="build (or find) vfgraph's MPI ops for this TensorFlow and MPI")
     bo.add_argument("--force", action="store_true", help="build again even if the cache holds them")
@@ -259,7 +261,7 @@ def cmd_train(args) -> int:
             raise InputError(f"--vnodes-per-rank {args.vnodes_per_rank}: give comma-separated integers, e.g. 5,3")
     res = train(args.model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
                 force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
-                seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank)
+                seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank, threads=args.threads)
     if res is not None:  # rank 0 (or the only process)
         print(f"trained {res.steps} steps: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}; wrote {res.out}")
     return 0

@@ -143,6 +143,25 @@ def test_bad_vnodes_per_rank_is_a_clear_error_on_every_rank(v8, digits, tmp_path
     assert "--vnodes-per-rank 6,3" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_ranks_share_the_host_cpus_and_threads_is_checked(v8, digits, tmp_path):
+    res = run_train(2, v8("mlp:momentum"), digits["train"], str(tmp_path / "o"), 1)
+    assert f"2 ranks, {max(1, os.cpu_count() // 2)} TensorFlow threads each" in res.stderr
+    bad = subprocess.run(train_cmd(0, v8("mlp:momentum"), digits["train"], str(tmp_path / "b"), 1, "--threads", "0"),
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert bad.returncode == 2 and "--threads 0" in bad.stderr and "Traceback" not in bad.stderr
+    assert not os.path.exists(tmp_path / "b")
+
+
+def test_threads_per_rank():
+    from vfgraph.runtime.world import threads_per_rank
+
+    assert threads_per_rank(visible=2, total=2, local_ranks=2) == 1
+    assert threads_per_rank(visible=16, total=16, local_ranks=4) == 4
+    assert threads_per_rank(visible=2, total=2, local_ranks=4) == 1  # oversubscribed: still one each
+    assert threads_per_rank(visible=3, total=16, local_ranks=4) == 3  # bound by the launcher: its CPUs
+    assert threads_per_rank(visible=1, total=1, local_ranks=1) == 1
+
+
 def _rank_pid(rank, marker):
     """The process id of the worker of MPI rank ``rank`` whose command line contains ``marker``."""
     for pid in os.listdir("/proc"):

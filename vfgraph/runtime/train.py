@@ -15,7 +15,7 @@ import numpy as np
 
 from vfgraph.errors import InputError, VfgraphError
 from vfgraph.io import savedmodel
-from vfgraph.runtime.world import shares, world
+from vfgraph.runtime.world import place_threads, shares, world
 
 log = logging.getLogger("vfgraph.train")
 
@@ -96,15 +96,18 @@ def vnode_layout(model: str, signature: str) -> Tuple[int, bool]:
 
 def train(model: str, data_path: str, steps: int, batch_size: int, out: str, resume: bool = False,
           force: bool = False, signature: str = "train", checkpoint_every: int = 100, seed: int = 0,
-          progress: bool = True, vnodes_per_rank: Optional[List[int]] = None) -> Optional[TrainResult]:
+          progress: bool = True, vnodes_per_rank: Optional[List[int]] = None,
+          threads: Optional[int] = None) -> Optional[TrainResult]:
     """Train ``model`` for ``steps`` global batches of ``batch_size`` examples. Under ``mpiexec``
     every rank feeds its share of each global batch (whole virtual nodes, from the same global
     order), the step all-reduces, and rank 0 writes checkpoints and the result; other ranks
-    return None."""
+    return None. ``threads``: TensorFlow threads per rank (default: this host's CPUs shared
+    by the ranks on it)."""
     if not savedmodel.is_saved_model_dir(model):
         raise InputError(f"{model}: not a SavedModel directory")
     b, reduces = vnode_layout(model, signature)
     w = world(need_mpi=reduces)
+    threads = w.agree(lambda: place_threads(w, threads))
 
     def prepare():
         if w.is_root:
@@ -167,7 +170,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         if w.size > 1:
             table = w.describe()
             if w.is_root:
-                log.info("%d ranks: %s", w.size, "; ".join(table))
+                log.info("%d ranks, %d TensorFlow threads each: %s", w.size, threads, "; ".join(table))
             loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
         bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root),
                    unit="step")

@@ -91,3 +91,39 @@ def shares(total: int, size: int, given: Optional[List[int]] = None) -> List[int
         raise InputError(f"the global batch holds {total} virtual nodes, fewer than the {size} ranks; "
                          "raise --batch-size or run fewer ranks")
     return [total // size + (1 if r < total % size else 0) for r in range(size)]
+
+
+def threads_per_rank(visible: int, total: int, local_ranks: int) -> int:
+    """TensorFlow threads for one rank: the CPUs it may run on when the launcher bound it to
+    fewer than the machine has (``visible`` < ``total``), else the machine's CPUs shared by the
+    ``local_ranks`` processes on this host. At least one."""
+    if visible < total:
+        return max(1, visible)
+    return max(1, total // max(1, local_ranks))
+
+
+def place_threads(w: World, threads: Optional[int] = None) -> int:
+    """Give this process's TensorFlow ``threads`` intra-op and as many inter-op threads (by
+    default :func:`threads_per_rank`), before TensorFlow starts its runtime; returns the intra-op
+    threads TensorFlow has. Ranks that share a host would otherwise each start a thread per CPU
+    and spin against each other."""
+    if threads is not None and threads < 1:
+        raise InputError(f"--threads {threads}: give a positive number of threads per rank")
+    if threads is None:
+        local = 1
+        if w.comm is not None:
+            from mpi4py import MPI
+
+            shared = w.comm.Split_type(MPI.COMM_TYPE_SHARED)
+            local = shared.Get_size()
+            shared.Free()
+        visible = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = threads_per_rank(visible, os.cpu_count() or visible, local)
+    import tensorflow as tf
+
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    except RuntimeError:  # TensorFlow already running in this process (the embedding program chose)
+        pass
+    return tf.config.threading.get_intra_op_parallelism_threads()
