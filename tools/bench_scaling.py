@@ -4,11 +4,12 @@ scaling  The digits MLP (hidden width --hidden, default 1024) and the batch-norm
          CNN of examples/export.py, rewritten with virtual nodes of b examples (--vnode-batch,
          default 16 and 64) and the all-reduce, trained at each global batch of --batch
          (default 128, 512 and 2048: 8, 32 and 128 virtual nodes of 16) with one TensorFlow
-         thread per process (intra- and inter-op, as ``vfgraph train --threads 1``): examples/s on 2 ranks (half the virtual nodes each) against
-         1 rank, both launched with ``mpiexec`` by this script. Target:
-         ratio >= 1.8. Also 2 ranks running the model rewritten without the all-reduce (each
-         trains on its half alone): the ratio the machine allows with no communication, so
-         the gap between the two is what summing the gradients costs. Each configuration
+         thread per process (intra- and inter-op, as ``vfgraph train --threads 1``):
+         examples/s on 2 ranks (half the virtual nodes each) against 1 rank, both launched
+         with ``mpiexec`` by this script. Target: ratio >= 1.8. Also 2 ranks running the
+         model rewritten without the all-reduce (each trains on its half alone): the ratio the
+         machine allows with no communication, so the gap between the two is what summing
+         the gradients costs. Each configuration
          runs --rounds times, interleaved with the others; the best run of each is kept.
 fusion   The gradients of keras.applications.ResNet50 (weights=None, 10 classes: 161 tensors,
          23.6M parameters) summed over 2 ranks by insert-allreduce's reduce function, fused

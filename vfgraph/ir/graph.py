@@ -263,14 +263,6 @@ class FunctionGraph:
         i = self.flat_index(ref)
         return _shape_list(shapes[i]) if i < len(shapes) else None
 
-    def output_shapes(self, node: str) -> List[Optional[List[int]]]:
-        """The shapes recorded for ``node``'s outputs, in flat order (may be fewer than its
-        outputs, or none; None: unknown rank)."""
-        attrs = self.nodes[node].attr
-        if "_output_shapes" not in attrs:
-            return []
-        return [_shape_list(s) for s in attrs["_output_shapes"].list.shape]
-
     def consumers(self, ref: TensorRef) -> List[Tuple[str, int]]:
         """(node, input position) of every data input that reads ``ref``."""
         if self._consumers is None:
