@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--vnodes-per-rank", help="under mpiexec: virtual nodes of each rank, e.g. 5,3 "
                    "(default: the global batch's virtual nodes split evenly)")
-    t.add_argument("--threads", type=int, help="TensorFlow intra-op and inter-op threads per rank (default: the "
+    t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: the "
                    "CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
 
     bo = sub.add_parser("build-ops", help="build (or find) vfgraph's MPI ops for this TensorFlow and MPI")

@@ -101,7 +101,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     """Train ``model`` for ``steps`` global batches of ``batch_size`` examples. Under ``mpiexec``
     every rank feeds its share of each global batch (whole virtual nodes, from the same global
     order), the step all-reduces, and rank 0 writes checkpoints and the result; other ranks
-    return None. ``threads``: TensorFlow threads per rank (default: this host's CPUs shared
+    return None. ``threads``: TensorFlow intra-op threads per rank (default: this host's CPUs shared
     by the ranks on it)."""
     if not savedmodel.is_saved_model_dir(model):
         raise InputError(f"{model}: not a SavedModel directory")
@@ -170,7 +170,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         if w.size > 1:
             table = w.describe()
             if w.is_root:
-                log.info("%d ranks, %d TensorFlow threads each: %s", w.size, threads, "; ".join(table))
+                log.info("%d ranks, %d TensorFlow threads each (intra-op; one inter-op): %s", w.size, threads,
+                         "; ".join(table))
             loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
         bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root),
                    unit="step")

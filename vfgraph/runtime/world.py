@@ -103,10 +103,13 @@ def threads_per_rank(visible: int, total: int, local_ranks: int) -> int:
 
 
 def place_threads(w: World, threads: Optional[int] = None) -> int:
-    """Give this process's TensorFlow ``threads`` intra-op and as many inter-op threads (by
-    default :func:`threads_per_rank`), before TensorFlow starts its runtime; returns the intra-op
-    threads TensorFlow has. Ranks that share a host would otherwise each start a thread per CPU
-    and spin against each other."""
+    """Give this process's TensorFlow ``threads`` intra-op threads (by default
+    :func:`threads_per_rank`) and one inter-op thread, before TensorFlow starts its runtime;
+    returns the intra-op threads TensorFlow has. Ranks that share a host would otherwise each
+    start a thread pool per CPU and spin against each other. One inter-op thread: a rewritten
+    step runs its virtual nodes in sequence, the collectives in a fixed chain, and each op
+    spreads over the intra-op threads (CPU tuning guides for TensorFlow advise about one
+    inter-op thread per socket)."""
     if threads is not None and threads < 1:
         raise InputError(f"--threads {threads}: give a positive number of threads per rank")
     if threads is None:
@@ -123,7 +126,7 @@ def place_threads(w: World, threads: Optional[int] = None) -> int:
 
     try:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
     except RuntimeError:  # TensorFlow already running in this process (the embedding program chose)
         pass
     return tf.config.threading.get_intra_op_parallelism_threads()
