@@ -19,7 +19,7 @@ import networkx as nx
 from tensorflow.core.framework import types_pb2
 
 from vfgraph.errors import DetectionError
-from vfgraph.ir.graph import FunctionGraph, TensorRef
+from vfgraph.ir.graph import FunctionGraph, TensorRef, shape_list
 from vfgraph.item import SignatureInfo
 
 FLOAT_TYPES = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE}
@@ -164,14 +164,7 @@ class _Cuttable:
             elif ref in blocked or dtype not in FLOAT_TYPES:
                 flags.append(False)
             else:
-                shape = shapes.get(ref)
-                if shape:
-                    flags.append(all(d >= 0 for d in shape))
-                elif i < len(recorded):
-                    p = recorded[i]
-                    flags.append(not p.unknown_rank and all(d.size >= 0 for d in p.dim))
-                else:
-                    flags.append(False)
+                flags.append(_known(shapes.get(ref) or (shape_list(recorded[i]) if i < len(recorded) else None)))
         return flags
 
     def __call__(self, ref: TensorRef) -> bool:
@@ -359,60 +352,46 @@ class _FlowGraph:
 
     def __init__(self, g: FunctionGraph, sig: SignatureInfo, dep: Set[str], cuttable: "_Cuttable",
                  sinks: List[str]):
-        keys: list = [_SRC, _SNK]
-        succ: List[List[int]] = [[], []]
-        unit = bytearray(2)  # 1 for an "in" vertex whose one edge (to "out") has capacity 1
-        op_ids: Dict[str, int] = {}
-        in_ids: Dict[TensorRef, int] = {}
-        out_ids: Dict[TensorRef, int] = {}
-        self.keys, self.succ, self.unit, self._op, self._in, self._out = keys, succ, unit, op_ids, in_ids, out_ids
+        self.keys: list = [_SRC, _SNK]
+        self.succ: List[List[int]] = [[], []]
+        self.unit = bytearray(2)  # 1 for an "in" vertex whose one edge (to "out") has capacity 1
+        self._op: Dict[str, int] = {}
+        self._in: Dict[TensorRef, int] = {}
+        self._out: Dict[TensorRef, int] = {}
         batch = set(sig.batch_args)
         for a in sig.batch_args:
-            t = TensorRef(a)
-            out_ids[t] = len(keys)
-            succ[0].append(len(keys))
-            keys.append(("out", t))
-            succ.append([])
-            unit.append(0)
-        # (Inlined vertex creation: this loop visits every batch-dependent tensor.)
+            self.succ[0].append(self._vertex(self._out, TensorRef(a), "out"))
         for name in sorted(dep):
-            op = op_ids[name] = len(keys)
-            keys.append(("op", name))
-            succ.append([])
-            unit.append(0)
+            op = self._vertex(self._op, name, "op")
             for t, ctl in g.inputs(name):
                 if ctl or (t.node not in dep if t.arg is not None else t.node not in batch):
                     continue
-                o = out_ids.get(t)
-                if o is None:
-                    o = out_ids[t] = len(keys)
-                    keys.append(("out", t))
-                    succ.append([op])
-                    unit.append(0)
-                else:
-                    succ[o].append(op)
+                self.succ[self._vertex(self._out, t, "out")].append(op)
             for t, cuttable_t in zip(g.outputs(name), cuttable.outputs(name)):
-                o = out_ids.get(t)
-                if o is None:
-                    o = out_ids[t] = len(keys)
-                    keys.append(("out", t))
-                    succ.append([])
-                    unit.append(0)
+                o = self._vertex(self._out, t, "out")
                 if cuttable_t:
-                    i = in_ids[t] = len(keys)
-                    keys.append(("in", t))
-                    succ.append([o])
-                    unit.append(1)
-                    succ[op].append(i)
+                    i = self._vertex(self._in, t, "in")
+                    self.succ[op].append(i)
+                    self.succ[i].append(o)
+                    self.unit[i] = 1
                 else:  # "in" and "out" of an uncuttable tensor are one vertex (the edge between is unbounded)
-                    succ[op].append(o)
+                    self.succ[op].append(o)
         for w in sinks:
-            succ[op_ids[w]].append(1)
-        pred: List[List[int]] = [[] for _ in keys]
-        for u, vs in enumerate(succ):
+            self.succ[self._op[w]].append(1)
+        self.pred: List[List[int]] = [[] for _ in self.keys]
+        for u, vs in enumerate(self.succ):
             for v in vs:
-                pred[v].append(u)
-        self.pred = pred
+                self.pred[v].append(u)
+
+    def _vertex(self, ids: dict, key, side: str) -> int:
+        """The vertex of ``key`` in ``ids`` (op names, "in" or "out" tensors); labelled (side, key)."""
+        i = ids.get(key)
+        if i is None:
+            i = ids[key] = len(self.keys)
+            self.keys.append((side, key))
+            self.succ.append([])
+            self.unit.append(0)
+        return i
 
     # ------------------------------------------------------------------ minimum cut
     def _closure(self, start: int, edges: List[List[int]], forward: bool) -> bytearray:

@@ -123,11 +123,11 @@ def _arg_shape_at(fdef: function_pb2.FunctionDef, i: int) -> Optional[List[int]]
     if i in fdef.arg_attr:
         attrs = fdef.arg_attr[i].attr
         if "_output_shapes" in attrs and attrs["_output_shapes"].list.shape:
-            return _shape_list(attrs["_output_shapes"].list.shape[0])
+            return shape_list(attrs["_output_shapes"].list.shape[0])
     if "_input_shapes" in fdef.attr:
         shapes = fdef.attr["_input_shapes"].list.shape
         if i < len(shapes):
-            return _shape_list(shapes[i])
+            return shape_list(shapes[i])
     return None
 
 
@@ -261,7 +261,7 @@ class FunctionGraph:
             return None
         shapes = attrs["_output_shapes"].list.shape
         i = self.flat_index(ref)
-        return _shape_list(shapes[i]) if i < len(shapes) else None
+        return shape_list(shapes[i]) if i < len(shapes) else None
 
     def consumers(self, ref: TensorRef) -> List[Tuple[str, int]]:
         """(node, input position) of every data input that reads ``ref``."""
@@ -489,7 +489,7 @@ def verify_function_def(fdef: function_pb2.FunctionDef,
     FunctionGraph._over(fdef, library).verify()
 
 
-def _shape_list(shape) -> Optional[List[int]]:
+def shape_list(shape) -> Optional[List[int]]:
     """A TensorShapeProto as a list of dimensions (-1: unknown); None for unknown rank."""
     if shape.unknown_rank:
         return None
