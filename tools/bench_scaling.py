@@ -72,7 +72,8 @@ def worker_scaling(args) -> dict:
     b = int(args.vnode_batch)
     per = shares(int(args.batch) // b, w.size)
     lo, hi = sum(per[:w.rank]) * b, sum(per[:w.rank + 1]) * b
-    feed = {"x": tf.constant(data["x"][lo:hi].astype(np.float32)), "y": tf.constant(data["y"][lo:hi].astype(np.int32))}
+    rows = np.arange(lo, hi) % len(data["x"])  # a global batch larger than the data set wraps around it
+    feed = {"x": tf.constant(data["x"][rows].astype(np.float32)), "y": tf.constant(data["y"][rows].astype(np.int32))}
     if w.size > 1 and "train_broadcast" in loaded.signatures:
         loaded.signatures["train_broadcast"]()
     for _ in range(5):
