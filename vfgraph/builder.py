@@ -58,23 +58,19 @@ def extract_function(
     keep = {n for n in g.ancestors(roots, follow) if n not in drop}
     if side_effects:
         effects = [n for n in effects if n in keep]
-    # Only the kept nodes are copied; their inputs are redirected to the new arguments, and
-    # control inputs from nodes left out are dropped.
+    # Only the kept nodes are copied (in one call); the inputs of those that read a new
+    # argument, or wait for a node left out, are rewritten after.
     fdef = function_pb2.FunctionDef()
     fdef.CopyFrom(g.header)
     del fdef.node_def[:]  # (a read-only graph's header still holds them)
-    for n, node in g.nodes.items():
-        if n not in keep:
-            continue
-        copy = fdef.node_def.add()
-        copy.CopyFrom(node)
-        inputs = copy.input
-        for s in inputs:
-            if s in table or s[:1] == "^" and s[1:] not in keep:
-                kept = [table.get(s, s) for s in inputs if not (s[:1] == "^" and s[1:] not in keep)]
-                del inputs[:]
-                inputs.extend(kept)
-                break
+    order = [n for n in g.nodes if n in keep]
+    fdef.node_def.extend(g.nodes[n] for n in order)
+    for k, n in enumerate(order):
+        if any(t.node not in keep if ctl else t in cut for t, ctl in g.inputs(n)):
+            inputs = fdef.node_def[k].input
+            kept = [table.get(s, s) for s in inputs if not (s[:1] == "^" and s[1:] not in keep)]
+            del inputs[:]
+            inputs.extend(kept)
     sig = fdef.signature
     sig.name = name
     old_args = {a.name: (i, a) for i, a in enumerate(sig.input_arg)}
@@ -114,10 +110,10 @@ def extract_function(
     # Every kept node and output must still find what it reads (``drop`` and ``keep_args`` can
     # take it away); output names and acyclicity carry over from ``g``, which was verified.
     defined = keep.union(a.name for a in sig.input_arg)
-    for node in fdef.node_def:
-        for s in node.input:
-            if parse_input(s)[0].node not in defined:
-                raise VerifyError(f"{name}: node {node.name!r} input {s!r} refers to a node or argument left out")
+    for n in order:  # (read from ``g``: the inputs rewritten above name new arguments, or are gone)
+        for t, ctl in g.inputs(n):
+            if not ctl and t not in cut and t.node not in defined:
+                raise VerifyError(f"{name}: node {n!r} input {str(t)!r} refers to a node or argument left out")
     for k, v in fdef.ret.items():
         if parse_input(v)[0].node not in defined:
             raise VerifyError(f"{name}: output {k!r} refers to {v!r}, which was left out")
