@@ -42,8 +42,7 @@ def extract_function(
     nodes in ``drop`` are never kept. With ``side_effects``, stateful nodes (variable
     writes) are kept as control outputs; otherwise only data ancestors of the outputs stay.
     """
-    table = {str(ref): arg_name for arg_name, ref in new_args}  # these tensors become arguments
-    cut = {ref for _, ref in new_args}
+    cut = {ref: arg_name for arg_name, ref in new_args}  # these tensors become arguments
     roots = [r.node for _, r in outputs if not r.is_function_arg]
     effects: List[str] = []
     if side_effects:
@@ -68,7 +67,8 @@ def extract_function(
     for k, n in enumerate(order):
         if any(t.node not in keep if ctl else t in cut for t, ctl in g.inputs(n)):
             inputs = fdef.node_def[k].input
-            kept = [table.get(s, s) for s in inputs if not (s[:1] == "^" and s[1:] not in keep)]
+            kept = [s if ctl else cut.get(t, s) for s, (t, ctl) in zip(inputs, g.inputs(n))
+                    if not (ctl and t.node not in keep)]
             del inputs[:]
             inputs.extend(kept)
     sig = fdef.signature
