@@ -57,6 +57,10 @@ def extract_function(
     keep = {n for n in g.ancestors(roots, follow) if n not in drop}
     if side_effects:
         effects = [n for n in effects if n in keep]
+    kept = list(keep_args) if keep_args is not None else [a.name for a in g.header.signature.input_arg]
+    # Every kept node and output must still find what it reads (``drop`` and ``keep_args`` can
+    # take it away); output names and acyclicity carry over from ``g``, which was verified.
+    defined = keep.union(cut.values(), kept)
     # Only the kept nodes are copied (in one call); the inputs of those that read a new
     # argument, or wait for a node left out, are rewritten after.
     fdef = function_pb2.FunctionDef()
@@ -65,17 +69,24 @@ def extract_function(
     order = [n for n in g.nodes if n in keep]
     fdef.node_def.extend(g.nodes[n] for n in order)
     for k, n in enumerate(order):
-        if any(t.node not in keep if ctl else t in cut for t, ctl in g.inputs(n)):
+        rewrite = False
+        for t, ctl in g.inputs(n):
+            if ctl:
+                rewrite = rewrite or t.node not in keep
+            elif t in cut:
+                rewrite = True
+            elif t.node not in defined:
+                raise VerifyError(f"{name}: node {n!r} input {str(t)!r} refers to a node or argument left out")
+        if rewrite:
             inputs = fdef.node_def[k].input
-            kept = [s if ctl else cut.get(t, s) for s, (t, ctl) in zip(inputs, g.inputs(n))
-                    if not (ctl and t.node not in keep)]
+            renamed = [s if ctl else cut.get(t, s) for s, (t, ctl) in zip(inputs, g.inputs(n))
+                       if not (ctl and t.node not in keep)]
             del inputs[:]
-            inputs.extend(kept)
+            inputs.extend(renamed)
     sig = fdef.signature
     sig.name = name
     old_args = {a.name: (i, a) for i, a in enumerate(sig.input_arg)}
     arg_attr = dict(fdef.arg_attr)
-    kept = list(keep_args) if keep_args is not None else [a.name for a in sig.input_arg]
     del sig.input_arg[:]
     fdef.ClearField("arg_attr")
     for arg_name, ref in new_args:
@@ -107,13 +118,6 @@ def extract_function(
     sig.is_stateful = True
     if "_input_shapes" in fdef.attr:
         del fdef.attr["_input_shapes"]
-    # Every kept node and output must still find what it reads (``drop`` and ``keep_args`` can
-    # take it away); output names and acyclicity carry over from ``g``, which was verified.
-    defined = keep.union(a.name for a in sig.input_arg)
-    for n in order:  # (read from ``g``: the inputs rewritten above name new arguments, or are gone)
-        for t, ctl in g.inputs(n):
-            if not ctl and t not in cut and t.node not in defined:
-                raise VerifyError(f"{name}: node {n!r} input {str(t)!r} refers to a node or argument left out")
     for k, v in fdef.ret.items():
         if parse_input(v)[0].node not in defined:
             raise VerifyError(f"{name}: output {k!r} refers to {v!r}, which was left out")
