@@ -19,7 +19,7 @@ import networkx as nx
 from tensorflow.core.framework import types_pb2
 
 from vfgraph.errors import DetectionError
-from vfgraph.ir.graph import FunctionGraph, TensorRef, shape_list
+from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.item import SignatureInfo
 
 FLOAT_TYPES = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE}
@@ -27,6 +27,7 @@ _WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceSc
                    "ResourceStridedSliceAssign")
 _READ_THROUGH = ("Identity",)
 _SRC, _SNK = "__source__", "__sink__"
+_OP_VERTICES = ("op", "op+in", "op+out")
 
 
 @dataclass
@@ -154,8 +155,7 @@ class _Cuttable:
 
     def _node_flags(self, name: str) -> List[bool]:
         g = self.g
-        attrs = g.nodes[name].attr
-        recorded = attrs["_output_shapes"].list.shape if "_output_shapes" in attrs else ()
+        recorded = g.recorded_shapes(name) or ()
         sparse, blocked, shapes = self.sparse, self.blocked, self.shapes
         flags = []
         for i, (ref, (_, _, dtype)) in enumerate(zip(g.outputs(name), g.layout(name))):
@@ -164,7 +164,7 @@ class _Cuttable:
             elif ref in blocked or dtype not in FLOAT_TYPES:
                 flags.append(False)
             else:
-                flags.append(_known(shapes.get(ref) or (shape_list(recorded[i]) if i < len(recorded) else None)))
+                flags.append(_known(shapes.get(ref) or (recorded[i] if i < len(recorded) else None)))
         return flags
 
     def __call__(self, ref: TensorRef) -> bool:
@@ -347,12 +347,15 @@ class _FlowGraph:
     ``("in", t)`` -> ``("out", t)`` for every cuttable tensor ``t`` they produce (an
     uncuttable tensor, and a batch argument, has only its "out" vertex). Every edge has
     unbounded capacity except ``in -> out`` (capacity 1); every batch-dependent variable write
-    feeds the sink.
+    feeds the sink. A node with one output (most of them) shares its vertex with that
+    output's "in" (``("op+in", name, t)``, cuttable) or "out" (``("op+out", name, t)``): the
+    edge between them is the only edge of either end, so merging them changes no cut, no
+    dominator and no region, and the network has a third fewer vertices.
     """
 
     def __init__(self, g: FunctionGraph, sig: SignatureInfo, dep: Set[str], cuttable: "_Cuttable",
                  sinks: List[str]):
-        self.keys: list = [_SRC, _SNK]
+        self.keys: List[tuple] = [("source", None), ("sink", None)]
         self.succ: List[List[int]] = [[], []]
         self.unit = bytearray(2)  # 1 for an "in" vertex whose one edge (to "out") has capacity 1
         self._op: Dict[str, int] = {}
@@ -361,21 +364,34 @@ class _FlowGraph:
         batch = set(sig.batch_args)
         for a in sig.batch_args:
             self.succ[0].append(self._vertex(self._out, TensorRef(a), "out"))
+        to_sink = set(sinks)
         for name in sorted(dep):
-            op = self._vertex(self._op, name, "op")
+            outs = g.outputs(name)
+            if len(outs) == 1 and name not in to_sink:
+                t = outs[0]
+                if cuttable.outputs(name)[0]:
+                    op = self._in[t] = self._new(("op+in", name, t))
+                    self.unit[op] = 1
+                    self.succ[op].append(self._vertex(self._out, t, "out"))
+                else:
+                    op = self._vertex(self._out, t, "out")
+                    self.keys[op] = ("op+out", name, t)
+                self._op[name] = op
+            else:
+                op = self._vertex(self._op, name, "op")
+                for t, cuttable_t in zip(outs, cuttable.outputs(name)):
+                    o = self._vertex(self._out, t, "out")
+                    if cuttable_t:
+                        i = self._vertex(self._in, t, "in")
+                        self.succ[op].append(i)
+                        self.succ[i].append(o)
+                        self.unit[i] = 1
+                    else:  # "in" and "out" of an uncuttable tensor are one vertex (the edge between is unbounded)
+                        self.succ[op].append(o)
             for t, ctl in g.inputs(name):
                 if ctl or (t.node not in dep if t.arg is not None else t.node not in batch):
                     continue
                 self.succ[self._vertex(self._out, t, "out")].append(op)
-            for t, cuttable_t in zip(g.outputs(name), cuttable.outputs(name)):
-                o = self._vertex(self._out, t, "out")
-                if cuttable_t:
-                    i = self._vertex(self._in, t, "in")
-                    self.succ[op].append(i)
-                    self.succ[i].append(o)
-                    self.unit[i] = 1
-                else:  # "in" and "out" of an uncuttable tensor are one vertex (the edge between is unbounded)
-                    self.succ[op].append(o)
         for w in sinks:
             self.succ[self._op[w]].append(1)
         self.pred: List[List[int]] = [[] for _ in self.keys]
@@ -387,11 +403,14 @@ class _FlowGraph:
         """The vertex of ``key`` in ``ids`` (op names, "in" or "out" tensors); labelled (side, key)."""
         i = ids.get(key)
         if i is None:
-            i = ids[key] = len(self.keys)
-            self.keys.append((side, key))
-            self.succ.append([])
-            self.unit.append(0)
+            i = ids[key] = self._new((side, key))
         return i
+
+    def _new(self, label: tuple) -> int:
+        self.keys.append(label)
+        self.succ.append([])
+        self.unit.append(0)
+        return len(self.keys) - 1
 
     # ------------------------------------------------------------------ minimum cut
     def _closure(self, start: int, edges: List[List[int]], forward: bool) -> bytearray:
@@ -472,8 +491,8 @@ class _FlowGraph:
         found = set()
         for u in range(n):
             key = self.keys[u]
-            if not sink_side[u] and isinstance(key, tuple) and key[0] == "in" and sink_side[self.succ[u][0]]:
-                found.add(key[1])
+            if self.unit[u] and not sink_side[u] and sink_side[self.succ[u][0]]:
+                found.add(key[-1])
         return sorted(found)
 
     # ------------------------------------------------------------------ dominators
@@ -558,10 +577,10 @@ class _FlowGraph:
                 if node == 0:
                     break
                 key = self.keys[node]
-                if key[0] == "out":
-                    if not cuttable(key[1]):
+                if key[0] in ("out", "op+out"):
+                    if not cuttable(key[-1]):
                         break
-                    best = key[1]
+                    best = key[-1]
             if best not in chosen:
                 chosen.add(best)
                 out.append(best)
@@ -585,7 +604,7 @@ class _FlowGraph:
                 if not seen[v]:
                     seen[v] = 1
                     stack.append(v)
-        return {key[1] for u, key in enumerate(self.keys) if seen[u] and isinstance(key, tuple) and key[0] == "op"}
+        return {key[1] for u, key in enumerate(self.keys) if seen[u] and key[0] in _OP_VERTICES}
 
 
 def _max_flow(n: int, adj: List[List[int]], to: List[int], cap: List[int]) -> int:

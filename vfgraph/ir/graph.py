@@ -147,6 +147,7 @@ class FunctionGraph:
         self._outputs_cache: Dict[str, List[TensorRef]] = {}
         self._index_cache: Dict[str, Dict[Tuple[str, int], int]] = {}
         self._inputs_cache: Dict[str, List[Tuple[TensorRef, bool]]] = {}
+        self._parsed_shapes: Dict[bytes, Tuple[Optional[List[int]], ...]] = {}
 
     # ----------------------------------------------------------------- boundary
     @classmethod
@@ -163,6 +164,7 @@ class FunctionGraph:
         g.nodes = {n.name: n for n in fdef.node_def}
         g._consumers = None
         g._layout_cache, g._outputs_cache, g._index_cache, g._inputs_cache = {}, {}, {}, {}
+        g._parsed_shapes = {}
         return g
 
     def to_function_def(self) -> function_pb2.FunctionDef:
@@ -256,12 +258,25 @@ class FunctionGraph:
         """Static shape from the ``_output_shapes`` the exporter recorded (-1: unknown dim)."""
         if ref.is_function_arg:
             return self.arg_shape(ref.node)
-        attrs = self.nodes[ref.node].attr
+        shapes = self.recorded_shapes(ref.node)
+        if shapes is None:
+            return None
+        i = self.flat_index(ref)
+        return list(shapes[i]) if i < len(shapes) and shapes[i] is not None else None
+
+    def recorded_shapes(self, node: str) -> Optional[Tuple[Optional[List[int]], ...]]:
+        """Every output's static shape as recorded on ``node`` (None: nothing recorded), read
+        only. Parsed once per distinct attribute value: a graph repeats a few shapes, and
+        serializing one is a single call where reading it dimension by dimension is many."""
+        attrs = self.nodes[node].attr
         if "_output_shapes" not in attrs:
             return None
-        shapes = attrs["_output_shapes"].list.shape
-        i = self.flat_index(ref)
-        return shape_list(shapes[i]) if i < len(shapes) else None
+        value = attrs["_output_shapes"]
+        key = value.SerializeToString()
+        found = self._parsed_shapes.get(key)
+        if found is None:
+            found = self._parsed_shapes[key] = tuple(shape_list(s) for s in value.list.shape)
+        return found
 
     def consumers(self, ref: TensorRef) -> List[Tuple[str, int]]:
         """(node, input position) of every data input that reads ``ref``."""
