@@ -147,6 +147,7 @@ class FunctionGraph:
         self._outputs_cache: Dict[str, List[TensorRef]] = {}
         self._index_cache: Dict[str, Dict[Tuple[str, int], int]] = {}
         self._inputs_cache: Dict[str, List[Tuple[TensorRef, bool]]] = {}
+        self._shapes_cache: Dict[str, Optional[Tuple[Optional[List[int]], ...]]] = {}
         self._parsed_shapes: Dict[bytes, Tuple[Optional[List[int]], ...]] = {}
 
     # ----------------------------------------------------------------- boundary
@@ -164,7 +165,7 @@ class FunctionGraph:
         g.nodes = {n.name: n for n in fdef.node_def}
         g._consumers = None
         g._layout_cache, g._outputs_cache, g._index_cache, g._inputs_cache = {}, {}, {}, {}
-        g._parsed_shapes = {}
+        g._shapes_cache, g._parsed_shapes = {}, {}
         return g
 
     def to_function_def(self) -> function_pb2.FunctionDef:
@@ -266,16 +267,20 @@ class FunctionGraph:
 
     def recorded_shapes(self, node: str) -> Optional[Tuple[Optional[List[int]], ...]]:
         """Every output's static shape as recorded on ``node`` (None: nothing recorded), read
-        only. Parsed once per distinct attribute value: a graph repeats a few shapes, and
-        serializing one is a single call where reading it dimension by dimension is many."""
+        only. Kept per node (the gradients' ``IdentityN`` has hundreds of outputs) and parsed
+        once per distinct attribute value: a graph repeats a few shapes, and serializing one is
+        a single call where reading it dimension by dimension is many."""
+        if node in self._shapes_cache:
+            return self._shapes_cache[node]
         attrs = self.nodes[node].attr
-        if "_output_shapes" not in attrs:
-            return None
-        value = attrs["_output_shapes"]
-        key = value.SerializeToString()
-        found = self._parsed_shapes.get(key)
-        if found is None:
-            found = self._parsed_shapes[key] = tuple(shape_list(s) for s in value.list.shape)
+        found = None
+        if "_output_shapes" in attrs:
+            value = attrs["_output_shapes"]
+            key = value.SerializeToString()
+            found = self._parsed_shapes.get(key)
+            if found is None:
+                found = self._parsed_shapes[key] = tuple(shape_list(s) for s in value.list.shape)
+        self._shapes_cache[node] = found
         return found
 
     def consumers(self, ref: TensorRef) -> List[Tuple[str, int]]:
@@ -374,21 +379,21 @@ class FunctionGraph:
         if node.name in self.nodes or node.name in self.arg_names:
             raise VerifyError(f"node name {node.name!r} already used in function {self.name!r}")
         self.nodes[node.name] = node
-        self._layout_cache.pop(node.name, None)
-        self._outputs_cache.pop(node.name, None)
-        self._index_cache.pop(node.name, None)
-        self._inputs_cache.pop(node.name, None)
+        self._forget(node.name)
         self._dirty()
         return node
 
     def erase(self, names: Iterable[str]) -> None:
         for n in list(names):
             self.nodes.pop(n, None)
-            self._layout_cache.pop(n, None)
-            self._outputs_cache.pop(n, None)
-            self._index_cache.pop(n, None)
-            self._inputs_cache.pop(n, None)
+            self._forget(n)
         self._dirty()
+
+    def _forget(self, name: str) -> None:
+        """Drop what the per-node caches hold for ``name``."""
+        for cache in (self._layout_cache, self._outputs_cache, self._index_cache, self._inputs_cache,
+                      self._shapes_cache):
+            cache.pop(name, None)
 
     def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> int:
         """Point every data consumer of ``old`` (and function outputs) at ``new``."""
