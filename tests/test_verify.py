@@ -31,6 +31,10 @@ def test_a_well_formed_function_verifies():
     (('"a:activations:0"', '"a:output:0"'), "has no output output:0"),
     (('value: "b:z:0"', 'value: "gone:z:0"'), "output 'y' refers to missing"),
     (('input: "x" attr', 'input: "x:0" attr'), "reads argument 'x:0' with an output index"),
+    (('input: "x" attr', 'input: "x:output:0" attr'), "reads argument 'x:output:0' with an output index"),
+    (('input: "^a"', 'input: "^x"'), "input '\\^x' refers to a missing node"),   # control input on an argument
+    (('input: "x" attr', 'input: "a" attr'), "has no output None:0"),            # a node read without an output
+    (('op: "Relu"', 'op: "NoSuchOp"'), "'NoSuchOp' is neither a registered op"),
 ])
 def test_broken_functions_name_what_is_wrong(edit, message):
     text = GOOD.replace(*edit)

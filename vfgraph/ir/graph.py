@@ -434,33 +434,34 @@ class FunctionGraph:
         """Raise :class:`VerifyError` naming the first broken node or output."""
         args = set(self.arg_names)
         nodes = self.nodes
-        # Every valid input string -> the node it waits for (None: an argument), so checking an
-        # input is one lookup; anything else takes the slow path that says what is wrong.
-        produced: Dict[str, Optional[str]] = dict.fromkeys(args)
-        known: Dict[str, bool] = {}
-        for name, node in nodes.items():
-            produced["^" + name] = name
-            op = node.op
-            simple = output_names(op, self.library)
-            if simple is not None:
-                for a in simple:
-                    produced[f"{name}:{a}:0"] = name
-                continue
-            if op not in known:
-                known[op] = op in self.library or op_def_registry.get(op) is not None
-            if known[op]:
-                for a, k, _ in self.layout(name):
-                    produced[f"{name}:{a}:{k}"] = name
+        # Each input is checked in its parsed form, which the consumer index reuses: a data
+        # input of a registered op without list outputs names one of its outputs at index 0;
+        # other ops' outputs are looked up in their flat layout; anything that fails takes the
+        # slow path that says what is wrong.
+        library = self.library
+        simple: Dict[str, Optional[Tuple[str, ...]]] = {name: output_names(node.op, library)
+                                                        for name, node in nodes.items()}
         children: Dict[str, List[str]] = {}
         indegree: Dict[str, int] = {}
-        for name, node in nodes.items():
+        for name in nodes:
             preds = set()
-            for s in node.input:
-                p = produced.get(s, _NOT_PRODUCED)
-                if p is _NOT_PRODUCED:
-                    p = self._checked_input(name, s, args)
-                if p is not None:
-                    preds.add(p)
+            for i, (t, ctl) in enumerate(self.inputs(name)):
+                p = t.node
+                if ctl:
+                    ok = p in nodes
+                elif t.arg is None:
+                    if p in args:
+                        continue
+                    ok = False
+                else:
+                    names = simple.get(p, _NOT_PRODUCED)
+                    ok = names is not None and names is not _NOT_PRODUCED and t.index == 0 and t.arg in names
+                    if not ok and names is None:
+                        self.flat_index(t)  # names the missing output or unknown op
+                        ok = True
+                if not ok:
+                    self._checked_input(name, nodes[name].input[i], args)
+                preds.add(p)
             indegree[name] = len(preds)
             for p in preds:
                 children.setdefault(p, []).append(name)
