@@ -34,6 +34,8 @@ DEFAULT_FUSION_MB = 4.0  # MiB; ResNet-50 gradients sum fastest in 1-4 MiB buffe
 ALIGN = 64  # bytes: TensorFlow's CPU split shares the input buffer for outputs aligned to this
 _BYTES = {types_pb2.DT_HALF: 2, types_pb2.DT_BFLOAT16: 2, types_pb2.DT_FLOAT: 4, types_pb2.DT_DOUBLE: 8,
           types_pb2.DT_INT32: 4, types_pb2.DT_INT64: 8}
+# What VfBroadcast and VfBroadcastVariables send (the all-reduce types and 1-byte ones).
+_BROADCAST_TYPES = frozenset(_BYTES) | {types_pb2.DT_UINT8, types_pb2.DT_INT8, types_pb2.DT_BOOL}
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,12 @@ class InsertAllreducePass(Pass):
                 buffers.append(groups)
             sig = item.signatures[key]
             fingerprint = graph_fingerprint(item, sig.function)
-            bcast = _add_broadcast(item, key, fingerprint)
+            bcast, left_out = _add_broadcast(item, key, fingerprint)
             if bcast is None:
                 notes.append(f"broadcast signature: not added to signature {key!r} ({item.kind} model)")
+            elif left_out:
+                notes.append(f"broadcast signature {bcast!r}: {len(left_out)} variable(s) of a type MPI cannot "
+                             f"broadcast left out, each rank keeps its own ({', '.join(left_out[:3])})")
             record[key] = {"fusion_mb": self.fusion_mb, "buffers": buffers, "fingerprint": fingerprint,
                            "broadcast_signature": bcast}
         return PassResult(item, True, notes)
@@ -209,13 +214,14 @@ def graph_fingerprint(item: GraphItem, function: str) -> str:
 
 def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
     """Add signature ``<key>_broadcast``: check the graph fingerprint on every rank, then copy
-    every variable the step uses from rank 0 (one after another). Returns its name, or None."""
+    every variable the step uses from rank 0 (one ``VfBroadcastVariables`` op). Returns its
+    name (None: not added) and the variables left out (of a type the op cannot send)."""
     og = item.meta_graph.object_graph_def
     if item.kind != "saved_model" or not og.nodes:
-        return None
+        return None, []
     found = _signature_wrapper(item, key)
     if found is None:
-        return None
+        return None, []
     wrapper, forward, bare_id = found
     cf = og.concrete_functions[wrapper.signature.name]
     sig = item.signatures[key]
@@ -227,17 +233,14 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
     b = FunctionBuilder(fn, item.library)
     for i, a in enumerate(header.signature.input_arg):
         b.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None)
-    prev = b.op("VfCheck", name="check", fingerprint=fingerprint, what=f"signature {key!r}")
-    b.control_ret(prev)
-    for a in variables:  # one after another: every rank broadcasts in the same order
-        t = type_attr(sig.variables[a].dtype)
-        value = b.op("ReadVariableOp", [a], name="read", deps=[prev], dtype=t)
-        sent = b.op("VfBroadcast", [value[0]], name="broadcast", T=t, root=0)
-        prev = b.op("AssignVariableOp", [a, sent[0]], name="assign", dtype=t)
-        b.control_ret(prev)
+    check = b.op("VfCheck", name="check", fingerprint=fingerprint, what=f"signature {key!r}")
+    b.control_ret(check)
+    sent = [a for a in variables if sig.variables[a].dtype in _BROADCAST_TYPES]
+    if sent:
+        b.control_ret(b.op("VfBroadcastVariables", sent, name="broadcast", deps=[check], N=len(sent), root=0))
     for k, v in header.attr.items():
         b.fdef.attr[k].CopyFrom(v)
     item.set_function(b.finish())
     name = f"{key}_broadcast"
     add_signature(item, name, fn, cf, bare_id, [], takes_inputs=False, like=key, extra_handles=[])
-    return name
+    return name, [sig.variables[a].name for a in variables if a not in sent]

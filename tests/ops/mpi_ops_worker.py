@@ -178,6 +178,40 @@ def collectives(model_dir):
                             "rank 1 has a float input of shape [4] but root rank 0 has a float input of shape [3]")
     check("broadcast shape mismatch", bcast_mismatch)
 
+    # broadcast_variables: in place, every byte type, root 0 and 1; a tensor read before keeps
+    # the value it read (the variable gets a fresh buffer), eager and in a graph
+    for root in (0, 1):
+        def bcast_vars(root=root):
+            vs = [tf.Variable(tf.constant(per_rank(rank) % 2 if dt == tf.bool else per_rank(rank), dt))
+                  for dt in byte_types]
+            held = vs[2].read_value()
+            ops.broadcast_variables(vs, root=root)
+            for v, dt in zip(vs, byte_types):
+                want = per_rank(root) % 2 if dt == tf.bool else per_rank(root)
+                equal(v.numpy(), want.astype(dt.as_numpy_dtype))
+            return equal(held.numpy(), per_rank(rank).astype(np.float32))
+        check(f"broadcast_variables root {root}", bcast_vars)
+
+    graph_vars = [tf.Variable(per_rank(rank, (3,))), tf.Variable(tf.constant(rank, tf.int64))]
+
+    @tf.function
+    def bcast_vars_graph():
+        ops.broadcast_variables(graph_vars, root=1)
+        return graph_vars[0].read_value(), graph_vars[1].read_value()
+
+    check("broadcast_variables graph", lambda: equal(bcast_vars_graph()[0].numpy(), per_rank(1, (3,)))
+          and equal(graph_vars[1].numpy(), np.int64(1)))
+
+    def bcast_vars_mismatch():
+        vs = [tf.Variable(tf.zeros([2])), tf.Variable(tf.zeros([3] if rank == 0 else [4]))]
+        if rank == 0:
+            ops.broadcast_variables(vs)
+            return equal(vs[1].numpy(), np.zeros(3, np.float32))
+        return expect_error(lambda: ops.broadcast_variables(vs), tf.errors.InvalidArgumentError,
+                            "rank 1 has variable 1 (", "as float of shape [4] but root rank 0 has it as float of "
+                            "shape [3]")
+    check("broadcast_variables shape mismatch", bcast_vars_mismatch)
+
     # allgather: uneven first dimension (rank 0: 2 rows, rank 1: 3 rows)
     rows = [per_rank(r, (2 + r, 2)) for r in range(size)]
     for dt in byte_types:

@@ -61,7 +61,8 @@ def saved_model(tmp_path_factory):
 
 @pytest.mark.mpi
 def test_collectives_on_two_ranks(saved_model):
-    """allreduce (every dtype, eager and graph), broadcast (root 0 and 1), uneven allgather,
+    """allreduce (every dtype, eager and graph), broadcast (root 0 and 1), broadcast of variables
+    in place, uneven allgather,
     check, rank/size, communicators, and the errors of each: see mpi_ops_worker.collectives."""
     assert os.path.isdir(saved_model)
 

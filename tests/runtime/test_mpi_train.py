@@ -290,3 +290,44 @@ def test_stepwise_signatures_on_two_ranks_equal_the_looped_step(v8, tmp_path):
     assert sorted(got) == sorted(want)
     worst = max((rel_diff(got[k], want[k]), k) for k in want)
     assert worst[0] <= 1e-6, f"{worst[1]} differs by {worst[0]:.3g}"
+
+
+BROADCAST = """
+import sys
+import numpy as np
+import tensorflow as tf
+import vfgraph
+from vfgraph.runtime.world import world
+w = world(need_mpi=True)
+m = tf.saved_model.load(sys.argv[1])
+variables = m.signatures["train"].variables
+if w.rank == 1:  # rank 1 starts from other values: zeros and ones, and a changed step count
+    for v in variables:
+        v.assign(tf.cast(tf.fill(tf.shape(v), 1 if v.dtype.is_floating else 7), v.dtype))
+held = [v.read_value() for v in variables]  # reads taken before keep what they read
+m.signatures["train_broadcast"]()
+np.savez(sys.argv[2 + w.rank], **{v.name: v.numpy() for v in variables})
+np.savez(sys.argv[4 + w.rank], **{v.name: h.numpy() for v, h in zip(variables, held)})
+"""
+
+
+def test_broadcast_signature_gives_every_rank_the_variables_of_rank_0(v8, tmp_path):
+    """train_broadcast copies every variable the step uses (parameters, optimizer slots, step
+    count, accumulators) from rank 0 in place; tensors read before keep their values."""
+    import tensorflow as tf
+
+    model = v8("embedding:adam")
+    outs = [str(tmp_path / f"{kind}{r}.npz") for kind in ("after", "held") for r in (0, 1)]
+    res = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", BROADCAST, model, *outs],
+                         capture_output=True, text=True, env=ENV, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    loaded = tf.saved_model.load(model)
+    original = {v.name: v.numpy() for v in loaded.signatures["train"].variables}
+    after0, after1, held0, held1 = (dict(np.load(p)) for p in outs)
+    assert sorted(after1) == sorted(original)
+    for name, want in original.items():
+        np.testing.assert_array_equal(after0[name], want, err_msg=name)
+        np.testing.assert_array_equal(after1[name], want, err_msg=name)
+        np.testing.assert_array_equal(held0[name], want, err_msg=name)
+        np.testing.assert_array_equal(held1[name], np.full_like(want, 1 if want.dtype.kind == "f" else 7),
+                                      err_msg=name)

@@ -6,6 +6,8 @@ Ops (registered by the library this package builds and loads):
   (T: half, bfloat16, float, double, int32, int64).
 - ``VfBroadcast(input: T, root: int = 0) -> output: T``: rank ``root``'s value on every rank
   (T: the above and uint8, int8, bool).
+- ``VfBroadcastVariables(resources: N * resource, root: int = 0)``: no outputs; assigns rank
+  ``root``'s value of each variable to it on every rank, in place (dtypes as VfBroadcast).
 - ``VfAllgather(input: T) -> output: T``: the inputs of all ranks concatenated along dimension 0
   in rank order; dimension 0 may differ between ranks (T: as VfBroadcast).
 - ``VfCheck(fingerprint: string, what: string)``: no inputs or outputs; fails on every rank
@@ -130,6 +132,14 @@ def allreduce(x, name: Optional[str] = None):
 def broadcast(x, root: int = 0, name: Optional[str] = None):
     """Rank ``root``'s ``x`` on every rank (a ``VfBroadcast`` op)."""
     return load().vf_broadcast(x, root=root, name=name)
+
+
+def broadcast_variables(variables, root: int = 0, name: Optional[str] = None):
+    """Assign rank ``root``'s value of each of ``variables`` (resource variables or their
+    handles) to it on every rank (one ``VfBroadcastVariables`` op). Returns the operation in a
+    graph, None when run eagerly."""
+    handles = [getattr(v, "handle", v) for v in variables]
+    return load().vf_broadcast_variables(handles, root=root, name=name)
 
 
 def allgather(x, name: Optional[str] = None):

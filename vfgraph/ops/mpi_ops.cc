@@ -1,6 +1,7 @@
 // MPI collective operations for TensorFlow graphs.
 //
-// Ops: VfAllreduce, VfBroadcast, VfAllgather, VfCheck, VfRank, VfSize.
+// Ops: VfAllreduce, VfBroadcast, VfBroadcastVariables, VfAllgather, VfCheck, VfRank,
+// VfSize.
 //
 // Every kernel runs its collective on one process-global communicator
 // (MPI_COMM_WORLD unless vf_mpi_set_comm chose another), under one process-global
@@ -28,6 +29,8 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -412,6 +415,141 @@ class BroadcastOp : public OpKernel {
 };
 
 // ---------------------------------------------------------------------------
+// VfBroadcastVariables
+
+bool BroadcastableType(DataType t) {  // the types VfBroadcast takes
+  switch (t) {
+    case tensorflow::DT_HALF:
+    case tensorflow::DT_BFLOAT16:
+    case tensorflow::DT_FLOAT:
+    case tensorflow::DT_DOUBLE:
+    case tensorflow::DT_INT32:
+    case tensorflow::DT_INT64:
+    case tensorflow::DT_UINT8:
+    case tensorflow::DT_INT8:
+    case tensorflow::DT_BOOL:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Rank `root`'s value of every variable, written into the variables of every
+// other rank in place: one op for a whole model instead of a read, a broadcast
+// and an assignment per variable. A variable buffer that a read still holds is
+// replaced by a fresh one first, as TensorFlow's own in-place updates do.
+class BroadcastVariablesOp : public OpKernel {
+ public:
+  explicit BroadcastVariablesOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("root", &root_));
+  }
+
+  void Compute(OpKernelContext* context) override {
+    const int n = context->num_inputs();
+    std::vector<tensorflow::core::RefCountPtr<tensorflow::Var>> vars(n);
+    std::vector<tensorflow::mutex*> mutexes;
+    for (int i = 0; i < n; ++i) {
+      OP_REQUIRES_OK(context, tensorflow::LookupResource(
+                                  context, tensorflow::HandleFromInput(context, i), &vars[i]));
+      mutexes.push_back(vars[i]->mu());
+    }
+    // Each variable locked once, in address order, for the whole exchange.
+    std::sort(mutexes.begin(), mutexes.end());
+    mutexes.erase(std::unique(mutexes.begin(), mutexes.end()), mutexes.end());
+    for (tensorflow::mutex* mu : mutexes) mu->lock();
+    struct Unlock {
+      std::vector<tensorflow::mutex*>& mus;
+      ~Unlock() {
+        for (tensorflow::mutex* mu : mus) mu->unlock();
+      }
+    } unlock{mutexes};
+    for (int i = 0; i < n; ++i) {
+      const Tensor& t = *vars[i]->tensor();
+      OP_REQUIRES(context, vars[i]->is_initialized && BroadcastableType(t.dtype()),
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "VfBroadcastVariables (node '", name(), "'): variable ", Describe(context, i),
+                      vars[i]->is_initialized ? absl::StrCat(" has type ", DataTypeString(t.dtype()),
+                                                             ", which cannot be broadcast")
+                                              : " is not initialized")));
+    }
+
+    std::lock_guard<std::mutex> lock(CollectiveMutex());
+    Comm comm;
+    OP_REQUIRES_OK(context, AcquireComm("VfBroadcastVariables", name(), &comm));
+    OP_REQUIRES(context, root_ >= 0 && root_ < comm.size,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "VfBroadcastVariables (node '", name(), "'): root rank ", root_,
+                    " does not exist in a communicator of size ", comm.size)));
+
+    // The root's dtypes and shapes first, so that a rank whose variables differ
+    // gets an error instead of a truncated or hanging broadcast.
+    const int width = 2 + TensorShape::MaxDimensions();
+    std::vector<int64_t> header(static_cast<size_t>(n) * width, 0);
+    for (int i = 0; i < n; ++i) Header(*vars[i]->tensor(), &header[static_cast<size_t>(i) * width]);
+    std::vector<int64_t> mine = header;
+    int rc = BroadcastBytes(reinterpret_cast<char*>(header.data()),
+                            static_cast<int64_t>(header.size() * sizeof(int64_t)), root_, comm.comm);
+    OP_REQUIRES(context, rc == MPI_SUCCESS,
+                MpiFailure("VfBroadcastVariables", name(), "MPI_Bcast", rc, comm));
+
+    int first_mismatch = -1;
+    for (int i = 0; i < n; ++i) {
+      const int64_t* root_header = &header[static_cast<size_t>(i) * width];
+      const bool same = std::equal(root_header, root_header + width, &mine[static_cast<size_t>(i) * width]);
+      Tensor* t = vars[i]->tensor();
+      char* data = nullptr;
+      int64_t bytes = 0;
+      Tensor scratch;
+      if (!same) {
+        // Take part in this variable's broadcast all the same (the other ranks
+        // are in it), then fail on this rank alone.
+        if (first_mismatch < 0) first_mismatch = i;
+        int64_t elements = 1;
+        for (int64_t d = 0; d < root_header[1]; ++d) elements *= root_header[2 + d];
+        bytes = elements * tensorflow::DataTypeSize(static_cast<DataType>(root_header[0]));
+        OP_REQUIRES_OK(context, context->allocate_temp(tensorflow::DT_UINT8, TensorShape({bytes}), &scratch));
+        data = static_cast<char*>(scratch.data());
+      } else {
+        if (comm.rank != root_ && (vars[i]->copy_on_read_mode.load() || !t->RefCountIsOne())) {
+          Tensor fresh;  // every byte is overwritten below: nothing to copy
+          OP_REQUIRES_OK(context, context->allocate_temp(t->dtype(), t->shape(), &fresh));
+          *t = fresh;
+        }
+        data = static_cast<char*>(t->data());
+        bytes = static_cast<int64_t>(t->TotalBytes());
+      }
+      rc = BroadcastBytes(data, bytes, root_, comm.comm);
+      OP_REQUIRES(context, rc == MPI_SUCCESS,
+                  MpiFailure("VfBroadcastVariables", name(), "MPI_Bcast", rc, comm));
+    }
+    if (first_mismatch >= 0) {
+      const int64_t* root_header = &header[static_cast<size_t>(first_mismatch) * width];
+      const Tensor& t = *vars[first_mismatch]->tensor();
+      context->CtxFailure(absl::InvalidArgumentError(absl::StrCat(
+          "VfBroadcastVariables (node '", name(), "'): rank ", comm.rank, " has variable ",
+          Describe(context, first_mismatch), " as ", DataTypeString(t.dtype()), " of shape ",
+          t.shape().DebugString(), " but root rank ", root_, " has it as ",
+          DataTypeString(static_cast<DataType>(root_header[0])), " of shape ",
+          ShapeString(root_header + 2, root_header[1]),
+          "; every rank must load the same model")));
+    }
+  }
+
+ private:
+  static void Header(const Tensor& t, int64_t* out) {
+    out[0] = static_cast<int64_t>(t.dtype());
+    out[1] = t.dims();
+    for (int d = 0; d < t.dims(); ++d) out[2 + d] = t.dim_size(d);
+  }
+
+  static std::string Describe(OpKernelContext* context, int i) {
+    return absl::StrCat(i, " ('", tensorflow::HandleFromInput(context, i).name(), "')");
+  }
+
+  int root_ = 0;
+};
+
+// ---------------------------------------------------------------------------
 // VfAllgather
 
 // What each rank tells the others about its input before the data moves.
@@ -654,6 +792,17 @@ REGISTER_OP("VfBroadcast")
 The `input` of rank `root`, on every rank; every rank passes the same shape.
 )doc");
 
+REGISTER_OP("VfBroadcastVariables")
+    .Input("resources: N * resource")
+    .Attr("N: int >= 1")
+    .Attr("root: int = 0")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Assigns rank `root`'s value of each variable to it on every rank; every rank
+passes variables of the same dtypes and shapes, in the same order.
+)doc");
+
 REGISTER_OP("VfAllgather")
     .Input("input: T")
     .Output("output: T")
@@ -724,6 +873,8 @@ VF_REGISTER_BYTES_ALL("VfAllgather", AllgatherOp)
 #undef VF_REGISTER_BYTES_ALL
 #undef VF_REGISTER_BYTES
 
+REGISTER_KERNEL_BUILDER(Name("VfBroadcastVariables").Device(::tensorflow::DEVICE_CPU),
+                        BroadcastVariablesOp);
 REGISTER_KERNEL_BUILDER(Name("VfCheck").Device(::tensorflow::DEVICE_CPU), CheckOp);
 REGISTER_KERNEL_BUILDER(Name("VfRank").Device(::tensorflow::DEVICE_CPU), CommInfoOp<true>);
 REGISTER_KERNEL_BUILDER(Name("VfSize").Device(::tensorflow::DEVICE_CPU), CommInfoOp<false>);
