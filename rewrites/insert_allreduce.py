@@ -24,7 +24,7 @@ from tensorflow.core.framework import function_pb2, types_pb2
 
 from vfgraph.builder import FunctionBuilder, func_attr, shapes_attr, type_attr, types_attr
 from vfgraph.errors import PipelineError
-from vfgraph.ir.graph import FunctionGraph, arg_shapes, function_dependencies
+from vfgraph.ir.graph import FunctionGraph, arg_shapes
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult
@@ -75,8 +75,7 @@ class InsertAllreducePass(Pass):
                     item.set_function(f)
                 FunctionGraph(item.function(fn), item.library).verify()
                 buffers.append(groups)
-            sig = item.signatures[key]
-            fingerprint = graph_fingerprint(item, sig.function)
+            fingerprint = graph_fingerprint(item)
             bcast, left_out = _add_broadcast(item, key, fingerprint)
             if bcast is None:
                 notes.append(f"broadcast signature: not added to signature {key!r} ({item.kind} model)")
@@ -203,12 +202,13 @@ def reduce_functions(header, limit: int, library):
     return [m.finish(), multi, one], groups
 
 
-def graph_fingerprint(item: GraphItem, function: str) -> str:
-    """SHA-256 of every library function a step runs: ranks that loaded different graphs differ."""
-    lib = item.library
+def graph_fingerprint(item: GraphItem) -> str:
+    """SHA-256 of every library function (by name): ranks that loaded different graphs differ.
+    The whole library, not only what the step calls: finding that takes a walk over every
+    node, which costs more than serializing the few functions it would leave out."""
     h = hashlib.sha256()
-    for name in sorted(function_dependencies(function, lib)):
-        h.update(lib[name].SerializeToString(deterministic=True))
+    for f in sorted(item.meta_graph.graph_def.library.function, key=lambda f: f.signature.name):
+        h.update(f.SerializeToString(deterministic=True))
     return h.hexdigest()
 
 
