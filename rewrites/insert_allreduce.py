@@ -243,4 +243,4 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
     item.set_function(b.finish())
     name = f"{key}_broadcast"
     add_signature(item, name, fn, cf, bare_id, [], takes_inputs=False, like=key, extra_handles=[])
-    return name, [sig.variables[a].name for a in variables if a not in sent]
+    return name, [sig.variables[a].name for a in variables if sig.variables[a].dtype not in _BROADCAST_TYPES]
