@@ -24,7 +24,7 @@ from tensorflow.core.framework import function_pb2, types_pb2
 
 from vfgraph.builder import FunctionBuilder, func_attr, shapes_attr, type_attr, types_attr
 from vfgraph.errors import PipelineError
-from vfgraph.ir.graph import FunctionGraph, arg_shapes
+from vfgraph.ir.graph import FunctionGraph, arg_shapes, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult
@@ -73,7 +73,7 @@ class InsertAllreducePass(Pass):
                 functions, groups = reduce_functions(item.function(fn), int(self.fusion_mb * (1 << 20)), item.library)
                 for f in functions:
                     item.set_function(f)
-                FunctionGraph(item.function(fn), item.library).verify()
+                verify_function_def(item.function(fn), item.library)
                 buffers.append(groups)
             fingerprint = graph_fingerprint(item)
             bcast, left_out = _add_broadcast(item, key, fingerprint)

@@ -14,7 +14,7 @@ from tensorflow.core.framework import types_pb2
 from vfgraph.builder import (I32, FunctionBuilder, batch_size, check, func_attr, list_concat, shapes_attr, slice_rows,
                              type_attr, types_attr)
 from vfgraph.errors import PipelineError
-from vfgraph.ir.graph import FunctionGraph, arg_shapes
+from vfgraph.ir.graph import FunctionGraph, arg_shapes, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem, SignatureInfo
 from vfgraph.passes.base import Pass, PassResult
@@ -55,7 +55,7 @@ class MicrobatchInferencePass(Pass):
             item.set_function(slice_fn)
             for f in _loop_functions(item, sig, original, slice_fn, b):
                 item.set_function(f)
-            FunctionGraph(item.function(sig.function), item.library).verify()
+            verify_function_def(item.function(sig.function), item.library)
             item.preserve.add(sig.function)
             item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})[sig.key] = {
                 "function": sig.function, "slice_function": slice_fn.signature.name, "vnode_batch": b}

@@ -19,7 +19,7 @@ from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_bat
 from vfgraph.builder import (I32, FunctionBuilder, Node, batch_size, check, extract_function, func_attr, list_concat,
                              shapes_attr, slice_rows, tensor_attr, type_attr, types_attr, zeros)
 from vfgraph.errors import DetectionError, PipelineError
-from vfgraph.ir.graph import FunctionGraph, TensorRef
+from vfgraph.ir.graph import FunctionGraph, TensorRef, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult
@@ -75,7 +75,7 @@ class SplitVnodesPass(Pass):
         loop = _Loop(g, step, vdef, self.vnodes, b, item.library)
         for f in loop.functions + [_step_function(item, g, step, loop, udef, reduce_fn)]:
             item.set_function(f)
-        FunctionGraph(item.function(sig.function), item.library).verify()
+        verify_function_def(item.function(sig.function), item.library)
         item.preserve.add(sig.function)
         notes = add_stepwise(item, g, step, loop, udef, reduce_fn) if self.stepwise else []
         record = item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})
