@@ -198,6 +198,14 @@ def _shapes_attr(shapes: Tuple[Optional[Tuple[int, ...]], ...]):
     return v
 
 
+@lru_cache(maxsize=4096)
+def _shape_arg_attrs(shape: Tuple[int, ...]) -> function_pb2.FunctionDef.ArgAttrs:
+    """An argument's attributes recording its static ``shape`` (shared: copy, do not change)."""
+    out = function_pb2.FunctionDef.ArgAttrs()
+    out.attr["_output_shapes"].CopyFrom(_shapes_attr((shape,)))
+    return out
+
+
 @lru_cache(maxsize=None)
 def _op_defaults(op: str) -> Optional[Tuple[Tuple[str, attr_value_pb2.AttrValue], ...]]:
     """The attributes registered op ``op`` has defaults for (None: not registered)."""
@@ -290,11 +298,10 @@ class FunctionBuilder:
         sig = self.fdef.signature
         sig.input_arg.add(name=name, type=dtype)
         self._defined.add(name)
-        k = len(sig.input_arg) - 1
+        if attr is None and shape is not None:
+            attr = _shape_arg_attrs(tuple(shape))
         if attr is not None:
-            self.fdef.arg_attr[k].CopyFrom(attr)
-        elif shape is not None:
-            self.fdef.arg_attr[k].attr["_output_shapes"].CopyFrom(shapes_attr([shape]))
+            self.fdef.arg_attr[len(sig.input_arg) - 1].CopyFrom(attr)
         return name
 
     def _unique(self, base: str) -> str:
