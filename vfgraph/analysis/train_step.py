@@ -365,33 +365,54 @@ class _FlowGraph:
         for a in sig.batch_args:
             self.succ[0].append(self._vertex(self._out, TensorRef(a), "out"))
         to_sink = set(sinks)
+        # The common cases written out (this loop runs once per batch-dependent node and input).
+        keys, succ, unit, out_ids = self.keys, self.succ, self.unit, self._out
         for name in sorted(dep):
             outs = g.outputs(name)
             if len(outs) == 1 and name not in to_sink:
                 t = outs[0]
+                o = out_ids.get(t)
                 if cuttable.outputs(name)[0]:
-                    op = self._in[t] = self._new(("op+in", name, t))
-                    self.unit[op] = 1
-                    self.succ[op].append(self._vertex(self._out, t, "out"))
+                    if o is None:
+                        o = out_ids[t] = len(keys)
+                        keys.append(("out", t))
+                        succ.append([])
+                        unit.append(0)
+                    op = self._in[t] = len(keys)
+                    keys.append(("op+in", name, t))
+                    succ.append([o])
+                    unit.append(1)
+                elif o is None:
+                    op = out_ids[t] = len(keys)
+                    keys.append(("op+out", name, t))
+                    succ.append([])
+                    unit.append(0)
                 else:
-                    op = self._vertex(self._out, t, "out")
-                    self.keys[op] = ("op+out", name, t)
+                    op = o
+                    keys[op] = ("op+out", name, t)
                 self._op[name] = op
             else:
                 op = self._vertex(self._op, name, "op")
                 for t, cuttable_t in zip(outs, cuttable.outputs(name)):
-                    o = self._vertex(self._out, t, "out")
+                    o = self._vertex(out_ids, t, "out")
                     if cuttable_t:
                         i = self._vertex(self._in, t, "in")
-                        self.succ[op].append(i)
-                        self.succ[i].append(o)
-                        self.unit[i] = 1
+                        succ[op].append(i)
+                        succ[i].append(o)
+                        unit[i] = 1
                     else:  # "in" and "out" of an uncuttable tensor are one vertex (the edge between is unbounded)
-                        self.succ[op].append(o)
+                        succ[op].append(o)
             for t, ctl in g.inputs(name):
                 if ctl or (t.node not in dep if t.arg is not None else t.node not in batch):
                     continue
-                self.succ[self._vertex(self._out, t, "out")].append(op)
+                o = out_ids.get(t)
+                if o is None:
+                    o = out_ids[t] = len(keys)
+                    keys.append(("out", t))
+                    succ.append([op])
+                    unit.append(0)
+                else:
+                    succ[o].append(op)
         for w in sinks:
             self.succ[self._op[w]].append(1)
         self.pred: List[List[int]] = [[] for _ in self.keys]
@@ -403,14 +424,11 @@ class _FlowGraph:
         """The vertex of ``key`` in ``ids`` (op names, "in" or "out" tensors); labelled (side, key)."""
         i = ids.get(key)
         if i is None:
-            i = ids[key] = self._new((side, key))
+            i = ids[key] = len(self.keys)
+            self.keys.append((side, key))
+            self.succ.append([])
+            self.unit.append(0)
         return i
-
-    def _new(self, label: tuple) -> int:
-        self.keys.append(label)
-        self.succ.append([])
-        self.unit.append(0)
-        return len(self.keys) - 1
 
     # ------------------------------------------------------------------ minimum cut
     def _closure(self, start: int, edges: List[List[int]], forward: bool) -> bytearray:
