@@ -21,10 +21,11 @@ times, fewer when a case is slow). A case's rewrite phase gets ``--budget`` seco
 180); a case that runs past it is stopped and reported as a lower bound, and the larger dense
 cases after it are skipped.
 
-Reported per case: median rewrite time / median import time, and the median over the rewrites
-of each one's time / the import just before it ("paired", what the target of <= 1 is judged
-by: a pair sees the same state of a shared machine); how pipeline time scales from ~10k to
-~100k nodes (target: 10x nodes costs <= 12x time), plus the scaling between every pair of
+Reported per case: median rewrite time / median import time (of all imports; the target is
+<= 1), beside two other views of the same runs on a noisy shared machine: the median over the
+rewrites of each one's time / the import just before it ("paired"), and the fastest rewrite /
+the fastest import ("fastest": noise only ever adds time); how pipeline time scales from ~10k
+to ~100k nodes (target: 10x nodes costs <= 12x time), plus the scaling between every pair of
 consecutive dense sizes measured.
 
     python tools/bench_rewrite.py [--quick] [--json PATH] [--budget SECONDS]
@@ -243,7 +244,8 @@ def child(args) -> None:
             break
     emit("done", rewrite_s=statistics.median(r for r, _ in reps), rewrite_reps=[r for r, _ in reps],
          paired_import_reps=[i for _, i in reps], paired_ratio=statistics.median(r / i for r, i in reps),
-         import_all_s=statistics.median(times + [i for _, i in reps]))
+         import_all_s=statistics.median(times + [i for _, i in reps]),
+         fastest_ratio=min(r for r, _ in reps) / min(times + [i for _, i in reps]))
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -356,7 +358,7 @@ def main():
         if "import_s" in r and "rewrite_s" in r:
             r["import_s"] = r.pop("import_all_s", r["import_s"])
             r["rewrite_over_import"] = r["rewrite_s"] / r["import_s"]
-            r["meets_target"] = r["paired_ratio"] <= 1.0
+            r["meets_target"] = r["rewrite_over_import"] <= 1.0
         elif "import_s" in r and r.get("timed_out") == "rewrite":
             r["rewrite_over_import_lower_bound"] = r["timed_out_after_s"] / r["import_s"]
             r["meets_target"] = False
@@ -385,12 +387,13 @@ def main():
     print("\nper case (rewrite = vfgraph.rewrite from the SavedModel directory: load + passes + verify;")
     print("import = tf.graph_util.import_graph_def of the train function's GraphDef; target rewrite/import <= 1)")
     head = (f"{'case':<18}{'nodes':>8}{'export s':>10}{'load s':>9}{'import s':>10}{'rewrite s':>11}"
-            f"{'rewrite/import':>16}{'paired':>8}  note")
+            f"{'rewrite/import':>16}{'paired':>8}{'fastest':>9}  note")
     print(head)
     print("-" * len(head))
     for r in results:
         if "skipped" in r:
-            print(f"{r['case']:<18}{'':>8}{'':>10}{'':>9}{'':>10}{'':>11}{'':>16}{'':>8}  skipped: {r['skipped']}")
+            print(f"{r['case']:<18}{'':>8}{'':>10}{'':>9}{'':>10}{'':>11}{'':>16}{'':>8}{'':>9}  "
+                  f"skipped: {r['skipped']}")
             continue
         rw = f"{r['rewrite_s']:.2f}" if "rewrite_s" in r else (
             f">{r['timed_out_after_s']:.0f}" if r.get("timed_out") == "rewrite" else "-")
@@ -405,7 +408,8 @@ def main():
             note.append("above target")
         fmt = lambda k, f: (f % r[k]) if k in r else "-"  # noqa: E731
         print(f"{r['case']:<18}{fmt('nodes', '%d'):>8}{fmt('export_s', '%.1f'):>10}{fmt('load_s', '%.2f'):>9}"
-              f"{fmt('import_s', '%.3f'):>10}{rw:>11}{ratio:>16}{fmt('paired_ratio', '%.2f'):>8}  {'; '.join(note)}")
+              f"{fmt('import_s', '%.3f'):>10}{rw:>11}{ratio:>16}{fmt('paired_ratio', '%.2f'):>8}"
+              f"{fmt('fastest_ratio', '%.2f'):>9}  {'; '.join(note)}")
     seg_rows = [r for r in results if r.get("rewrite_runs")]
     if seg_rows:
         print("\nwhere the rewrite time goes (first timed run, seconds):")
