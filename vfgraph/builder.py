@@ -19,7 +19,7 @@ from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, parse_input
 
 
 def _stateful(g: FunctionGraph, name: str) -> bool:
-    op = g.nodes[name].op
+    op = g.op_types()[name]
     if op in g.library:
         return g.library[op].signature.is_stateful
     od = op_def_registry.get(op)

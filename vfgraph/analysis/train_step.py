@@ -274,12 +274,12 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     """Find the cut of ``g`` (the training signature's function)."""
     check_batch_inputs(g, sig)
     found: Dict[str, List[str]] = {}
-    for name, node in g.nodes.items():
-        if is_write(node.op) and node.input:
+    for name, op in g.op_types().items():
+        if is_write(op) and g.inputs(name):
             res = resource_root(g, g.data_inputs(name)[0])
             if res is None:
                 raise DetectionError(
-                    f"signature {sig.key!r}: variable write {name!r} ({node.op}) does not write a captured "
+                    f"signature {sig.key!r}: variable write {name!r} ({op}) does not write a captured "
                     "variable; vfgraph cannot tell which variable it updates")
             found.setdefault(res, []).append(name)
     order = {r: i for i, r in enumerate(sig.resource_args)}
@@ -709,8 +709,8 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
     """For each cut tensor, the resource args whose updates it is the nearest cut tensor to."""
     write_res = {w: r for r, ws in writes.items() for w in ws}
     reads_after: Dict[str, List[TensorRef]] = {}
-    for name, node in g.nodes.items():
-        if node.op == "ReadVariableOp" and name not in vnode_nodes:
+    for name, op in g.op_types().items():
+        if op == "ReadVariableOp" and name not in vnode_nodes:
             res = resource_root(g, g.data_inputs(name)[0])
             if res in writes:
                 reads_after.setdefault(res, []).extend(g.outputs(name))
@@ -739,7 +739,7 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
                         label[r] = src
                         frontier.append(r)
             outs = g.outputs(consumer)
-            if g.nodes[consumer].op == "IdentityN":  # output k forwards input k only
+            if g.op_types()[consumer] == "IdentityN":  # output k forwards input k only
                 outs = [outs[slot]]
             for o in outs:
                 if o not in label:
@@ -751,8 +751,8 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
 def _forward_read_args(g: FunctionGraph, vnode_nodes: Set[str]) -> Set[str]:
     """Resource args read by the forward pass (the model's parameters)."""
     found = set()
-    for name, node in g.nodes.items():
-        if node.op == "ReadVariableOp" and any(c in vnode_nodes for c, _ in g.consumers(g.outputs(name)[0])):
+    for name, op in g.op_types().items():
+        if op == "ReadVariableOp" and any(c in vnode_nodes for c, _ in g.consumers(g.outputs(name)[0])):
             res = resource_root(g, g.data_inputs(name)[0])
             if res:
                 found.add(res)

@@ -149,6 +149,7 @@ class FunctionGraph:
         self._inputs_cache: Dict[str, List[Tuple[TensorRef, bool]]] = {}
         self._shapes_cache: Dict[str, Optional[Tuple[Optional[List[int]], ...]]] = {}
         self._parsed_shapes: Dict[bytes, Tuple[Optional[List[int]], ...]] = {}
+        self._ops: Optional[Dict[str, str]] = None
 
     # ----------------------------------------------------------------- boundary
     @classmethod
@@ -165,7 +166,7 @@ class FunctionGraph:
         g.nodes = {n.name: n for n in fdef.node_def}
         g._consumers = None
         g._layout_cache, g._outputs_cache, g._index_cache, g._inputs_cache = {}, {}, {}, {}
-        g._shapes_cache, g._parsed_shapes = {}, {}
+        g._shapes_cache, g._parsed_shapes, g._ops = {}, {}, None
         return g
 
     def to_function_def(self) -> function_pb2.FunctionDef:
@@ -264,6 +265,13 @@ class FunctionGraph:
             return None
         i = self.flat_index(ref)
         return list(shapes[i]) if i < len(shapes) and shapes[i] is not None else None
+
+    def op_types(self) -> Dict[str, str]:
+        """Every node's op type, read once (a protobuf field costs more to read than a
+        dictionary entry) and kept right by the edit verbs. Read only."""
+        if self._ops is None:
+            self._ops = {name: node.op for name, node in self.nodes.items()}
+        return self._ops
 
     def recorded_shapes(self, node: str) -> Optional[Tuple[Optional[List[int]], ...]]:
         """Every output's static shape as recorded on ``node`` (None: nothing recorded), read
@@ -380,6 +388,8 @@ class FunctionGraph:
             raise VerifyError(f"node name {node.name!r} already used in function {self.name!r}")
         self.nodes[node.name] = node
         self._forget(node.name)
+        if self._ops is not None:
+            self._ops[node.name] = node.op
         self._dirty()
         return node
 
@@ -392,7 +402,7 @@ class FunctionGraph:
     def _forget(self, name: str) -> None:
         """Drop what the per-node caches hold for ``name``."""
         for cache in (self._layout_cache, self._outputs_cache, self._index_cache, self._inputs_cache,
-                      self._shapes_cache):
+                      self._shapes_cache, self._ops or {}):
             cache.pop(name, None)
 
     def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> int:
@@ -439,8 +449,8 @@ class FunctionGraph:
         # other ops' outputs are looked up in their flat layout; anything that fails takes the
         # slow path that says what is wrong.
         library = self.library
-        simple: Dict[str, Optional[Tuple[str, ...]]] = {name: output_names(node.op, library)
-                                                        for name, node in nodes.items()}
+        simple: Dict[str, Optional[Tuple[str, ...]]] = {name: output_names(op, library)
+                                                        for name, op in self.op_types().items()}
         children: Dict[str, List[str]] = {}
         indegree: Dict[str, int] = {}
         for name in nodes:
