@@ -12,8 +12,8 @@ Cases:
              about N nodes (``len(fdef.node_def)``). Full run: 1k, 2.5k, 10k, 100k; --quick:
              250, 500, 1k.
 
-Each case runs in its own subprocess (export, a tiny warm-up rewrite, then timing), with
-intra/inter-op threads set to 1. The import baseline converts the train function's FunctionDef
+Each case runs in two subprocesses, one exporting the model and a fresh one timing (a tiny
+warm-up rewrite, then the runs), with intra/inter-op threads set to 1. The import baseline converts the train function's FunctionDef
 to a GraphDef (function_def_to_graph_def) and times importing it into a fresh tf.Graph (five
 times, then once more right before each rewrite). The rewrite is
 ``vfgraph.rewrite(path, vnodes=8, vnode_batch=16)`` from the SavedModel directory (up to five
@@ -64,6 +64,7 @@ def parse_args():
     p.add_argument("--keep-going", action="store_true", help="run larger dense sizes even after one ran out of budget")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=("export", "time"), default="time", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.budget is None:
         a.budget = 60.0 if a.quick else 180.0
@@ -181,24 +182,31 @@ def child(args) -> None:
 
     kind, _, arg = args.child.partition(":")
     work = args.workdir
-    # One-time costs (imports, first tf.function trace inside the pass) out of the timed runs.
+    path = os.path.join(work, "model")
+    if args.phase == "export":
+        t0 = time.perf_counter()
+        if kind == "dense":
+            export_dense(path, int(arg))
+        else:
+            export_keras_app(path, arg)
+        export_s = time.perf_counter() - t0
+        fdef, item = train_fdef(path)
+        lib = item.library
+        calls = referenced_functions(fdef, lib)
+        emit("exported", export_s=export_s, nodes=len(fdef.node_def), function=fdef.signature.name,
+             called_functions=len(calls), called_function_nodes=sum(len(lib[c].node_def) for c in calls),
+             saved_model_pb_bytes=os.path.getsize(os.path.join(path, "saved_model.pb")))
+        return
+
+    # Timing, in a fresh process: what exporting left in this one (a 100k-node graph traced by
+    # TensorFlow) would weigh on both sides. One-time costs (imports, the first tf.function trace
+    # inside a pass) out of the timed runs.
     warm = os.path.join(work, "warmup")
     export_dense(warm, 2)
     vfgraph.rewrite(warm, vnodes=VNODES, vnode_batch=VNODE_BATCH)
-
-    path = os.path.join(work, "model")
-    t0 = time.perf_counter()
-    if kind == "dense":
-        export_dense(path, int(arg))
-    else:
-        export_keras_app(path, arg)
-    export_s = time.perf_counter() - t0
     fdef, item = train_fdef(path)
     lib = item.library
     calls = referenced_functions(fdef, lib)
-    emit("exported", export_s=export_s, nodes=len(fdef.node_def), function=fdef.signature.name,
-         called_functions=len(calls), called_function_nodes=sum(len(lib[c].node_def) for c in calls),
-         saved_model_pb_bytes=os.path.getsize(os.path.join(path, "saved_model.pb")))
 
     t0 = time.perf_counter()
     gd, _ = function_def_to_graph_def(fdef)
@@ -250,19 +258,14 @@ def child(args) -> None:
 
 # ---------------------------------------------------------------------------------------------- parent
 
-def run_case(args, spec: str, label: str):
-    """Run one case in a subprocess with deadlines; returns its collected events."""
-    work = tempfile.mkdtemp(prefix="vfgraph-bench-rewrite-")
-    log_path = os.path.join(work, "child.log")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--workdir", work,
-           "--budget", str(args.budget)]
-    res = {"case": label, "spec": spec}
-    with open(log_path, "w") as log:
+def _run_phase(args, cmd, log_path: str, res: dict):
+    """One child process (export, or timing): its events go into ``res``; stopped at its deadline."""
+    with open(log_path, "a") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         lines: "queue.Queue" = queue.Queue()
         threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout] + [lines.put(None)], daemon=True).start()
         deadline = time.monotonic() + args.export_timeout
-        phase = "export"
+        phase = cmd[-1]
         t_start = t_rw = time.monotonic()
         while True:
             try:
@@ -297,6 +300,20 @@ def run_case(args, spec: str, label: str):
             if kind == "rewrite":
                 print(f"    rewrite: {ev['seconds']:.2f} s (import just before: {ev['paired_import_s']:.2f} s)",
                       flush=True)
+    return proc
+
+
+def run_case(args, spec: str, label: str):
+    """Run one case in a subprocess with deadlines; returns its collected events."""
+    work = tempfile.mkdtemp(prefix="vfgraph-bench-rewrite-")
+    log_path = os.path.join(work, "child.log")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--workdir", work,
+           "--budget", str(args.budget)]
+    res = {"case": label, "spec": spec}
+    for step in ("export", "time"):
+        proc = _run_phase(args, cmd + ["--phase", step], log_path, res)
+        if proc.returncode != 0 or "timed_out" in res:
+            break
     res["returncode"] = proc.returncode
     if proc.returncode not in (0, None) and "timed_out" not in res:
         with open(log_path) as f:
