@@ -1,6 +1,6 @@
 """Rewrite speed: the time of ``vfgraph.rewrite(...)`` (load + pass pipeline + verify) against
 TensorFlow's own ``tf.graph_util.import_graph_def`` of the same training function, measured in
-the same process.
+the same run.
 
 Cases:
   resnet50   keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10),
@@ -12,21 +12,22 @@ Cases:
              about N nodes (``len(fdef.node_def)``). Full run: 1k, 2.5k, 10k, 100k; --quick:
              250, 500, 1k.
 
-Each case runs in two subprocesses, one exporting the model and a fresh one timing (a tiny
-warm-up rewrite, then the runs), with intra/inter-op threads set to 1. The import baseline converts the train function's FunctionDef
-to a GraphDef (function_def_to_graph_def) and times importing it into a fresh tf.Graph (five
-times, then once more right before each rewrite). The rewrite is
-``vfgraph.rewrite(path, vnodes=8, vnode_batch=16)`` from the SavedModel directory (up to five
-times, fewer when a case is slow). A case's rewrite phase gets ``--budget`` seconds (default
-180); a case that runs past it is stopped and reported as a lower bound, and the larger dense
-cases after it are skipped.
+Every measurement runs in a fresh process with intra/inter-op threads set to 1, after a
+warm-up on a 2-layer model (one-time costs out of the timed run): one process exports the
+case, then an import and a rewrite alternate, each in its own process (what one leaves in
+memory, a 100k-node graph's worth, weighed on the next when they shared one), up to five
+pairs. The import converts the train function's FunctionDef to a GraphDef
+(function_def_to_graph_def, not timed) and times importing it into a fresh tf.Graph; the
+rewrite is ``vfgraph.rewrite(path, vnodes=8, vnode_batch=16)`` from the SavedModel directory
+(load included). A case gets ``--budget`` seconds (default 180) for its pairs; a rewrite that
+runs past it is stopped and reported as a lower bound, and the larger dense cases after it
+are skipped.
 
-Reported per case: median rewrite time / median import time (of all imports; the target is
-<= 1), beside two other views of the same runs on a noisy shared machine: the median over the
-rewrites of each one's time / the import just before it ("paired"), and the fastest rewrite /
-the fastest import ("fastest": noise only ever adds time); how pipeline time scales from ~10k
-to ~100k nodes (target: 10x nodes costs <= 12x time), plus the scaling between every pair of
-consecutive dense sizes measured.
+Reported per case: median rewrite time / median import time (the target is <= 1), beside two
+other views of the same runs on a noisy shared machine: the median over the pairs of rewrite
+/ import ("paired"), and the fastest rewrite / the fastest import ("fastest": noise only ever
+adds time); how pipeline time scales from ~10k to ~100k nodes (target: 10x nodes costs <= 12x
+time), plus the scaling between every pair of consecutive dense sizes measured.
 
     python tools/bench_rewrite.py [--quick] [--json PATH] [--budget SECONDS]
 """
@@ -64,7 +65,7 @@ def parse_args():
     p.add_argument("--keep-going", action="store_true", help="run larger dense sizes even after one ran out of budget")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--phase", choices=("export", "time"), default="time", help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=("export", "import", "rewrite"), default="export", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.budget is None:
         a.budget = 60.0 if a.quick else 180.0
@@ -171,7 +172,9 @@ def emit(event: str, **kw) -> None:
 
 
 def child(args) -> None:
-    """Runs one case: ``dense:LAYERS`` or ``app:NAME``; reports JSON lines on stdout."""
+    """One process of one case (``dense:LAYERS`` or ``app:NAME``): ``--phase export`` writes the
+    model, ``import`` times one import of its train function, ``rewrite`` times one rewrite;
+    reports JSON lines on stdout."""
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -181,9 +184,9 @@ def child(args) -> None:
     import vfgraph
 
     kind, _, arg = args.child.partition(":")
-    work = args.workdir
-    path = os.path.join(work, "model")
+    path, warm = os.path.join(args.workdir, "model"), os.path.join(args.workdir, "warmup")
     if args.phase == "export":
+        export_dense(warm, 2)
         t0 = time.perf_counter()
         if kind == "dense":
             export_dense(path, int(arg))
@@ -195,127 +198,115 @@ def child(args) -> None:
         calls = referenced_functions(fdef, lib)
         emit("exported", export_s=export_s, nodes=len(fdef.node_def), function=fdef.signature.name,
              called_functions=len(calls), called_function_nodes=sum(len(lib[c].node_def) for c in calls),
-             saved_model_pb_bytes=os.path.getsize(os.path.join(path, "saved_model.pb")))
+             saved_model_pb_bytes=os.path.getsize(os.path.join(path, "saved_model.pb")),
+             load_s=_timed(lambda: vfgraph.load(path)))
         return
 
-    # Timing, in a fresh process: what exporting left in this one (a 100k-node graph traced by
-    # TensorFlow) would weigh on both sides. One-time costs (imports, the first tf.function trace
-    # inside a pass) out of the timed runs.
-    warm = os.path.join(work, "warmup")
-    export_dense(warm, 2)
-    vfgraph.rewrite(warm, vnodes=VNODES, vnode_batch=VNODE_BATCH)
-    fdef, item = train_fdef(path)
-    lib = item.library
-    calls = referenced_functions(fdef, lib)
+    if args.phase == "import":
+        def graph_def(model):
+            fdef, item = train_fdef(model)
+            gd, _ = function_def_to_graph_def(fdef)
+            for name in sorted(referenced_functions(fdef, item.library)):  # called functions travel with it
+                gd.library.function.add().CopyFrom(item.library[name])
+            return gd
 
-    t0 = time.perf_counter()
-    gd, _ = function_def_to_graph_def(fdef)
-    convert_s = time.perf_counter() - t0
-    for name in sorted(calls):  # called functions travel with the GraphDef, as in a real import
-        gd.library.function.add().CopyFrom(lib[name])
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        with tf.Graph().as_default():
-            tf.graph_util.import_graph_def(gd, name="")
-        times.append(time.perf_counter() - t0)
-    emit("import", import_s=statistics.median(times), import_reps=times, graphdef_nodes=len(gd.node),
-         convert_s=convert_s)
+        def run(gd):
+            with tf.Graph().as_default():
+                tf.graph_util.import_graph_def(gd, name="")
 
+        run(graph_def(warm))  # one-time costs out of the timed run
+        gd = graph_def(path)
+        emit("import", import_s=_timed(lambda: run(gd)), graphdef_nodes=len(gd.node))
+        return
+
+    vfgraph.rewrite(warm, vnodes=VNODES, vnode_batch=VNODE_BATCH)  # one-time costs out of the timed run
+    marks = []
     t0 = time.perf_counter()
-    vfgraph.load(path)
-    load_s = time.perf_counter() - t0
-    emit("rewrite_start", load_s=load_s)
-    # Each rewrite right after an import of the same graph: the pair sees the same state of this
-    # shared machine, so the ratio within a pair is the steadiest figure.
-    reps, total = [], 0.0
-    while True:
-        t0 = time.perf_counter()
-        with tf.Graph().as_default():
-            tf.graph_util.import_graph_def(gd, name="")
-        paired_import = time.perf_counter() - t0
-        marks = []
-        t0 = time.perf_counter()
-        out = vfgraph.rewrite(path, vnodes=VNODES, vnode_batch=VNODE_BATCH,
-                              after_each=lambda p, _i: marks.append((p.name, time.perf_counter())))
-        t1 = time.perf_counter()
-        reps.append((t1 - t0, paired_import))
-        total += t1 - t0 + paired_import
-        segs, prev = {}, t0
-        for name, t in marks:
-            segs[name + (" (incl. load)" if not segs else "")] = t - prev
-            prev = t
-        segs["verify+record"] = t1 - prev
-        emit("rewrite", seconds=t1 - t0, paired_import_s=paired_import, segments=segs)
-        del out
-        if len(reps) >= 5 or total + reps[-1][0] + reps[-1][1] > min(90.0, args.budget / 2):
-            break
-    emit("done", rewrite_s=statistics.median(r for r, _ in reps), rewrite_reps=[r for r, _ in reps],
-         paired_import_reps=[i for _, i in reps], paired_ratio=statistics.median(r / i for r, i in reps),
-         import_all_s=statistics.median(times + [i for _, i in reps]),
-         fastest_ratio=min(r for r, _ in reps) / min(times + [i for _, i in reps]))
+    vfgraph.rewrite(path, vnodes=VNODES, vnode_batch=VNODE_BATCH,
+                    after_each=lambda p, _i: marks.append((p.name, time.perf_counter())))
+    t1 = time.perf_counter()
+    segs, prev = {}, t0
+    for name, t in marks:
+        segs[name + (" (incl. load)" if not segs else "")] = t - prev
+        prev = t
+    segs["verify+record"] = t1 - prev
+    emit("rewrite", seconds=t1 - t0, segments=segs)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------- parent
 
-def _run_phase(args, cmd, log_path: str, res: dict):
-    """One child process (export, or timing): its events go into ``res``; stopped at its deadline."""
+def _run_phase(args, cmd, log_path: str, res: dict, timeout: float) -> int:
+    """One child process; its events go into ``res``. Returns its exit code (stopped at ``timeout``:
+    ``res["timed_out"]`` names the phase)."""
+    phase = cmd[-1]
     with open(log_path, "a") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         lines: "queue.Queue" = queue.Queue()
         threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout] + [lines.put(None)], daemon=True).start()
-        deadline = time.monotonic() + args.export_timeout
-        phase = cmd[-1]
-        t_start = t_rw = time.monotonic()
+        start = time.monotonic()
         while True:
             try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+                line = lines.get(timeout=max(0.1, start + timeout - time.monotonic()))
             except queue.Empty:
                 line = "TIMEOUT"
-            if line == "TIMEOUT" or time.monotonic() > deadline:
+            if line == "TIMEOUT" or time.monotonic() > start + timeout:
                 proc.kill()  # our own child, by its handle
                 proc.wait()
-                res["timed_out"] = phase
-                res["timed_out_after_s"] = time.monotonic() - (t_rw if phase == "rewrite" else t_start)
-                break
+                res["timed_out"], res["timed_out_after_s"] = phase, time.monotonic() - start
+                return proc.returncode
             if line is None:
-                proc.wait()
-                break
+                return proc.wait()
             try:
                 ev = json.loads(line)
             except ValueError:
                 continue
             kind = ev.pop("event")
-            if kind == "rewrite":
-                res.setdefault("rewrite_runs", []).append(ev)
-            else:
-                res.update(ev)
             if kind == "exported":
+                res.update(ev)
                 print(f"    exported: {ev['nodes']} nodes in the train function ({ev['export_s']:.1f} s)", flush=True)
-            if kind == "import":
-                print(f"    import_graph_def: {ev['import_s']:.3f} s", flush=True)
-            if kind == "rewrite_start":
-                phase, t_rw = "rewrite", time.monotonic()
-                deadline = t_rw + args.budget
-            if kind == "rewrite":
-                print(f"    rewrite: {ev['seconds']:.2f} s (import just before: {ev['paired_import_s']:.2f} s)",
-                      flush=True)
-    return proc
+            elif kind == "import":
+                res.setdefault("import_reps", []).append(ev["import_s"])
+                res["graphdef_nodes"] = ev["graphdef_nodes"]
+            elif kind == "rewrite":
+                res.setdefault("rewrite_runs", []).append(ev)
 
 
 def run_case(args, spec: str, label: str):
-    """Run one case in a subprocess with deadlines; returns its collected events."""
+    """Export one case, then time imports and rewrites alternately, each in a fresh process (what
+    one leaves in memory, a 100k-node graph's worth, would weigh on the next); returns the events."""
     work = tempfile.mkdtemp(prefix="vfgraph-bench-rewrite-")
     log_path = os.path.join(work, "child.log")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--workdir", work,
-           "--budget", str(args.budget)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--workdir", work]
     res = {"case": label, "spec": spec}
-    for step in ("export", "time"):
-        proc = _run_phase(args, cmd + ["--phase", step], log_path, res)
-        if proc.returncode != 0 or "timed_out" in res:
+    code = _run_phase(args, cmd + ["--phase", "export"], log_path, res, args.export_timeout)
+    start = time.monotonic()
+    while code == 0 and "timed_out" not in res and len(res.get("rewrite_runs", [])) < 5:
+        t0 = time.monotonic()
+        code = _run_phase(args, cmd + ["--phase", "import"], log_path, res, args.export_timeout)
+        if code == 0 and "timed_out" not in res:
+            code = _run_phase(args, cmd + ["--phase", "rewrite"], log_path, res, args.budget)
+        if code == 0 and "timed_out" not in res:
+            i, r = res["import_reps"][-1], res["rewrite_runs"][-1]["seconds"]
+            print(f"    import {i:.2f} s, rewrite {r:.2f} s", flush=True)
+        pair = time.monotonic() - t0
+        if time.monotonic() - start + pair > args.budget:
             break
-    res["returncode"] = proc.returncode
-    if proc.returncode not in (0, None) and "timed_out" not in res:
+    runs = [r["seconds"] for r in res.get("rewrite_runs", [])]
+    imports = res.get("import_reps", [])[:len(runs)]
+    if runs:
+        res.update(import_s=statistics.median(imports), rewrite_s=statistics.median(runs),
+                   paired_ratio=statistics.median(r / i for r, i in zip(runs, imports)),
+                   fastest_ratio=min(runs) / min(imports))
+    elif imports:
+        res["import_s"] = statistics.median(imports)
+    res["returncode"] = code
+    if code not in (0, None) and "timed_out" not in res:
         with open(log_path) as f:
             res["error_tail"] = f.read()[-3000:]
         print("    FAILED:\n" + res["error_tail"], flush=True)
@@ -373,7 +364,6 @@ def main():
         print(f"  {label} ({spec}) ...", flush=True)
         r = run_case(args, spec, label)
         if "import_s" in r and "rewrite_s" in r:
-            r["import_s"] = r.pop("import_all_s", r["import_s"])
             r["rewrite_over_import"] = r["rewrite_s"] / r["import_s"]
             r["meets_target"] = r["rewrite_over_import"] <= 1.0
         elif "import_s" in r and r.get("timed_out") == "rewrite":
