@@ -286,6 +286,19 @@ int BroadcastBytes(char* data, int64_t bytes, int root, MPI_Comm comm) {
   return MPI_SUCCESS;
 }
 
+// The communicator of a broadcast from `root`. Every rank sees the same size and
+// root, so all of them stop here alike when the root does not exist.
+absl::Status AcquireRootComm(const std::string& op, const std::string& node, int root, Comm* comm) {
+  absl::Status status = AcquireComm(op, node, comm);
+  if (!status.ok()) return status;
+  if (root < 0 || root >= comm->size) {
+    return absl::InvalidArgumentError(absl::StrCat(op, " (node '", node, "'): root rank ", root,
+                                                   " does not exist in a communicator of size ",
+                                                   comm->size));
+  }
+  return absl::OkStatus();
+}
+
 std::string ShapeString(const int64_t* dims, int64_t ndims) {
   std::vector<int64_t> v(dims, dims + ndims);
   return absl::StrCat("[", absl::StrJoin(v, ","), "]");
@@ -351,12 +364,7 @@ class BroadcastOp : public OpKernel {
     const Tensor& input = context->input(0);
     std::lock_guard<std::mutex> lock(CollectiveMutex());
     Comm comm;
-    OP_REQUIRES_OK(context, AcquireComm("VfBroadcast", name(), &comm));
-    // Every rank sees the same size and root, so all of them stop here alike.
-    OP_REQUIRES(context, root_ >= 0 && root_ < comm.size,
-                absl::InvalidArgumentError(absl::StrCat(
-                    "VfBroadcast (node '", name(), "'): root rank ", root_,
-                    " does not exist in a communicator of size ", comm.size)));
+    OP_REQUIRES_OK(context, AcquireRootComm("VfBroadcast", name(), root_, &comm));
 
     // The root's dtype and shape first, so that a rank passing a different
     // shape gets an error instead of a truncated or hanging broadcast.
@@ -475,11 +483,7 @@ class BroadcastVariablesOp : public OpKernel {
 
     std::lock_guard<std::mutex> lock(CollectiveMutex());
     Comm comm;
-    OP_REQUIRES_OK(context, AcquireComm("VfBroadcastVariables", name(), &comm));
-    OP_REQUIRES(context, root_ >= 0 && root_ < comm.size,
-                absl::InvalidArgumentError(absl::StrCat(
-                    "VfBroadcastVariables (node '", name(), "'): root rank ", root_,
-                    " does not exist in a communicator of size ", comm.size)));
+    OP_REQUIRES_OK(context, AcquireRootComm("VfBroadcastVariables", name(), root_, &comm));
 
     // The root's dtypes and shapes first, so that a rank whose variables differ
     // gets an error instead of a truncated or hanging broadcast.
