@@ -343,8 +343,9 @@ def main():
 
     print(f"vfgraph bench_rewrite: rewrite(vnodes={VNODES}, vnode_batch={VNODE_BATCH}) vs "
           f"tf.graph_util.import_graph_def "
-          f"of the same train function; TF {tf.__version__}; each case in its own process, intra/inter-op threads = 1; "
-          f"rewrite budget {args.budget:.0f} s per case", flush=True)
+          f"of the same train function; TF {tf.__version__}; every import and rewrite in a fresh process, "
+          f"intra/inter-op threads = 1; "
+          f"budget {args.budget:.0f} s per case", flush=True)
     per, base, counts = calibrate()
     print(f"  calibration: {per:.1f} nodes per dense layer + {base:.0f} (from {counts})", flush=True)
     cases = []
