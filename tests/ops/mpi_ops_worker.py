@@ -212,6 +212,15 @@ def collectives(model_dir):
                             "shape [3]")
     check("broadcast_variables shape mismatch", bcast_vars_mismatch)
 
+    def bcast_vars_count():
+        vs = [tf.Variable(tf.zeros([2])) for _ in range(2 if rank == 0 else 3)]
+        if rank == 0:
+            ops.broadcast_variables(vs)
+            return True
+        return expect_error(lambda: ops.broadcast_variables(vs), tf.errors.InvalidArgumentError,
+                            "rank 1 has 3 variables but root rank 0 has 2")
+    check("broadcast_variables count mismatch", bcast_vars_count)
+
     # allgather: uneven first dimension (rank 0: 2 rows, rank 1: 3 rows)
     rows = [per_rank(r, (2 + r, 2)) for r in range(size)]
     for dt in byte_types:

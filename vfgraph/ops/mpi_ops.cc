@@ -304,6 +304,54 @@ std::string ShapeString(const int64_t* dims, int64_t ndims) {
   return absl::StrCat("[", absl::StrJoin(v, ","), "]");
 }
 
+// What a broadcast sends ahead of the data: each tensor's dtype, rank and
+// dimensions, one after another, so that a rank whose tensors differ from the
+// root's gets an error instead of a truncated or hanging broadcast.
+void AppendHeader(const Tensor& t, std::vector<int64_t>* header) {
+  header->push_back(static_cast<int64_t>(t.dtype()));
+  header->push_back(t.dims());
+  for (int d = 0; d < t.dims(); ++d) header->push_back(t.dim_size(d));
+}
+
+// Replaces `header` by the root's (its length first, then its words).
+int BroadcastHeader(std::vector<int64_t>* header, int root, MPI_Comm comm) {
+  int64_t words = static_cast<int64_t>(header->size());
+  int rc = MPI_Bcast(&words, 1, MPI_INT64_T, root, comm);
+  if (rc != MPI_SUCCESS) return rc;
+  header->resize(static_cast<size_t>(words));
+  return BroadcastBytes(reinterpret_cast<char*>(header->data()), words * 8, root, comm);
+}
+
+// One tensor's entry in a header: where it starts, and what it says.
+struct HeaderEntry {
+  const int64_t* at;
+  DataType dtype() const { return static_cast<DataType>(at[0]); }
+  int64_t ndims() const { return at[1]; }
+  size_t words() const { return static_cast<size_t>(2 + at[1]); }
+  int64_t bytes() const {
+    int64_t elements = 1;
+    for (int64_t d = 0; d < ndims(); ++d) elements *= at[2 + d];
+    return elements * tensorflow::DataTypeSize(dtype());
+  }
+  bool Same(const HeaderEntry& other) const {
+    return other.words() == words() && std::equal(at, at + words(), other.at);
+  }
+  std::string Describe() const {
+    return absl::StrCat(DataTypeString(dtype()), " of shape ", ShapeString(at + 2, ndims()));
+  }
+};
+
+// Takes part in a broadcast of `bytes` from the root into scratch memory: a rank
+// whose tensor does not match the root's, which fails after the others are served.
+absl::Status BroadcastIntoScratch(OpKernelContext* context, int64_t bytes, int root, MPI_Comm comm,
+                                  int* rc) {
+  Tensor scratch;
+  absl::Status status = context->allocate_temp(tensorflow::DT_UINT8, TensorShape({bytes}), &scratch);
+  if (!status.ok()) return status;
+  *rc = BroadcastBytes(static_cast<char*>(scratch.data()), bytes, root, comm);
+  return absl::OkStatus();
+}
+
 uint64_t Fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull) {
   const unsigned char* p = static_cast<const unsigned char*>(data);
   for (size_t i = 0; i < n; ++i) {
@@ -366,39 +414,23 @@ class BroadcastOp : public OpKernel {
     Comm comm;
     OP_REQUIRES_OK(context, AcquireRootComm("VfBroadcast", name(), root_, &comm));
 
-    // The root's dtype and shape first, so that a rank passing a different
-    // shape gets an error instead of a truncated or hanging broadcast.
-    const int ndims = input.dims();
-    std::vector<int64_t> header(2 + TensorShape::MaxDimensions(), 0);
-    header[0] = ndims;
-    header[1] = static_cast<int64_t>(input.dtype());
-    for (int i = 0; i < ndims; ++i) header[2 + i] = input.dim_size(i);
-    int rc = MPI_Bcast(header.data(), static_cast<int>(header.size()), MPI_INT64_T,
-                       root_, comm.comm);
+    std::vector<int64_t> mine, header;
+    AppendHeader(input, &mine);
+    header = mine;
+    int rc = BroadcastHeader(&header, root_, comm.comm);
     OP_REQUIRES(context, rc == MPI_SUCCESS,
                 MpiFailure("VfBroadcast", name(), "MPI_Bcast", rc, comm));
-    bool same = header[0] == ndims && header[1] == static_cast<int64_t>(input.dtype());
-    for (int i = 0; same && i < ndims; ++i) same = header[2 + i] == input.dim_size(i);
-
-    if (!same) {
-      // Take part in the data broadcast all the same (the other ranks are in
-      // it), then fail on this rank alone.
-      int64_t root_elements = 1;
-      for (int64_t i = 0; i < header[0]; ++i) root_elements *= header[2 + i];
-      const int64_t root_bytes =
-          root_elements * tensorflow::DataTypeSize(static_cast<DataType>(header[1]));
-      Tensor scratch;
-      OP_REQUIRES_OK(context, context->allocate_temp(tensorflow::DT_UINT8,
-                                                     TensorShape({root_bytes}), &scratch));
-      rc = BroadcastBytes(static_cast<char*>(scratch.data()), root_bytes, root_, comm.comm);
+    const HeaderEntry root_entry{header.data()};
+    if (!root_entry.Same(HeaderEntry{mine.data()})) {
+      OP_REQUIRES_OK(context, BroadcastIntoScratch(context, root_entry.bytes(), root_, comm.comm, &rc));
       OP_REQUIRES(context, rc == MPI_SUCCESS,
                   MpiFailure("VfBroadcast", name(), "MPI_Bcast", rc, comm));
       context->CtxFailure(absl::InvalidArgumentError(absl::StrCat(
           "VfBroadcast (node '", name(), "'): rank ", comm.rank, " has a ",
           DataTypeString(input.dtype()), " input of shape ",
           input.shape().DebugString(), " but root rank ", root_, " has a ",
-          DataTypeString(static_cast<DataType>(header[1])), " input of shape ",
-          ShapeString(header.data() + 2, header[0]),
+          DataTypeString(root_entry.dtype()), " input of shape ",
+          ShapeString(root_entry.at + 2, root_entry.ndims()),
           "; every rank must pass the same dtype and shape")));
       return;
     }
@@ -485,67 +517,59 @@ class BroadcastVariablesOp : public OpKernel {
     Comm comm;
     OP_REQUIRES_OK(context, AcquireRootComm("VfBroadcastVariables", name(), root_, &comm));
 
-    // The root's dtypes and shapes first, so that a rank whose variables differ
-    // gets an error instead of a truncated or hanging broadcast.
-    const int width = 2 + TensorShape::MaxDimensions();
-    std::vector<int64_t> header(static_cast<size_t>(n) * width, 0);
-    for (int i = 0; i < n; ++i) Header(*vars[i]->tensor(), &header[static_cast<size_t>(i) * width]);
-    std::vector<int64_t> mine = header;
-    int rc = BroadcastBytes(reinterpret_cast<char*>(header.data()),
-                            static_cast<int64_t>(header.size() * sizeof(int64_t)), root_, comm.comm);
+    std::vector<int64_t> mine, header;
+    for (int i = 0; i < n; ++i) AppendHeader(*vars[i]->tensor(), &mine);
+    header = mine;
+    int rc = BroadcastHeader(&header, root_, comm.comm);
     OP_REQUIRES(context, rc == MPI_SUCCESS,
                 MpiFailure("VfBroadcastVariables", name(), "MPI_Bcast", rc, comm));
 
-    int first_mismatch = -1;
-    for (int i = 0; i < n; ++i) {
-      const int64_t* root_header = &header[static_cast<size_t>(i) * width];
-      const bool same = std::equal(root_header, root_header + width, &mine[static_cast<size_t>(i) * width]);
+    std::vector<HeaderEntry> root_entries;
+    for (size_t at = 0; at < header.size(); at += root_entries.back().words()) {
+      root_entries.push_back(HeaderEntry{header.data() + at});
+    }
+    const int count = static_cast<int>(root_entries.size());
+    std::string mismatch;  // what this rank has that the root does not, first only
+    if (count != n) {  // every rank runs the root's broadcasts; this one into scratch memory
+      mismatch = absl::StrCat("rank ", comm.rank, " has ", n, " variables but root rank ", root_, " has ", count);
+    }
+    size_t at = 0;
+    for (int i = 0; i < count; ++i) {
+      const HeaderEntry& root_entry = root_entries[i];
+      if (count != n) {
+        OP_REQUIRES_OK(context, BroadcastIntoScratch(context, root_entry.bytes(), root_, comm.comm, &rc));
+        OP_REQUIRES(context, rc == MPI_SUCCESS,
+                    MpiFailure("VfBroadcastVariables", name(), "MPI_Bcast", rc, comm));
+        continue;
+      }
+      const HeaderEntry own{mine.data() + at};
+      at += own.words();
       Tensor* t = vars[i]->tensor();
-      char* data = nullptr;
-      int64_t bytes = 0;
-      Tensor scratch;
-      if (!same) {
-        // Take part in this variable's broadcast all the same (the other ranks
-        // are in it), then fail on this rank alone.
-        if (first_mismatch < 0) first_mismatch = i;
-        int64_t elements = 1;
-        for (int64_t d = 0; d < root_header[1]; ++d) elements *= root_header[2 + d];
-        bytes = elements * tensorflow::DataTypeSize(static_cast<DataType>(root_header[0]));
-        OP_REQUIRES_OK(context, context->allocate_temp(tensorflow::DT_UINT8, TensorShape({bytes}), &scratch));
-        data = static_cast<char*>(scratch.data());
+      if (!root_entry.Same(own)) {
+        if (mismatch.empty()) {
+          mismatch = absl::StrCat("rank ", comm.rank, " has variable ", Describe(context, i), " as ",
+                                  own.Describe(), " but root rank ", root_, " has it as ", root_entry.Describe());
+        }
+        OP_REQUIRES_OK(context, BroadcastIntoScratch(context, root_entry.bytes(), root_, comm.comm, &rc));
       } else {
         if (comm.rank != root_ && (vars[i]->copy_on_read_mode.load() || !t->RefCountIsOne())) {
           Tensor fresh;  // every byte is overwritten below: nothing to copy
           OP_REQUIRES_OK(context, context->allocate_temp(t->dtype(), t->shape(), &fresh));
           *t = fresh;
         }
-        data = static_cast<char*>(t->data());
-        bytes = static_cast<int64_t>(t->TotalBytes());
+        rc = BroadcastBytes(static_cast<char*>(t->data()), static_cast<int64_t>(t->TotalBytes()), root_,
+                            comm.comm);
       }
-      rc = BroadcastBytes(data, bytes, root_, comm.comm);
       OP_REQUIRES(context, rc == MPI_SUCCESS,
                   MpiFailure("VfBroadcastVariables", name(), "MPI_Bcast", rc, comm));
     }
-    if (first_mismatch >= 0) {
-      const int64_t* root_header = &header[static_cast<size_t>(first_mismatch) * width];
-      const Tensor& t = *vars[first_mismatch]->tensor();
+    if (!mismatch.empty()) {
       context->CtxFailure(absl::InvalidArgumentError(absl::StrCat(
-          "VfBroadcastVariables (node '", name(), "'): rank ", comm.rank, " has variable ",
-          Describe(context, first_mismatch), " as ", DataTypeString(t.dtype()), " of shape ",
-          t.shape().DebugString(), " but root rank ", root_, " has it as ",
-          DataTypeString(static_cast<DataType>(root_header[0])), " of shape ",
-          ShapeString(root_header + 2, root_header[1]),
-          "; every rank must load the same model")));
+          "VfBroadcastVariables (node '", name(), "'): ", mismatch, "; every rank must load the same model")));
     }
   }
 
  private:
-  static void Header(const Tensor& t, int64_t* out) {
-    out[0] = static_cast<int64_t>(t.dtype());
-    out[1] = t.dims();
-    for (int d = 0; d < t.dims(); ++d) out[2 + d] = t.dim_size(d);
-  }
-
   static std::string Describe(OpKernelContext* context, int i) {
     return absl::StrCat(i, " ('", tensorflow::HandleFromInput(context, i).name(), "')");
   }
