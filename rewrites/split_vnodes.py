@@ -51,7 +51,8 @@ class SplitVnodesPass(Pass):
         if sig.key in done:
             return PassResult(item, False, [f"signature {sig.key!r} already has virtual nodes"])
         item = item.for_edit()
-        original = FunctionGraph(item.function(sig.function), item.library)
+        # Read in place (no copy): the function is replaced last, once nothing reads it.
+        original = FunctionGraph._over(item.function(sig.function), item.library)
         original.verify()
         check_batch_inputs(original, sig)
         b = self._vnode_batch(original, sig)
@@ -63,21 +64,22 @@ class SplitVnodesPass(Pass):
         vnode_outputs = [o for o in step.outputs if o.side == "vnode"]
         update_outputs = [o for o in step.outputs if o.side == "update"]
         cut_args = [(f"grad_{k}", c.ref) for k, c in enumerate(step.cut)]
-        vdef = extract_function(g, vnode_fn, [(f"out_{o.name}", o.ref) for o in vnode_outputs] + cut_args)
+        vdef = extract_function(g, vnode_fn, [(f"out_{o.name}", o.ref) for o in vnode_outputs] + cut_args,
+                                into=item.new_function(vnode_fn))
         seeded = _distinct_seeds(vdef, item.library)
         udef = extract_function(g, update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
                                 new_args=cut_args, keep_args=sig.resource_args,
-                                drop=frozenset(step.vnode_nodes), side_effects=True)
-        item.set_function(vdef)
-        item.set_function(udef)
+                                drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))
         reduce_fn = function_name(sig.function, "reduce")
         item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step)))
         loop = _Loop(g, step, vdef, self.vnodes, b, item.library)
-        for f in loop.functions + [_step_function(item, g, step, loop, udef, reduce_fn)]:
+        for f in loop.functions:
             item.set_function(f)
-        verify_function_def(item.function(sig.function), item.library)
-        item.preserve.add(sig.function)
+        stepped = _step_function(item, g, step, loop, udef, reduce_fn)
+        verify_function_def(stepped, item.library)
         notes = add_stepwise(item, g, step, loop, udef, reduce_fn) if self.stepwise else []
+        item.set_function(stepped)
+        item.preserve.add(sig.function)
         record = item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})
         record[sig.key] = {
             "function": sig.function,
@@ -461,7 +463,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     apply_header = _header(g, apply_fn, inner[n_inputs:], acc_args, counted, [F32] * len(counted))
     lib = item.library
 
-    fb, args = FunctionBuilder.like(acc_header, lib)
+    fb, args = FunctionBuilder.like(acc_header, lib, into=item.new_function(acc_fn))
     by = dict(zip(inner + acc_args, args))
     outs, sums, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
     count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
@@ -472,9 +474,9 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     for o, a, r in zip(step.outputs, acc_header.signature.output_arg, loop.outputs(fb, outs, count, nv)):
         fb.ret(a.name, fb.op("Identity", [r], name="result", deps=adds, T=type_attr(a.type),
                              shapes=[g.shape(o.ref)])[0], a.type)
-    item.set_function(fb.finish())
+    fb.finish()
 
-    fb, args = FunctionBuilder.like(apply_header, lib)
+    fb, args = FunctionBuilder.like(apply_header, lib, into=item.new_function(apply_fn))
     by = dict(zip(inner[n_inputs:] + acc_args, args))
     types = [c.dtype for c in step.cut] + [F32]
     sums = [fb.op("ReadVariableOp", [by[a]], name="sum", dtype=type_attr(t))[0] for a, t in zip(acc_args, types)]
@@ -500,7 +502,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     fb.control_ret(reset)
     for name in counted:
         fb.ret(name, fb.op("Identity", [got[-1]], name="applied", deps=[reset], T=type_attr(F32), shapes=[[]])[0], F32)
-    item.set_function(fb.finish())
+    fb.finish()
     handles = _graph_variables(item.meta_graph, specs)
     if tf1:
         train = item.meta_graph.signature_def[sig.key]

@@ -57,3 +57,38 @@ def test_extracted_functions_verify_and_name_what_was_left_out():
         extract_function(g, "f_b", [("y", TensorRef("b", "z", 0))], keep_args=[])
     with pytest.raises(VerifyError, match="node 'b' input 'a:activations:0' refers to a node or argument left out"):
         extract_function(g, "f_b", [("y", TensorRef("b", "z", 0))], drop=frozenset({"a"}))
+
+
+def test_a_read_only_graph_copies_headers_without_nodes_and_extracts_in_place():
+    from vfgraph.builder import extract_function
+    from vfgraph.ir.graph import TensorRef, copy_header
+
+    fdef = text_format.Parse(GOOD + 'attr { key: "_noinline" value { b: true } }\n'
+                             'arg_attr { key: 0 value { attr { key: "k" value { i: 1 } } } }', function_pb2.FunctionDef())
+    before = fdef.SerializeToString()
+    header = copy_header(fdef)
+    assert not header.node_def and header.signature == fdef.signature and header.ret == fdef.ret
+    assert header.attr == fdef.attr and header.arg_attr == fdef.arg_attr
+    g = FunctionGraph._over(fdef, {})  # over fdef itself: a round trip has each node once
+    assert g.to_function_def().SerializeToString() == before
+    into = function_pb2.FunctionDef()
+    out = extract_function(g, "f_b", [("y", TensorRef("b", "z", 0))],
+                           new_args=[("a_value", TensorRef("a", "activations", 0))], into=into)
+    assert out is into and [n.name for n in into.node_def] == ["b"] and into.signature.name == "f_b"
+    assert fdef.SerializeToString() == before  # the source is read, never changed
+
+
+def test_new_function_is_an_empty_library_entry_that_replaces_one_of_its_name():
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    from vfgraph.item import GraphItem
+
+    sm = saved_model_pb2.SavedModel()
+    lib = sm.meta_graphs.add().graph_def.library
+    lib.function.add().CopyFrom(text_format.Parse(GOOD, function_pb2.FunctionDef()))
+    item = GraphItem("m", "saved_model", sm, {})
+    fresh = item.new_function("g")
+    fresh.node_def.add(name="n", op="NoOp")  # filled in place: the library holds it
+    assert [n.name for n in item.function("g").node_def] == ["n"]
+    again = item.new_function("f")
+    assert again.signature.name == "f" and not again.node_def and len(lib.function) == 2

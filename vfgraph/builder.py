@@ -15,7 +15,7 @@ from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2
 from tensorflow.python.framework import op_def_registry
 
 from vfgraph.errors import VerifyError
-from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, parse_input
+from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, copy_header, parse_input
 
 
 def _stateful(g: FunctionGraph, name: str) -> bool:
@@ -34,8 +34,10 @@ def extract_function(
     keep_args: Optional[Sequence[str]] = None,
     drop: frozenset = frozenset(),
     side_effects: bool = False,
+    into: Optional[function_pb2.FunctionDef] = None,
 ) -> function_pb2.FunctionDef:
-    """A new function computing ``outputs`` from a copy of ``g`` (a verified graph).
+    """A new function computing ``outputs`` from a copy of ``g`` (a verified graph), written
+    into the empty FunctionDef ``into`` when given (see ``GraphItem.new_function``).
 
     ``new_args`` turns internal tensors into arguments (everything upstream of them that is
     no longer needed disappears); ``keep_args`` are the original arguments kept, in order;
@@ -63,9 +65,7 @@ def extract_function(
     defined = keep.union(cut.values(), kept)
     # Only the kept nodes are copied (in one call); the inputs of those that read a new
     # argument, or wait for a node left out, are rewritten after.
-    fdef = function_pb2.FunctionDef()
-    fdef.CopyFrom(g.header)
-    del fdef.node_def[:]  # (a read-only graph's header still holds them)
+    fdef = copy_header(g.header, into)
     order = [n for n in g.nodes if n in keep]
     fdef.node_def.extend(g.nodes[n] for n in order)
     for k, n in enumerate(order):
@@ -273,8 +273,9 @@ class FunctionBuilder:
     over. Registered ops get their default attributes, so the result is what TensorFlow
     would store."""
 
-    def __init__(self, name: str, library: Optional[Dict[str, function_pb2.FunctionDef]] = None):
-        self.fdef = function_pb2.FunctionDef()
+    def __init__(self, name: str, library: Optional[Dict[str, function_pb2.FunctionDef]] = None,
+                 into: Optional[function_pb2.FunctionDef] = None):
+        self.fdef = function_pb2.FunctionDef() if into is None else into  # into: an empty FunctionDef to fill
         self.fdef.signature.name = name
         self.fdef.signature.is_stateful = True
         self.library = library if library is not None else {}
@@ -284,10 +285,11 @@ class FunctionBuilder:
         self._defined: set = set()  # arguments and nodes so far: inputs must name one of them
 
     @classmethod
-    def like(cls, header: function_pb2.FunctionDef, library) -> Tuple["FunctionBuilder", List[str]]:
+    def like(cls, header: function_pb2.FunctionDef, library,
+             into: Optional[function_pb2.FunctionDef] = None) -> Tuple["FunctionBuilder", List[str]]:
         """A builder for a function with ``header``'s name, arguments and attributes (outputs
         are added with :meth:`ret`); returns it and the argument references."""
-        fb = cls(header.signature.name, library)
+        fb = cls(header.signature.name, library, into)
         args = [fb.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None)
                 for i, a in enumerate(header.signature.input_arg)]
         for k, v in header.attr.items():

@@ -85,6 +85,17 @@ class GraphItem:
                 return
         lib.add().CopyFrom(fdef)
 
+    def new_function(self, name: str) -> function_pb2.FunctionDef:
+        """An empty function ``name`` in the library, to be filled in place (a large generated
+        function then is not built once and copied again); replaces a function of that name."""
+        lib = self.meta_graph.graph_def.library.function
+        fdef = next((f for f in lib if f.signature.name == name), None)
+        if fdef is None:
+            fdef = lib.add()
+        fdef.Clear()
+        fdef.signature.name = name
+        return fdef
+
     def has_function(self, name: str) -> bool:
         return any(f.signature.name == name for f in self.meta_graph.graph_def.library.function)
 

@@ -170,8 +170,7 @@ class FunctionGraph:
         return g
 
     def to_function_def(self) -> function_pb2.FunctionDef:
-        out = function_pb2.FunctionDef()
-        out.CopyFrom(self._header)
+        out = copy_header(self._header)
         out.node_def.extend(self.nodes[n] for n in self.nodes)
         return out
 
@@ -518,6 +517,18 @@ def verify_function_def(fdef: function_pb2.FunctionDef,
                         library: Optional[Mapping[str, function_pb2.FunctionDef]] = None) -> None:
     """``FunctionGraph(fdef, library).verify()`` without copying ``fdef``."""
     FunctionGraph._over(fdef, library).verify()
+
+
+def copy_header(fdef: function_pb2.FunctionDef,
+                into: Optional[function_pb2.FunctionDef] = None) -> function_pb2.FunctionDef:
+    """Everything of ``fdef`` but its nodes (signature, attributes, outputs), merged into
+    ``into`` (a new FunctionDef when None): the header of a function a pass rebuilds, without
+    copying nodes it would delete again."""
+    out = function_pb2.FunctionDef() if into is None else into
+    for field, value in fdef.ListFields():
+        if field.name != "node_def":
+            getattr(out, field.name).MergeFrom(value)
+    return out
 
 
 def shape_list(shape) -> Optional[List[int]]:
