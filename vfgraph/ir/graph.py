@@ -450,10 +450,12 @@ class FunctionGraph:
         library = self.library
         simple: Dict[str, Optional[Tuple[str, ...]]] = {name: output_names(op, library)
                                                         for name, op in self.op_types().items()}
-        children: Dict[str, List[str]] = {}
-        indegree: Dict[str, int] = {}
+        # A cycle needs an input read from a node stored later ("back"): exporters and builders
+        # write nodes in an order with none or one (TensorFlow's output Identity waits for the
+        # NoOp after it), so only those are followed (see _check_acyclic).
+        before: set = set()
+        back: List[Tuple[str, str]] = []
         for name in nodes:
-            preds = set()
             for i, (t, ctl) in enumerate(self.inputs(name)):
                 p = t.node
                 if ctl:
@@ -470,10 +472,9 @@ class FunctionGraph:
                         ok = True
                 if not ok:
                     self._checked_input(name, nodes[name].input[i], args)
-                preds.add(p)
-            indegree[name] = len(preds)
-            for p in preds:
-                children.setdefault(p, []).append(name)
+                if p not in before and p in nodes:
+                    back.append((name, p))
+            before.add(name)
         for k, v in self._header.ret.items():
             t, _ = parse_input(v)
             if t.node not in args and t.node not in self.nodes:
@@ -484,7 +485,39 @@ class FunctionGraph:
         names = {a.name for a in self.signature.output_arg}
         if names != set(self._header.ret):
             raise VerifyError(f"{self.name}: outputs {sorted(names)} do not match ret {sorted(self._header.ret)}")
-        ready = [n for n, d in indegree.items() if d == 0]  # Kahn: every node ordered iff acyclic
+        if back:
+            self._check_acyclic(back)
+
+    def _check_acyclic(self, back: List[Tuple[str, str]]) -> None:
+        """Raise if the graph has a cycle. ``back``: the (node, input node) pairs where the
+        input is stored at or after the node; a cycle has one of them. With a few, each is
+        checked on its own: node ``c`` reading ``p`` closes a cycle iff ``p`` reads ``c``
+        (transitively), and that walk never needs a node stored before the first ``c`` (it
+        could only climb back up through another pair). Otherwise Kahn's algorithm."""
+        if len(back) <= 8:
+            nodes = self.nodes
+            position = {n: i for i, n in enumerate(nodes)}
+            low = min(position[c] for c, _ in back)
+            for c, p in back:
+                seen, stack = {p}, [p]
+                while stack:
+                    q = stack.pop()
+                    if q == c:
+                        return self._raise_cycle()
+                    for t, _ in self.inputs(q):
+                        r = t.node
+                        if r not in seen and position.get(r, -1) >= low:
+                            seen.add(r)
+                            stack.append(r)
+            return
+        children: Dict[str, List[str]] = {}
+        indegree: Dict[str, int] = {}
+        for name in self.nodes:
+            preds = {t.node for t, _ in self.inputs(name) if t.node in self.nodes}  # (inputs were checked)
+            indegree[name] = len(preds)
+            for p in preds:
+                children.setdefault(p, []).append(name)
+        ready = [n for n, d in indegree.items() if d == 0]
         done = 0
         while ready:
             done += 1
@@ -493,8 +526,11 @@ class FunctionGraph:
                 if indegree[c] == 0:
                     ready.append(c)
         if done != len(indegree):
-            cycle = nx.find_cycle(self.to_networkx())
-            raise VerifyError(f"{self.name}: cycle through {cycle[0][0]!r}")
+            self._raise_cycle()
+
+    def _raise_cycle(self) -> None:
+        cycle = nx.find_cycle(self.to_networkx())
+        raise VerifyError(f"{self.name}: cycle through {cycle[0][0]!r}")
 
     def _checked_input(self, name: str, s: str, args) -> Optional[str]:
         """The node input ``s`` of node ``name`` waits for (None: none), or the error."""
