@@ -36,19 +36,22 @@ class TensorRef(NamedTuple):
         return self.node if self.arg is None else f"{self.node}:{self.arg}:{self.index}"
 
 
+_ref = tuple.__new__  # TensorRef's own constructor without its Python-level __new__ (a 100k-node graph parses ~130k strings)
+
+
 @lru_cache(maxsize=1 << 20)
 def parse_input(text: str) -> Tuple[TensorRef, bool]:
     """Parse one FunctionDef input string; returns (tensor, is_control). Results are shared
     (a TensorRef is immutable), so a string is parsed once."""
     if text.startswith("^"):
-        return TensorRef(text[1:]), True
+        return _ref(TensorRef, (text[1:], None, 0)), True
     parts = text.split(":")
     if len(parts) == 1:
-        return TensorRef(parts[0]), False
+        return _ref(TensorRef, (text, None, 0)), False
     if len(parts) == 3:
-        return TensorRef(parts[0], parts[1], int(parts[2])), False
+        return _ref(TensorRef, (parts[0], parts[1], int(parts[2]))), False
     if len(parts) == 2:  # GraphDef style "node:k"
-        return TensorRef(parts[0], "", int(parts[1])), False
+        return _ref(TensorRef, (parts[0], "", int(parts[1]))), False
     raise VerifyError(f"malformed input reference {text!r}")
 
 
@@ -234,16 +237,20 @@ class FunctionGraph:
         return self._layout_cache[node]
 
     def outputs(self, node: str) -> List[TensorRef]:
-        if node not in self._outputs_cache:
-            self._outputs_cache[node] = [TensorRef(node, a, k) for a, k, _ in self.layout(node)]
-        return self._outputs_cache[node]
+        """Every flat output of ``node``; an op without list outputs needs no attribute read."""
+        found = self._outputs_cache.get(node)
+        if found is None:
+            names = output_names(self.nodes[node].op, self.library)
+            found = self._outputs_cache[node] = ([TensorRef(node, a, 0) for a in names] if names is not None else
+                                                 [TensorRef(node, a, k) for a, k, _ in self.layout(node)])
+        return found
 
     def flat_index(self, ref: TensorRef) -> int:
         index = self._index_cache.get(ref.node)
         if index is None:
             index = {}
-            for i, (a, k, _) in enumerate(self.layout(ref.node)):
-                index.setdefault((a, k), i)
+            for i, t in enumerate(self.outputs(ref.node)):
+                index.setdefault((t.arg, t.index), i)
             self._index_cache[ref.node] = index
         i = index.get((ref.arg, ref.index))
         if i is None:
