@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from tensorflow.core.protobuf import saved_object_graph_pb2, trackable_object_graph_pb2
@@ -22,10 +22,18 @@ def _paths(og: saved_object_graph_pb2.SavedObjectGraph) -> Dict[int, str]:
     return paths
 
 
-def extend_checkpoint(src_prefix: str, dst_prefix: str, og: saved_object_graph_pb2.SavedObjectGraph) -> bool:
+# Bytes of tensors per SaveV2 call. A larger checkpoint is written in groups, each to its own
+# temporary prefix, and merged by MergeV2Checkpoints (which moves data files, not tensors):
+# memory stays near one group (twice: the read values and their tensors), not the model's size.
+GROUP_BYTES = 64 << 20
+
+
+def extend_checkpoint(src_prefix: str, dst_prefix: str, og: saved_object_graph_pb2.SavedObjectGraph,
+                      group_bytes: Optional[int] = None) -> bool:
     """Write ``dst_prefix`` = the checkpoint at ``src_prefix`` plus zero-valued entries for the
     variables of ``og`` that it lacks, with its object graph extended to match ``og`` (node
-    ids of the two graphs correspond). Returns False when nothing needed adding."""
+    ids of the two graphs correspond), in groups of about ``group_bytes`` (default
+    GROUP_BYTES). Returns False (and writes nothing) when nothing needed adding."""
     import tensorflow as tf
 
     reader = tf.train.load_checkpoint(src_prefix)
@@ -37,13 +45,10 @@ def extend_checkpoint(src_prefix: str, dst_prefix: str, og: saved_object_graph_p
     if old >= len(og.nodes):
         return False
     paths = _paths(og)
-    names: List[str] = []
-    tensors: List = []
-    for key in sorted(reader.get_variable_to_shape_map()):
-        if key == OBJECT_GRAPH_KEY:
-            continue
-        names.append(key)
-        tensors.append(reader.get_tensor(key))
+    shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+    # (key, bytes, value or None: read from the source when its group is written)
+    entries: List[Tuple[str, int, Optional[np.ndarray]]] = [
+        (key, int(np.prod(shapes[key])) * dtypes[key].size, None) for key in sorted(shapes) if key != OBJECT_GRAPH_KEY]
     known = {c.node_id for c in ckpt_graph.nodes[0].children}
     for c in og.nodes[0].children:
         if c.node_id >= old and c.node_id not in known:
@@ -57,13 +62,29 @@ def extend_checkpoint(src_prefix: str, dst_prefix: str, og: saved_object_graph_p
             var = saved.variable
             key = f"{paths[node_id]}/.ATTRIBUTES/VARIABLE_VALUE"
             node.attributes.add(name="VARIABLE_VALUE", full_name=var.name, checkpoint_key=key)
-            names.append(key)
             dims = [max(d.size, 0) for d in var.shape.dim]  # an unknown dimension starts empty (sparse rows)
-            tensors.append(np.zeros(dims, tf.dtypes.as_dtype(var.dtype).as_numpy_dtype))
-    names.append(OBJECT_GRAPH_KEY)
-    tensors.append(np.array(ckpt_graph.SerializeToString(deterministic=True), dtype=object))
-    os.makedirs(os.path.dirname(dst_prefix), exist_ok=True)
+            zeros = np.zeros(dims, tf.dtypes.as_dtype(var.dtype).as_numpy_dtype)
+            entries.append((key, zeros.nbytes, zeros))
+    graph = ckpt_graph.SerializeToString(deterministic=True)
+    entries.append((OBJECT_GRAPH_KEY, len(graph), np.array(graph, dtype=object)))
+    limit = GROUP_BYTES if group_bytes is None else group_bytes
+    groups: List[list] = [[]]
+    size = 0
+    for entry in entries:
+        if groups[-1] and size + entry[1] > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += entry[1]
+    parent = os.path.dirname(dst_prefix)
+    os.makedirs(parent, exist_ok=True)
+    parts = [dst_prefix] if len(groups) == 1 else [os.path.join(parent, f".part-{k}", "part") for k in range(len(groups))]
     with tf.device("/cpu:0"):
-        tf.raw_ops.SaveV2(prefix=dst_prefix, tensor_names=names, shape_and_slices=[""] * len(names),
-                          tensors=[tf.constant(t) for t in tensors])
+        for prefix, group in zip(parts, groups):
+            names = [key for key, _, _ in group]
+            tensors = [tf.constant(reader.get_tensor(key) if value is None else value) for key, _, value in group]
+            tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
+            del tensors
+        if len(parts) > 1:  # moves the parts' data files under dst_prefix and deletes their directories
+            tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts, destination_prefix=dst_prefix, delete_old_dirs=True)
     return True

@@ -244,9 +244,17 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
     parent = os.path.dirname(out)
     tmp = tempfile.mkdtemp(prefix=".vfgraph-", dir=parent)
     try:
+        proto = tf1.emit(item) if item.kind == "tf1_saved_model" else item.saved_model
+        prefix = os.path.join("variables", "variables")
+        extended = False  # the checkpoint written again with the object graph's new variables
+        if os.path.isfile(os.path.join(item.source, prefix + ".index")):
+            from vfgraph.io.checkpoint import extend_checkpoint
+
+            extended = extend_checkpoint(os.path.join(item.source, prefix), os.path.join(tmp, prefix),
+                                         proto.meta_graphs[0].object_graph_def)
         for sub in ("variables", "assets"):
             src = os.path.join(item.source, sub)
-            if os.path.isdir(src):
+            if os.path.isdir(src) and not (sub == "variables" and extended):
                 shutil.copytree(src, os.path.join(tmp, sub))
         if item.variables_prefix:  # a TF1 checkpoint becomes the SavedModel's variables
             from vfgraph.io.metagraph import checkpoint_files
@@ -258,15 +266,6 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
         extra = os.path.join(item.source, "assets.extra")
         if os.path.isdir(extra):
             shutil.copytree(extra, os.path.join(tmp, "assets.extra"))
-        proto = tf1.emit(item) if item.kind == "tf1_saved_model" else item.saved_model
-        prefix = os.path.join("variables", "variables")
-        if os.path.isfile(os.path.join(item.source, prefix + ".index")):
-            from vfgraph.io.checkpoint import extend_checkpoint
-
-            staged = os.path.join(tmp, ".variables-new", "variables")
-            if extend_checkpoint(os.path.join(item.source, prefix), staged, proto.meta_graphs[0].object_graph_def):
-                shutil.rmtree(os.path.join(tmp, "variables"))
-                os.rename(os.path.dirname(staged), os.path.join(tmp, "variables"))
         with open(os.path.join(tmp, SAVED_MODEL_PB), "wb") as f:
             f.write(proto.SerializeToString(deterministic=True))
         if item.metadata:
