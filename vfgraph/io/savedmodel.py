@@ -273,7 +273,7 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
             with open(os.path.join(tmp, METADATA_FILE), "w") as f:
                 json.dump(item.metadata, f, indent=2, sort_keys=True)
                 f.write("\n")
-        _write_fingerprint(tmp)
+        _write_fingerprint(tmp, proto)
         if os.path.exists(out):
             old = tempfile.mkdtemp(prefix=".vfgraph-old-", dir=parent)
             os.rename(out, os.path.join(old, "x"))
@@ -287,8 +287,9 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
     return out
 
 
-def _write_fingerprint(path: str) -> None:
-    """TensorFlow's fingerprint.pb, with a uuid derived from the content (deterministic)."""
+def _write_fingerprint(path: str, proto: saved_model_pb2.SavedModel) -> None:
+    """TensorFlow's fingerprint.pb for the SavedModel written at ``path`` (``proto``), with a
+    uuid derived from the content (deterministic)."""
     from tensorflow.core.protobuf import fingerprint_pb2
     from tensorflow.python.saved_model.pywrap_saved_model import fingerprinting
 
@@ -296,8 +297,7 @@ def _write_fingerprint(path: str) -> None:
     fp.ParseFromString(fingerprinting.CreateFingerprintDef(path))
     # TensorFlow's object-graph hash varies between runs once functions share a canonical name
     # (accumulate_0 / apply_0); a hash of the serialized object graph is stable.
-    sm = read_saved_model_proto(path)
-    og = sm.meta_graphs[0].object_graph_def.SerializeToString(deterministic=True)
+    og = proto.meta_graphs[0].object_graph_def.SerializeToString(deterministic=True)
     fp.saved_object_graph_hash = int(hashlib.sha256(og).hexdigest()[:16], 16)
     fp.ClearField("uuid")
     fp.uuid = str(int(hashlib.sha256(fp.SerializeToString(deterministic=True)).hexdigest()[:30], 16))
