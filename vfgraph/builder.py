@@ -45,30 +45,53 @@ def extract_function(
     writes) are kept as control outputs; otherwise only data ancestors of the outputs stay.
     """
     cut = {ref: arg_name for arg_name, ref in new_args}  # these tensors become arguments
+    nodes = g.nodes
     roots = [r.node for _, r in outputs if not r.is_function_arg]
     effects: List[str] = []
     if side_effects:
-        effects = [n for n in g.nodes if n not in drop and _stateful(g, n)]
+        effects = [n for n in nodes if n not in drop and _stateful(g, n)]
         roots += effects
-
-    def follow(n: str):
-        if n in drop:
-            return []
-        return [t.node for t, ctl in g.inputs(n) if (side_effects or not ctl) and (ctl or t not in cut)]
-
-    keep = {n for n in g.ancestors(roots, follow) if n not in drop}
-    if side_effects:
-        effects = [n for n in effects if n in keep]
     kept = list(keep_args) if keep_args is not None else [a.name for a in g.header.signature.input_arg]
     # Every kept node and output must still find what it reads (``drop`` and ``keep_args`` can
     # take it away); output names and acyclicity carry over from ``g``, which was verified.
-    defined = keep.union(cut.values(), kept)
+    # One walk up from the roots: data inputs (except the new arguments), and control inputs
+    # with ``side_effects``; a node with an input that may need rewriting (it becomes an
+    # argument, or waits for a node perhaps left out) or is wrong is looked at again after.
+    args = set(kept).union(cut.values())
+    keep: set = set()
+    again: set = set()
+    stack = [r for r in roots if r in nodes and r not in drop]
+    while stack:
+        n = stack.pop()
+        if n in keep:
+            continue
+        keep.add(n)
+        for t, ctl in g.inputs(n):
+            p = t.node
+            if ctl:
+                if not side_effects or p not in nodes or p in drop:
+                    again.add(n)
+                    continue
+            elif t in cut:
+                again.add(n)
+                continue
+            elif p not in nodes or p in drop:
+                if p not in args:
+                    again.add(n)
+                continue
+            if p not in keep:
+                stack.append(p)
+    if side_effects:
+        effects = [n for n in effects if n in keep]
+    defined = keep.union(args)
     # Only the kept nodes are copied (in one call); the inputs of those that read a new
     # argument, or wait for a node left out, are rewritten after.
     fdef = copy_header(g.header, into)
-    order = [n for n in g.nodes if n in keep]
-    fdef.node_def.extend(g.nodes[n] for n in order)
+    order = [n for n in nodes if n in keep]
+    fdef.node_def.extend(nodes[n] for n in order)
     for k, n in enumerate(order):
+        if n not in again:
+            continue
         rewrite = False
         for t, ctl in g.inputs(n):
             if ctl:
