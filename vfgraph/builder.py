@@ -196,7 +196,9 @@ def shape_proto(dims: Optional[Sequence[int]]):
     return proto
 
 
+@lru_cache(maxsize=None)
 def type_attr(dtype: int):
+    """A type AttrValue (shared between calls: copy it, do not change it)."""
     return attr_value_pb2.AttrValue(type=dtype)
 
 
@@ -244,6 +246,9 @@ def func_attr(name: str):
     return v
 
 
+_ATTR = attr_value_pb2.AttrValue
+
+
 def _attr_value(value):
     if isinstance(value, attr_value_pb2.AttrValue):
         return value
@@ -261,17 +266,14 @@ def _attr_value(value):
 class Node:
     """A node added by :class:`FunctionBuilder`; ``node[k]`` is its k-th flat output."""
 
-    def __init__(self, proto: node_def_pb2.NodeDef, library):
+    def __init__(self, proto: node_def_pb2.NodeDef, library, name: str, op: str):
         self.proto, self._library = proto, library
+        self.name, self._op = name, op  # (what the proto holds, without reading it back)
         self._refs: Optional[List[str]] = None
 
     @property
-    def name(self) -> str:
-        return self.proto.name
-
-    @property
     def ctl(self) -> str:
-        return "^" + self.proto.name
+        return "^" + self.name
 
     def __getitem__(self, k: int) -> str:
         return self.outputs()[k]
@@ -281,8 +283,8 @@ class Node:
         from vfgraph.ir.graph import output_layout, output_names
 
         if self._refs is None:
-            name = self.proto.name
-            simple = output_names(self.proto.op, self._library)
+            name = self.name
+            simple = output_names(self._op, self._library)
             if simple is not None:
                 self._refs = [f"{name}:{arg}:0" for arg in simple]
             else:
@@ -342,9 +344,9 @@ class FunctionBuilder:
             inputs.append(d.ctl if isinstance(d, Node) else d if d.startswith("^") else "^" + d)
         defined = self._defined
         for s in inputs:  # only earlier nodes: a built function is acyclic by construction
-            if s.lstrip("^").split(":", 1)[0] not in defined:
+            if s.partition(":")[0].lstrip("^") not in defined:
                 raise KeyError(f"{self.fdef.signature.name}: node {name!r} reads {s!r}, which is not defined yet")
-        values = {k: _attr_value(v) for k, v in attrs.items()}
+        values = {k: v if type(v) is _ATTR else _attr_value(v) for k, v in attrs.items()}
         if op not in self.library:
             defaults = _op_defaults(op)
             if defaults is None:
@@ -356,7 +358,7 @@ class FunctionBuilder:
             values["_output_shapes"] = shapes_attr(shapes)
         node = self.fdef.node_def.add(name=name, op=op, input=inputs, attr=values)
         defined.add(name)
-        return Node(node, self.library)
+        return Node(node, self.library, name, op)
 
     def const(self, value, dtype: int, name: str = "Const") -> Node:
         import numpy as np
