@@ -63,8 +63,9 @@ def test_a_read_only_graph_copies_headers_without_nodes_and_extracts_in_place():
     from vfgraph.builder import extract_function
     from vfgraph.ir.graph import TensorRef, copy_header
 
-    fdef = text_format.Parse(GOOD + 'attr { key: "_noinline" value { b: true } }\n'
-                             'arg_attr { key: 0 value { attr { key: "k" value { i: 1 } } } }', function_pb2.FunctionDef())
+    text = (GOOD + 'attr { key: "_noinline" value { b: true } }\n'
+            'arg_attr { key: 0 value { attr { key: "k" value { i: 1 } } } }')
+    fdef = text_format.Parse(text, function_pb2.FunctionDef())
     before = fdef.SerializeToString()
     header = copy_header(fdef)
     assert not header.node_def and header.signature == fdef.signature and header.ret == fdef.ret

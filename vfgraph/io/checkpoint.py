@@ -1,8 +1,9 @@
 """Checkpoints of SavedModels whose object graph gained variables (accumulators)."""
 from __future__ import annotations
 
+import functools
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 from tensorflow.core.protobuf import saved_object_graph_pb2, trackable_object_graph_pb2
@@ -46,9 +47,10 @@ def extend_checkpoint(src_prefix: str, dst_prefix: str, og: saved_object_graph_p
         return False
     paths = _paths(og)
     shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
-    # (key, bytes, value or None: read from the source when its group is written)
-    entries: List[Tuple[str, int, Optional[np.ndarray]]] = [
-        (key, int(np.prod(shapes[key])) * dtypes[key].size, None) for key in sorted(shapes) if key != OBJECT_GRAPH_KEY]
+    # (key, bytes, what makes the value when its group is written)
+    entries: List[Tuple[str, int, Callable[[], np.ndarray]]] = [
+        (key, int(np.prod(shapes[key])) * dtypes[key].size, functools.partial(reader.get_tensor, key))
+        for key in sorted(shapes) if key != OBJECT_GRAPH_KEY]
     known = {c.node_id for c in ckpt_graph.nodes[0].children}
     for c in og.nodes[0].children:
         if c.node_id >= old and c.node_id not in known:
@@ -63,10 +65,10 @@ def extend_checkpoint(src_prefix: str, dst_prefix: str, og: saved_object_graph_p
             key = f"{paths[node_id]}/.ATTRIBUTES/VARIABLE_VALUE"
             node.attributes.add(name="VARIABLE_VALUE", full_name=var.name, checkpoint_key=key)
             dims = [max(d.size, 0) for d in var.shape.dim]  # an unknown dimension starts empty (sparse rows)
-            zeros = np.zeros(dims, tf.dtypes.as_dtype(var.dtype).as_numpy_dtype)
-            entries.append((key, zeros.nbytes, zeros))
+            dtype = np.dtype(tf.dtypes.as_dtype(var.dtype).as_numpy_dtype)
+            entries.append((key, int(np.prod(dims)) * dtype.itemsize, functools.partial(np.zeros, dims, dtype)))
     graph = ckpt_graph.SerializeToString(deterministic=True)
-    entries.append((OBJECT_GRAPH_KEY, len(graph), np.array(graph, dtype=object)))
+    entries.append((OBJECT_GRAPH_KEY, len(graph), functools.partial(np.array, graph, dtype=object)))
     limit = GROUP_BYTES if group_bytes is None else group_bytes
     groups: List[list] = [[]]
     size = 0
@@ -78,13 +80,16 @@ def extend_checkpoint(src_prefix: str, dst_prefix: str, og: saved_object_graph_p
         size += entry[1]
     parent = os.path.dirname(dst_prefix)
     os.makedirs(parent, exist_ok=True)
-    parts = [dst_prefix] if len(groups) == 1 else [os.path.join(parent, f".part-{k}", "part") for k in range(len(groups))]
+    parts = [dst_prefix]
+    if len(groups) > 1:  # each part in its own directory, which the merge deletes
+        parts = [os.path.join(parent, f".part-{k}", "part") for k in range(len(groups))]
     with tf.device("/cpu:0"):
         for prefix, group in zip(parts, groups):
             names = [key for key, _, _ in group]
-            tensors = [tf.constant(reader.get_tensor(key) if value is None else value) for key, _, value in group]
+            tensors = [tf.constant(make()) for _, _, make in group]
             tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
             del tensors
-        if len(parts) > 1:  # moves the parts' data files under dst_prefix and deletes their directories
-            tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts, destination_prefix=dst_prefix, delete_old_dirs=True)
+        if len(parts) > 1:  # moves the parts' data files under dst_prefix
+            tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts, destination_prefix=dst_prefix,
+                                          delete_old_dirs=True)
     return True

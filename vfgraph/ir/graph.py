@@ -36,7 +36,8 @@ class TensorRef(NamedTuple):
         return self.node if self.arg is None else f"{self.node}:{self.arg}:{self.index}"
 
 
-_ref = tuple.__new__  # TensorRef's own constructor without its Python-level __new__ (a 100k-node graph parses ~130k strings)
+# TensorRef's tuple made without its Python-level __new__ (a 100k-node graph parses ~130k strings)
+_ref = tuple.__new__
 
 
 @lru_cache(maxsize=1 << 20)
