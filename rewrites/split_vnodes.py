@@ -700,18 +700,22 @@ def _header(g: FunctionGraph, name: str, args: List[str], resources: List[str], 
     from tensorflow.core.framework import function_pb2
 
     fdef = function_pb2.FunctionDef()
-    fdef.signature.name = name
-    fdef.signature.is_stateful = True
+    sig = fdef.signature
+    sig.name = name
+    sig.is_stateful = True
     src = g.header
-    index = {a.name: i for i, a in enumerate(src.signature.input_arg)}
-    for a in args:
-        fdef.signature.input_arg.add().CopyFrom(src.signature.input_arg[index[a]])
-        if index[a] in src.arg_attr:
-            fdef.arg_attr[len(fdef.signature.input_arg) - 1].CopyFrom(src.arg_attr[index[a]])
+    src_args = list(src.signature.input_arg)
+    index = {a.name: i for i, a in enumerate(src_args)}
+    picked = [index[a] for a in args]
+    sig.input_arg.extend([src_args[i] for i in picked])  # one call
+    attrs = dict(src.arg_attr)
+    for k, i in enumerate(picked):
+        if i in attrs:
+            fdef.arg_attr[k].CopyFrom(attrs[i])
     for a in resources:
-        fdef.signature.input_arg.add(name=a, type=types_pb2.DT_RESOURCE)
+        sig.input_arg.add(name=a, type=types_pb2.DT_RESOURCE)
     for o, t in zip(outputs, out_types):
-        fdef.signature.output_arg.add(name=o, type=t)
+        sig.output_arg.add(name=o, type=t)
     return fdef
 
 

@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Dict, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from google.protobuf.message import DecodeError
 from tensorflow.core.framework import types_pb2
@@ -107,10 +107,11 @@ def item_from_proto(sm: saved_model_pb2.SavedModel, path: str, skip: Set[str] = 
     graph_nodes = {n.name: n for n in mg.graph_def.node}
     library = {f.signature.name: f for f in mg.graph_def.library.function}
     signatures: Dict[str, SignatureInfo] = {}
+    handles: Dict[str, Tuple[int, Optional[List[int]]]] = {}  # variable handle node -> (dtype, shape), read once
     for key in sorted(mg.signature_def):
         if key.startswith("__") or key in skip:
             continue
-        info = _signature_info(path, key, mg.signature_def[key], graph_nodes, library)
+        info = _signature_info(path, key, mg.signature_def[key], graph_nodes, library, handles)
         if info is not None:
             signatures[key] = info
     if not signatures and tf1.is_tf1(sm):
@@ -122,7 +123,7 @@ def _has_variables(mg) -> bool:
     return any(n.WhichOneof("kind") == "variable" for n in mg.object_graph_def.nodes)
 
 
-def _signature_info(path, key, sig, graph_nodes, library) -> Optional[SignatureInfo]:
+def _signature_info(path, key, sig, graph_nodes, library, handles) -> Optional[SignatureInfo]:
     """Follow signature tensors to the call node and down through thin wrappers."""
     out_nodes = {t.name.split(":")[0] for t in sig.outputs.values()}
     calls = [graph_nodes[n] for n in sorted(out_nodes) if n in graph_nodes and graph_nodes[n].op in _CALL_OPS]
@@ -153,12 +154,14 @@ def _signature_info(path, key, sig, graph_nodes, library) -> Optional[SignatureI
         src = source_of.get(a.name)
         if a.type == types_pb2.DT_RESOURCE:
             resource_args.append(a.name)
-            handle = graph_nodes.get(src)
-            shape = None
-            if handle is not None and "shape" in handle.attr:
-                shape = [d.size for d in handle.attr["shape"].shape.dim]
-            dtype = handle.attr["dtype"].type if handle is not None and "dtype" in handle.attr else 0
-            variables[a.name] = VariableInfo(name=src or a.name, dtype=dtype, shape=shape)
+            found = handles.get(src)
+            if found is None:
+                handle = graph_nodes.get(src)
+                attrs = handle.attr if handle is not None else {}
+                found = handles[src] = (attrs["dtype"].type if "dtype" in attrs else 0,
+                                        [d.size for d in attrs["shape"].shape.dim] if "shape" in attrs else None)
+            dtype, shape = found
+            variables[a.name] = VariableInfo(name=src or a.name, dtype=dtype, shape=None if shape is None else list(shape))
         else:
             batch_args.append(a.name)
             input_keys[a.name] = placeholder_key.get(src, a.name)
