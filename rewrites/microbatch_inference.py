@@ -49,10 +49,9 @@ class MicrobatchInferencePass(Pass):
                 notes.append(f"microbatch-inference: signature {sig.key!r} left as is: {why}")
                 continue
             original = item.function(sig.function)
-            slice_fn = original.__class__()
+            slice_fn = item.new_function(function_name(sig.function, "slice"))  # a copy, made in the library
             slice_fn.CopyFrom(original)
             slice_fn.signature.name = function_name(sig.function, "slice")
-            item.set_function(slice_fn)
             for f in _loop_functions(item, sig, original, slice_fn, b):
                 item.set_function(f)
             verify_function_def(item.function(sig.function), item.library)
@@ -71,7 +70,7 @@ def _training_b(item: GraphItem) -> int:
 
 
 def _unsliceable(item: GraphItem, sig: SignatureInfo) -> str:
-    g = FunctionGraph(item.function(sig.function), item.library)
+    g = FunctionGraph._over(item.function(sig.function), item.library)  # read only
     if not sig.batch_args:
         return "it has no batch inputs"
     for a in sig.batch_args:
@@ -89,7 +88,7 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: 
     """The serving loop: (replacement function, loop body, loop condition). A ``While`` over
     ``ceil(n / b)`` slices calls ``slice_fn`` on each and appends its outputs to tensor lists,
     concatenated at the end."""
-    g = FunctionGraph(original, item.library)
+    g = FunctionGraph._over(original, item.library)  # read only
     lib = item.library
     lib[slice_fn.signature.name] = slice_fn
     names = g.arg_names
