@@ -47,7 +47,7 @@ def extend_checkpoint(src_prefix: str, dst_prefix: str, og: saved_object_graph_p
         return False
     paths = _paths(og)
     shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
-    # (key, bytes, what makes the value when its group is written)
+    # (key, bytes (strings count none: their size is known once read), what makes the value when its group is written)
     entries: List[Tuple[str, int, Callable[[], np.ndarray]]] = [
         (key, int(np.prod(shapes[key])) * dtypes[key].size, functools.partial(reader.get_tensor, key))
         for key in sorted(shapes) if key != OBJECT_GRAPH_KEY]
