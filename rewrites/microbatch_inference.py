@@ -49,9 +49,10 @@ class MicrobatchInferencePass(Pass):
                 notes.append(f"microbatch-inference: signature {sig.key!r} left as is: {why}")
                 continue
             original = item.function(sig.function)
-            slice_fn = item.new_function(function_name(sig.function, "slice"))  # a copy, made in the library
+            slice_name = function_name(sig.function, "slice")
+            slice_fn = item.new_function(slice_name)  # a copy, made in the library
             slice_fn.CopyFrom(original)
-            slice_fn.signature.name = function_name(sig.function, "slice")
+            slice_fn.signature.name = slice_name
             for f in _loop_functions(item, sig, original, slice_fn, b):
                 item.set_function(f)
             verify_function_def(item.function(sig.function), item.library)

@@ -78,12 +78,7 @@ class GraphItem:
 
     def set_function(self, fdef: function_pb2.FunctionDef) -> None:
         """Add ``fdef`` to the library, replacing a function of the same name."""
-        lib = self.meta_graph.graph_def.library.function
-        for i, f in enumerate(lib):
-            if f.signature.name == fdef.signature.name:
-                lib[i].CopyFrom(fdef)
-                return
-        lib.add().CopyFrom(fdef)
+        self.new_function(fdef.signature.name).CopyFrom(fdef)
 
     def new_function(self, name: str) -> function_pb2.FunctionDef:
         """An empty function ``name`` in the library, to be filled in place (a large generated

@@ -501,7 +501,7 @@ class FunctionGraph:
         input is stored at or after the node; a cycle has one of them. With a few, each is
         checked on its own: node ``c`` reading ``p`` closes a cycle iff ``p`` reads ``c``
         (transitively), and that walk never needs a node stored before the first ``c`` (it
-        could only climb back up through another pair). Otherwise Kahn's algorithm."""
+        could only climb back up through another pair). Otherwise the whole graph is ordered."""
         if len(back) <= 8:
             nodes = self.nodes
             position = {n: i for i, n in enumerate(nodes)}
@@ -518,22 +518,9 @@ class FunctionGraph:
                             seen.add(r)
                             stack.append(r)
             return
-        children: Dict[str, List[str]] = {}
-        indegree: Dict[str, int] = {}
-        for name in self.nodes:
-            preds = {t.node for t, _ in self.inputs(name) if t.node in self.nodes}  # (inputs were checked)
-            indegree[name] = len(preds)
-            for p in preds:
-                children.setdefault(p, []).append(name)
-        ready = [n for n, d in indegree.items() if d == 0]
-        done = 0
-        while ready:
-            done += 1
-            for c in children.get(ready.pop(), ()):
-                indegree[c] -= 1
-                if indegree[c] == 0:
-                    ready.append(c)
-        if done != len(indegree):
+        try:
+            self.topological_order()
+        except nx.NetworkXUnfeasible:
             self._raise_cycle()
 
     def _raise_cycle(self) -> None:
