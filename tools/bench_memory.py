@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 
-from benchlib import git_state, write_report
+from benchlib import git_state, proc_status, reset_hwm, write_report
 
 TARGET = 0.30
 MIB = 1024.0 * 1024.0
@@ -63,26 +63,8 @@ def parse_args():
 
 # ---------------------------------------------------------------------------------------------- helpers
 
-def proc_status(field: str) -> float:
-    """A /proc/self/status memory field in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return float(line.split()[1]) * 1024.0
-    return float("nan")
-
-
 def maxrss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: kilobytes
-
-
-def reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def export_model(path: str, which: str) -> None:

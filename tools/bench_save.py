@@ -5,11 +5,11 @@ checkpoint in one SaveV2 call, measured in the same run.
 The model is ResNet-50 (keras.applications, weights=None, 64x64 inputs, 10 classes, SGD with
 momentum, as in bench_rewrite.py; the checkpoint holds its variables, optimizer slots and the
 zeroed gradient accumulators the rewrite adds), rewritten with 8 virtual nodes of 16 (--quick:
-MobileNetV2(alpha=0.35)). Each
-save runs in its own fresh process (rewrite first, not timed); peak memory is the largest
-resident set sampled every 2 ms during the save, less the resident set just before it. The
-group sizes alternate, three rounds; reported: median time and median peak per group size,
-and their ratios to the whole checkpoint's.
+MobileNetV2(alpha=0.35)). Each save runs in its own fresh process (rewrite first, not timed);
+peak memory is the resident set's high-water mark during the save (reset just before it, read
+after) less the resident set just before it. The group sizes alternate, three rounds;
+reported: median time and median peak per group size, and their ratios to the whole
+checkpoint's.
 
     python tools/bench_save.py [--quick] [--json PATH]
 """
@@ -23,10 +23,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-from benchlib import git_state, write_report
+from benchlib import git_state, proc_status, reset_hwm, write_report
 
 WHOLE = 1 << 40  # larger than any checkpoint here: one SaveV2 call
 GROUPS = [("whole", WHOLE), ("64 MB (default)", 64 << 20), ("16 MB", 16 << 20)]
@@ -50,30 +49,18 @@ def child(model: str, group_bytes: int) -> None:
     import vfgraph
     from vfgraph.io import checkpoint
 
-    def rss_mb() -> float:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
-
     item = vfgraph.rewrite(model, vnodes=8, vnode_batch=16)
     checkpoint.GROUP_BYTES = group_bytes
     with tempfile.TemporaryDirectory(prefix="vfgraph-bench-save-") as d:
-        before = rss_mb()
-        peak, done = [before], threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], rss_mb())
-                time.sleep(0.002)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
+        before = proc_status("VmRSS")
+        if not reset_hwm():  # the rewrite's own peak would be read as the save's
+            raise SystemExit("bench_save: cannot reset the memory high-water mark (/proc/self/clear_refs)")
         t0 = time.perf_counter()
         out = vfgraph.save(item, os.path.join(d, "m"))
         seconds = time.perf_counter() - t0
-        done.set()
-        sampler.join()
+        peak_mb = (proc_status("VmHWM") - before) / 2 ** 20
         var_dir = os.path.join(out, "variables")
-        print(json.dumps({"seconds": seconds, "peak_mb": peak[0] - before,
+        print(json.dumps({"seconds": seconds, "peak_mb": peak_mb,
                           "shards": sum(".data-" in f for f in os.listdir(var_dir)),
                           "checkpoint_mb": sum(os.path.getsize(os.path.join(var_dir, f))
                                                for f in os.listdir(var_dir)) / 2 ** 20}))

@@ -31,3 +31,22 @@ def write_report(path: str, report: dict) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     print(f"\nwrote {path}")
+
+
+def proc_status(field: str) -> float:
+    """A /proc/self/status memory field in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return float(line.split()[1]) * 1024.0
+    return float("nan")
+
+
+def reset_hwm() -> bool:
+    """Reset this process's resident-set high-water mark (VmHWM); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
