@@ -95,6 +95,8 @@ def child(args) -> None:
     import numpy as np
     import tensorflow as tf
 
+    import vfgraph  # noqa: F401  (registers the ops rewritten graphs use, as a user's process does)
+
     if args.threads > 0:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
         tf.config.threading.set_inter_op_parallelism_threads(args.threads)
