@@ -155,16 +155,23 @@ class _Cuttable:
 
     def _node_flags(self, name: str) -> List[bool]:
         g = self.g
-        recorded = g.recorded_shapes(name) or ()
+        known = g.recorded_known(name)
         sparse, blocked, shapes = self.sparse, self.blocked, self.shapes
+        layout = None
         flags = []
-        for i, (ref, (_, _, dtype)) in enumerate(zip(g.outputs(name), g.layout(name))):
+        for i, ref in enumerate(g.outputs(name)):
             if ref in sparse:
                 flags.append(True)
-            elif ref in blocked or dtype not in FLOAT_TYPES:
-                flags.append(False)
+                continue
+            refined = shapes.get(ref)
+            ok = _known(refined) if refined else i < len(known) and known[i]
+            if ok and ref not in blocked:  # the dtype is read only for a tensor of known shape
+                if layout is None:
+                    layout = g.layout(name)
+                ok = layout[i][2] in FLOAT_TYPES
             else:
-                flags.append(_known(shapes.get(ref) or (recorded[i] if i < len(recorded) else None)))
+                ok = False
+            flags.append(ok)
         return flags
 
     def __call__(self, ref: TensorRef) -> bool:

@@ -68,27 +68,30 @@ def _op_def(op: str, library: Mapping[str, function_pb2.FunctionDef]) -> op_def_
 def output_layout(
     node: node_def_pb2.NodeDef, library: Mapping[str, function_pb2.FunctionDef]
 ) -> List[Tuple[str, int, DataType]]:
-    """The flat outputs of ``node``: (output arg name, index in arg, dtype) in order."""
+    """The flat outputs of ``node``: (output arg name, index in arg, dtype) in order. An
+    attribute the node leaves out has its registered default (exporters strip attributes at
+    their default); reading never adds one to the node."""
     op = node.op
     recipe = None if op in library else _REGISTERED_OUTPUTS.get(op)
     if recipe is None:
-        recipe = _output_recipe(_op_def(op, library))
+        recipe = _output_recipe(op, library)
         if op not in library:
             _REGISTERED_OUTPUTS[op] = recipe
+    attrs = node.attr
     out: List[Tuple[str, int, DataType]] = []
-    for name, type_list_attr, fixed, type_attr, number_attr in recipe:
+    for name, type_list_attr, fixed, type_attr, number_attr, defaults in recipe:
         if type_list_attr:
-            types = list(node.attr[type_list_attr].list.type)
+            types = list(attrs[type_list_attr].list.type if type_list_attr in attrs else defaults[type_list_attr])
         else:
-            dtype = fixed if fixed else node.attr[type_attr].type
-            count = node.attr[number_attr].i if number_attr else 1
+            dtype = fixed or (attrs[type_attr].type if type_attr in attrs else defaults.get(type_attr, 0))
+            count = (attrs[number_attr].i if number_attr in attrs else defaults.get(number_attr, 0)) if number_attr else 1
             types = [dtype] * count
         out.extend([(name, k, t) for k, t in enumerate(types)])
     return out
 
 
 # op type -> its outputs as (name, type_list_attr, type, type_attr, number_attr), for registered ops
-_REGISTERED_OUTPUTS: Dict[str, Tuple[Tuple[str, str, int, str, str], ...]] = {}
+_REGISTERED_OUTPUTS: Dict[str, tuple] = {}
 
 
 def output_names(op: str, library: Mapping[str, function_pb2.FunctionDef]) -> Optional[Tuple[str, ...]]:
@@ -106,8 +109,15 @@ def output_names(op: str, library: Mapping[str, function_pb2.FunctionDef]) -> Op
 _OUTPUT_NAMES: Dict[str, Optional[Tuple[str, ...]]] = {}
 
 
-def _output_recipe(od: op_def_pb2.OpDef) -> Tuple[Tuple[str, str, int, str, str], ...]:
-    return tuple((a.name, a.type_list_attr, a.type, a.type_attr, a.number_attr) for a in od.output_arg)
+def _output_recipe(op: str, library: Mapping[str, function_pb2.FunctionDef]) -> tuple:
+    """(name, type_list_attr, type, type_attr, number_attr, attribute defaults) per output."""
+    od = _op_def(op, library)
+    defaults = {}
+    for a in od.attr:
+        if a.HasField("default_value"):
+            v = a.default_value
+            defaults[a.name] = tuple(v.list.type) if a.type == "list(type)" else v.type if a.type == "type" else v.i
+    return tuple((a.name, a.type_list_attr, a.type, a.type_attr, a.number_attr, defaults) for a in od.output_arg)
 
 
 def arg_shape(fdef: function_pb2.FunctionDef, name: str) -> Optional[List[int]]:
@@ -152,7 +162,7 @@ class FunctionGraph:
         self._index_cache: Dict[str, Dict[Tuple[str, int], int]] = {}
         self._inputs_cache: Dict[str, List[Tuple[TensorRef, bool]]] = {}
         self._shapes_cache: Dict[str, Optional[Tuple[Optional[List[int]], ...]]] = {}
-        self._parsed_shapes: Dict[bytes, Tuple[Optional[List[int]], ...]] = {}
+        self._parsed_shapes: Dict[bytes, tuple] = {}  # attribute bytes -> (shapes, fully known)
         self._ops: Optional[Dict[str, str]] = None
 
     # ----------------------------------------------------------------- boundary
@@ -285,17 +295,26 @@ class FunctionGraph:
         only. Kept per node (the gradients' ``IdentityN`` has hundreds of outputs) and parsed
         once per distinct attribute value: a graph repeats a few shapes, and serializing one is
         a single call where reading it dimension by dimension is many."""
-        if node in self._shapes_cache:
-            return self._shapes_cache[node]
+        found = self._shapes_cache.get(node, _NOT_READ)
+        if found is _NOT_READ:
+            found = self._shapes_cache[node] = self._read_shapes(node)[0]
+        return found
+
+    def recorded_known(self, node: str) -> Tuple[bool, ...]:
+        """For every output of ``node``, whether its recorded static shape is fully known
+        (empty when nothing is recorded)."""
+        return self._read_shapes(node)[1]
+
+    def _read_shapes(self, node: str) -> Tuple[Optional[Tuple[Optional[List[int]], ...]], Tuple[bool, ...]]:
         attrs = self.nodes[node].attr
-        found = None
-        if "_output_shapes" in attrs:
-            value = attrs["_output_shapes"]
-            key = value.SerializeToString()
-            found = self._parsed_shapes.get(key)
-            if found is None:
-                found = self._parsed_shapes[key] = tuple(shape_list(s) for s in value.list.shape)
-        self._shapes_cache[node] = found
+        if "_output_shapes" not in attrs:
+            return None, ()
+        value = attrs["_output_shapes"]
+        key = value.SerializeToString()
+        found = self._parsed_shapes.get(key)
+        if found is None:
+            shapes = tuple(shape_list(s) for s in value.list.shape)
+            found = self._parsed_shapes[key] = shapes, tuple(s is not None and all(d >= 0 for d in s) for s in shapes)
         return found
 
     def consumers(self, ref: TensorRef) -> List[Tuple[str, int]]:
@@ -542,6 +561,7 @@ class FunctionGraph:
 
 
 _NOT_PRODUCED = object()
+_NOT_READ = object()
 
 
 def verify_function_def(fdef: function_pb2.FunctionDef,
