@@ -127,3 +127,22 @@ def test_cycles_are_found_in_any_node_order():
             g.verify()
 
     check()
+
+
+def test_output_types_of_attributes_left_at_their_default_and_reading_changes_nothing():
+    """Exporters strip attributes at their registered default (Shape's out_type: int32)."""
+    from tensorflow.core.framework import types_pb2
+
+    fdef = text_format.Parse("""
+        signature { name: "f" input_arg { name: "x" type: DT_FLOAT } output_arg { name: "s" type: DT_INT32 } }
+        node_def { name: "shape" op: "Shape" input: "x" attr { key: "T" value { type: DT_FLOAT } } }
+        node_def { name: "n" op: "IdentityN" input: "x" input: "shape:output:0"
+                   attr { key: "T" value { list { type: DT_FLOAT type: DT_INT32 } } } }
+        ret { key: "s" value: "shape:output:0" }
+    """, function_pb2.FunctionDef())
+    before = fdef.SerializeToString(deterministic=True)
+    g = FunctionGraph._over(fdef, {})
+    g.verify()
+    assert g.dtype(g.outputs("shape")[0]) == types_pb2.DT_INT32
+    assert [g.dtype(t) for t in g.outputs("n")] == [types_pb2.DT_FLOAT, types_pb2.DT_INT32]
+    assert fdef.SerializeToString(deterministic=True) == before
