@@ -146,3 +146,70 @@ def test_output_types_of_attributes_left_at_their_default_and_reading_changes_no
     assert g.dtype(g.outputs("shape")[0]) == types_pb2.DT_INT32
     assert [g.dtype(t) for t in g.outputs("n")] == [types_pb2.DT_FLOAT, types_pb2.DT_INT32]
     assert fdef.SerializeToString(deterministic=True) == before
+
+
+def _built(extra=None):
+    """A FunctionBuilder function: Relu(x), then AddV2 of it and x; ``extra`` adds one more node."""
+    from tensorflow.core.framework import types_pb2
+
+    from vfgraph.builder import FunctionBuilder, type_attr
+
+    f32 = type_attr(types_pb2.DT_FLOAT)
+    fb = FunctionBuilder("built", {})
+    x = fb.arg("x", types_pb2.DT_FLOAT)
+    a = fb.op("Relu", [x], name="a", T=f32)
+    b = fb.op("AddV2", [a[0], x], name="b", deps=[a], T=f32)
+    if extra:
+        extra(fb, f32)
+    fb.ret("y", b[0], types_pb2.DT_FLOAT)
+    return fb.finish()
+
+
+@pytest.mark.parametrize("inputs, deps", [
+    (["a:output:0"], ()),        # Relu's output is "activations"
+    (["a:activations:1"], ()),
+    (["x:0"], ()),               # an argument read with an output index
+    (["a"], ()),                 # a node read without an output
+    (["later:z:0"], ()),         # not written yet: built functions are acyclic
+    (["x"], ["x"]),              # a control input on an argument
+])
+def test_the_builder_refuses_what_verify_refuses(inputs, deps):
+    """What a builder writes is valid by construction (so verify may skip it): each reference it
+    refuses, verify refuses too."""
+    from tensorflow.core.framework import types_pb2
+
+    def extra(fb, f32):
+        fb.op("Identity", inputs, name="bad", deps=deps, T=f32)
+
+    with pytest.raises(KeyError, match="is not an argument or an output of a node written before"):
+        _built(extra)
+    fdef = _built()
+    bad = fdef.node_def.add(name="bad", op="Identity", input=inputs + ["^" + d for d in deps])
+    bad.attr["T"].type = types_pb2.DT_FLOAT
+    with pytest.raises(VerifyError):
+        FunctionGraph._over(fdef, {}).verify()
+
+
+def test_functions_are_verified_again_once_changed():
+    """verify_function_def skips bytes known valid (built, or verified before), and checks a
+    function again once a node in it, or the signature of a function it calls, changed."""
+    from vfgraph.ir.graph import verify_function_def
+
+    fdef = _built()
+    verify_function_def(fdef, {})  # made by the builder: known valid
+    fdef.node_def[1].input[0] = "a:output:0"
+    with pytest.raises(VerifyError, match="has no output output:0"):
+        verify_function_def(fdef, {})
+    # A call to library function "g" by op name: its outputs come from g's signature.
+    callee = text_format.Parse(GOOD.replace('name: "f"', 'name: "g"'), function_pb2.FunctionDef())
+    caller = text_format.Parse("""
+        signature { name: "h" input_arg { name: "x" type: DT_FLOAT } output_arg { name: "y" type: DT_FLOAT } }
+        node_def { name: "call" op: "g" input: "x" }
+        node_def { name: "out" op: "Identity" input: "call:y:0" attr { key: "T" value { type: DT_FLOAT } } }
+        ret { key: "y" value: "out:output:0" }
+    """, function_pb2.FunctionDef())
+    lib = {"g": callee}
+    verify_function_def(caller, lib)
+    callee.signature.output_arg[0].name = "renamed"
+    with pytest.raises(VerifyError, match="has no output y:0"):
+        verify_function_def(caller, lib)

@@ -15,7 +15,7 @@ from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2
 from tensorflow.python.framework import op_def_registry
 
 from vfgraph.errors import VerifyError
-from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, copy_header, parse_input
+from vfgraph.ir.graph import FunctionGraph, TensorRef, arg_shape, copy_header, parse_input, remember_valid
 
 
 def _stateful(g: FunctionGraph, name: str) -> bool:
@@ -268,7 +268,7 @@ class Node:
 
     def __init__(self, proto: node_def_pb2.NodeDef, library, name: str, op: str):
         self.proto, self._library = proto, library
-        self.name, self._op = name, op  # (what the proto holds, without reading it back)
+        self.name, self.op = name, op  # (what the proto holds, without reading it back)
         self._refs: Optional[List[str]] = None
 
     @property
@@ -284,7 +284,7 @@ class Node:
 
         if self._refs is None:
             name = self.name
-            simple = output_names(self._op, self._library)
+            simple = output_names(self.op, self._library)
             if simple is not None:
                 self._refs = [f"{name}:{arg}:0" for arg in simple]
             else:
@@ -307,7 +307,11 @@ class FunctionBuilder:
         self._used: Dict[str, int] = {}
         self._consts: Dict[tuple, Node] = {}
         self.zeros: Dict[tuple, str] = {}  # see zeros()
-        self._defined: set = set()  # arguments and nodes so far: inputs must name one of them
+        # What an input may name: arguments, "^node" and the outputs of nodes so far (added
+        # with each node's outputs the first time one is read): a built function is valid and
+        # acyclic by construction.
+        self._valid: set = set()
+        self._nodes: Dict[str, Node] = {}
 
     @classmethod
     def like(cls, header: function_pb2.FunctionDef, library,
@@ -324,7 +328,7 @@ class FunctionBuilder:
     def arg(self, name: str, dtype: int, shape: Optional[Sequence[int]] = None, attr=None) -> str:
         sig = self.fdef.signature
         sig.input_arg.add(name=name, type=dtype)
-        self._defined.add(name)
+        self._valid.add(name)
         if attr is None and shape is not None:
             attr = _shape_arg_attrs(tuple(shape))
         if attr is not None:
@@ -342,10 +346,10 @@ class FunctionBuilder:
         inputs = list(inputs)
         for d in deps:
             inputs.append(d.ctl if isinstance(d, Node) else d if d.startswith("^") else "^" + d)
-        defined = self._defined
-        for s in inputs:  # only earlier nodes: a built function is acyclic by construction
-            if s.partition(":")[0].lstrip("^") not in defined:
-                raise KeyError(f"{self.fdef.signature.name}: node {name!r} reads {s!r}, which is not defined yet")
+        valid = self._valid
+        for s in inputs:
+            if s not in valid:
+                self._check(s, f"node {name!r} reads {s!r}")
         values = {k: v if type(v) is _ATTR else _attr_value(v) for k, v in attrs.items()}
         if op not in self.library:
             defaults = _op_defaults(op)
@@ -356,9 +360,20 @@ class FunctionBuilder:
                     values[a] = value
         if shapes is not None:
             values["_output_shapes"] = shapes_attr(shapes)
-        node = self.fdef.node_def.add(name=name, op=op, input=inputs, attr=values)
-        defined.add(name)
-        return Node(node, self.library, name, op)
+        node = Node(self.fdef.node_def.add(name=name, op=op, input=inputs, attr=values), self.library, name, op)
+        self._nodes[name] = node
+        valid.add("^" + name)
+        return node
+
+    def _check(self, ref: str, what: str) -> None:
+        """Raise unless ``ref`` names an output of a node written so far (learning that
+        node's outputs), or an argument."""
+        node = self._nodes.get(ref.partition(":")[0])
+        if node is not None and ref not in self._valid:
+            self._valid.update(node.outputs())
+        if ref not in self._valid:
+            raise KeyError(f"{self.fdef.signature.name}: {what}, which is not an argument or an output of a node "
+                           "written before")
 
     def const(self, value, dtype: int, name: str = "Const") -> Node:
         import numpy as np
@@ -372,8 +387,8 @@ class FunctionBuilder:
         return self._consts[key]
 
     def ret(self, name: str, ref: str, dtype: int) -> None:
-        if ref.split(":", 1)[0] not in self._defined:
-            raise KeyError(f"{self.fdef.signature.name}: output {name!r} is {ref!r}, which is not defined")
+        if ref not in self._valid:
+            self._check(ref, f"output {name!r} is {ref!r}")
         self.fdef.signature.output_arg.add(name=name, type=dtype)
         self.fdef.ret[name] = ref
 
@@ -382,8 +397,9 @@ class FunctionBuilder:
         self.fdef.control_ret[node.name] = node.name
 
     def finish(self) -> function_pb2.FunctionDef:
-        """The function. Inputs were checked as nodes were added, and output references come
-        from the op definitions, so no separate verify pass is needed."""
+        """The function, recorded as valid (see ``remember_valid``): every input and output
+        was checked as it was written, against the op definitions and ``library``."""
+        remember_valid(self.fdef, self.library, {n.op for n in self._nodes.values()})
         return self.fdef
 
 

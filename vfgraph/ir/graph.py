@@ -6,6 +6,7 @@ verbs that keep the consumer index right, and :meth:`verify` says what is wrong 
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 from functools import lru_cache
 from typing import Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple
@@ -566,8 +567,38 @@ _NOT_READ = object()
 
 def verify_function_def(fdef: function_pb2.FunctionDef,
                         library: Optional[Mapping[str, function_pb2.FunctionDef]] = None) -> None:
-    """``FunctionGraph(fdef, library).verify()`` without copying ``fdef``."""
-    FunctionGraph._over(fdef, library).verify()
+    """``FunctionGraph(fdef, library).verify()`` without copying ``fdef``, skipped when these
+    exact bytes were found valid before (see :func:`remember_valid`)."""
+    library = library or {}
+    key = _digest(fdef)
+    calls = _VALID.get(key)
+    if calls is not None and all(name in library and _digest(library[name].signature) == sig for name, sig in calls):
+        return
+    g = FunctionGraph._over(fdef, library)
+    g.verify()
+    remember_valid(fdef, library, g.op_types().values(), key)
+
+
+# Functions known to be valid, by the SHA-256 of their serialized bytes: what verify found, and
+# what FunctionBuilder made (it checks every reference as it writes it). Each entry holds the
+# signatures of the library functions the function calls as ops, which its output references
+# depend on. Hashing a function costs a few percent of verifying it; a pipeline verifies the
+# functions its passes built once more at the end, and a function it changed is checked again.
+_VALID: Dict[bytes, Tuple[Tuple[str, bytes], ...]] = {}
+_VALID_LIMIT = 4096
+
+
+def _digest(message) -> bytes:
+    return hashlib.sha256(message.SerializeToString(deterministic=True)).digest()
+
+
+def remember_valid(fdef: function_pb2.FunctionDef, library: Mapping[str, function_pb2.FunctionDef],
+                   ops: Iterable[str], key: Optional[bytes] = None) -> None:
+    """Record ``fdef`` (whose nodes have the op types ``ops``) as valid against ``library``."""
+    if len(_VALID) >= _VALID_LIMIT:
+        _VALID.clear()
+    _VALID[key or _digest(fdef)] = tuple((op, _digest(library[op].signature)) for op in sorted(set(ops))
+                                         if op in library)
 
 
 def copy_header(fdef: function_pb2.FunctionDef,
