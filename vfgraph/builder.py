@@ -22,8 +22,14 @@ def _stateful(g: FunctionGraph, name: str) -> bool:
     op = g.op_types()[name]
     if op in g.library:
         return g.library[op].signature.is_stateful
-    od = op_def_registry.get(op)
-    return bool(od and od.is_stateful)
+    found = _STATEFUL.get(op)
+    if found is None:
+        od = op_def_registry.get(op)
+        found = _STATEFUL[op] = bool(od and od.is_stateful)
+    return found
+
+
+_STATEFUL: Dict[str, bool] = {}  # registered op type -> is_stateful
 
 
 def extract_function(
@@ -86,7 +92,8 @@ def extract_function(
     defined = keep.union(args)
     # Only the kept nodes are copied (in one call); the inputs of those that read a new
     # argument, or wait for a node left out, are rewritten after.
-    fdef = copy_header(g.header, into)
+    header = g.header  # its arguments, outputs and control outputs are replaced below
+    fdef = copy_header(header, into, skip=("arg_attr", "ret", "control_ret"))
     order = [n for n in nodes if n in keep]
     fdef.node_def.extend(nodes[n] for n in order)
     for k, n in enumerate(order):
@@ -108,10 +115,9 @@ def extract_function(
             inputs.extend(renamed)
     sig = fdef.signature
     sig.name = name
-    old_args = {a.name: (i, a) for i, a in enumerate(sig.input_arg)}
-    arg_attr = dict(fdef.arg_attr)
+    old_args = {a.name: (i, a) for i, a in enumerate(header.signature.input_arg)}
+    arg_attr = header.arg_attr
     del sig.input_arg[:]
-    fdef.ClearField("arg_attr")
     for arg_name, ref in new_args:
         a = sig.input_arg.add()
         a.name = arg_name
@@ -127,14 +133,12 @@ def extract_function(
         if i in arg_attr:
             fdef.arg_attr[len(sig.input_arg) - 1].CopyFrom(arg_attr[i])
     del sig.output_arg[:]
-    fdef.ClearField("ret")
     for out_name, ref in outputs:
         a = sig.output_arg.add()
         a.name = out_name
         a.type = g.dtype(ref)
         fdef.ret[out_name] = str(ref)
     del sig.control_output[:]
-    fdef.ClearField("control_ret")
     for n in sorted(effects):
         sig.control_output.append(n)
         fdef.control_ret[n] = n

@@ -601,14 +601,14 @@ def remember_valid(fdef: function_pb2.FunctionDef, library: Mapping[str, functio
                                          if op in library)
 
 
-def copy_header(fdef: function_pb2.FunctionDef,
-                into: Optional[function_pb2.FunctionDef] = None) -> function_pb2.FunctionDef:
-    """Everything of ``fdef`` but its nodes (signature, attributes, outputs), merged into
-    ``into`` (a new FunctionDef when None): the header of a function a pass rebuilds, without
-    copying nodes it would delete again."""
+def copy_header(fdef: function_pb2.FunctionDef, into: Optional[function_pb2.FunctionDef] = None,
+                skip: Tuple[str, ...] = ()) -> function_pb2.FunctionDef:
+    """Everything of ``fdef`` but its nodes (signature, attributes, outputs) and the fields
+    ``skip``, merged into ``into`` (a new FunctionDef when None): the header of a function a
+    pass rebuilds, without copying what it would replace."""
     out = function_pb2.FunctionDef() if into is None else into
     for field, value in fdef.ListFields():
-        if field.name != "node_def":
+        if field.name != "node_def" and field.name not in skip:
             getattr(out, field.name).MergeFrom(value)
     return out
 
