@@ -227,7 +227,7 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
     sig = item.signatures[key]
     inner = [forward[a.name] for a in wrapper.signature.input_arg]
     variables = inner[len(inner) - len(cf.bound_inputs):]
-    g = FunctionGraph(item.function(sig.function), item.library)
+    g = FunctionGraph._over(item.function(sig.function), item.library)  # read only
     fn = function_name(sig.function, "broadcast", "0")
     header = _header(g, fn, variables, [], [], [])
     b = FunctionBuilder(fn, item.library)

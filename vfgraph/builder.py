@@ -270,8 +270,9 @@ def _attr_value(value):
 class Node:
     """A node added by :class:`FunctionBuilder`; ``node[k]`` is its k-th flat output."""
 
-    def __init__(self, proto: node_def_pb2.NodeDef, library, name: str, op: str):
+    def __init__(self, proto: node_def_pb2.NodeDef, library, name: str, op: str, valid: Optional[set] = None):
         self.proto, self._library = proto, library
+        self._valid = valid  # the builder's set of readable references, which learns the outputs
         self.name, self.op = name, op  # (what the proto holds, without reading it back)
         self._refs: Optional[List[str]] = None
 
@@ -293,6 +294,8 @@ class Node:
                 self._refs = [f"{name}:{arg}:0" for arg in simple]
             else:
                 self._refs = [f"{name}:{arg}:{idx}" for arg, idx, _ in output_layout(self.proto, self._library)]
+            if self._valid is not None:
+                self._valid.update(self._refs)
         return self._refs
 
 
@@ -364,7 +367,7 @@ class FunctionBuilder:
                     values[a] = value
         if shapes is not None:
             values["_output_shapes"] = shapes_attr(shapes)
-        node = Node(self.fdef.node_def.add(name=name, op=op, input=inputs, attr=values), self.library, name, op)
+        node = Node(self.fdef.node_def.add(name=name, op=op, input=inputs, attr=values), self.library, name, op, valid)
         self._nodes[name] = node
         valid.add("^" + name)
         return node
@@ -373,9 +376,7 @@ class FunctionBuilder:
         """Raise unless ``ref`` names an output of a node written so far (learning that
         node's outputs), or an argument."""
         node = self._nodes.get(ref.partition(":")[0])
-        if node is not None and ref not in self._valid:
-            self._valid.update(node.outputs())
-        if ref not in self._valid:
+        if node is None or ref not in node.outputs():
             raise KeyError(f"{self.fdef.signature.name}: {what}, which is not an argument or an output of a node "
                            "written before")
 
