@@ -123,7 +123,7 @@ class _Cuttable:
         self.blocked: Set[TensorRef] = set()
         self._flags: Dict[str, List[bool]] = {}
         roots = []
-        for name in sorted(dep):
+        for name in sorted(n for op in g.present_ops() if _is_sparse_op(op) for n in g.nodes_of(op) if n in dep):
             roles = _sparse_roles(g, name)
             if roles is None:
                 continue
@@ -235,6 +235,10 @@ _ROWWISE = {"Identity", "Square", "Neg", "Cast", "Mul", "RealDiv", "Sqrt", "Abs"
 _INDEX_PASS = {"Identity", "Cast"}
 
 
+def _is_sparse_op(op: str) -> bool:
+    return op in _SPARSE_INPUTS or op.startswith("ResourceSparseApply")
+
+
 def _sparse_roles(g: FunctionGraph, name: str) -> Optional[Tuple[int, int]]:
     op = g.nodes[name].op
     if op in _SPARSE_INPUTS:
@@ -281,8 +285,9 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     """Find the cut of ``g`` (the training signature's function)."""
     check_batch_inputs(g, sig)
     found: Dict[str, List[str]] = {}
+    writing = {op: is_write(op) for op in g.present_ops()}
     for name, op in g.op_types().items():
-        if is_write(op) and g.inputs(name):
+        if writing[op] and g.inputs(name):
             res = resource_root(g, g.data_inputs(name)[0])
             if res is None:
                 raise DetectionError(
@@ -716,8 +721,8 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
     """For each cut tensor, the resource args whose updates it is the nearest cut tensor to."""
     write_res = {w: r for r, ws in writes.items() for w in ws}
     reads_after: Dict[str, List[TensorRef]] = {}
-    for name, op in g.op_types().items():
-        if op == "ReadVariableOp" and name not in vnode_nodes:
+    for name in g.nodes_of("ReadVariableOp"):
+        if name not in vnode_nodes:
             res = resource_root(g, g.data_inputs(name)[0])
             if res in writes:
                 reads_after.setdefault(res, []).extend(g.outputs(name))
@@ -758,8 +763,8 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
 def _forward_read_args(g: FunctionGraph, vnode_nodes: Set[str]) -> Set[str]:
     """Resource args read by the forward pass (the model's parameters)."""
     found = set()
-    for name, op in g.op_types().items():
-        if op == "ReadVariableOp" and any(c in vnode_nodes for c, _ in g.consumers(g.outputs(name)[0])):
+    for name in g.nodes_of("ReadVariableOp"):
+        if any(c in vnode_nodes for c, _ in g.consumers(g.outputs(name)[0])):
             res = resource_root(g, g.data_inputs(name)[0])
             if res:
                 found.add(res)

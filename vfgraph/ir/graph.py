@@ -165,6 +165,7 @@ class FunctionGraph:
         self._shapes_cache: Dict[str, Optional[Tuple[Optional[List[int]], ...]]] = {}
         self._parsed_shapes: Dict[bytes, tuple] = {}  # attribute bytes -> (shapes, fully known)
         self._ops: Optional[Dict[str, str]] = None
+        self._by_op: Optional[Dict[str, List[str]]] = None
 
     # ----------------------------------------------------------------- boundary
     @classmethod
@@ -181,7 +182,7 @@ class FunctionGraph:
         g.nodes = {n.name: n for n in fdef.node_def}
         g._consumers = None
         g._layout_cache, g._outputs_cache, g._index_cache, g._inputs_cache = {}, {}, {}, {}
-        g._shapes_cache, g._parsed_shapes, g._ops = {}, {}, None
+        g._shapes_cache, g._parsed_shapes, g._ops, g._by_op = {}, {}, None, None
         return g
 
     def to_function_def(self) -> function_pb2.FunctionDef:
@@ -290,6 +291,21 @@ class FunctionGraph:
         if self._ops is None:
             self._ops = {name: node.op for name, node in self.nodes.items()}
         return self._ops
+
+    def nodes_of(self, op: str) -> List[str]:
+        """The nodes of op type ``op``, in stored order (grouped once; kept right by the edit
+        verbs). Read only."""
+        if self._by_op is None:
+            by_op: Dict[str, List[str]] = {}
+            for name, t in self.op_types().items():
+                by_op.setdefault(t, []).append(name)
+            self._by_op = by_op
+        return self._by_op.get(op, [])
+
+    def present_ops(self) -> List[str]:
+        """The op types of the nodes, each once, sorted."""
+        self.nodes_of("")
+        return sorted(self._by_op)
 
     def recorded_shapes(self, node: str) -> Optional[Tuple[Optional[List[int]], ...]]:
         """Every output's static shape as recorded on ``node`` (None: nothing recorded), read
@@ -417,6 +433,7 @@ class FunctionGraph:
         self._forget(node.name)
         if self._ops is not None:
             self._ops[node.name] = node.op
+        self._by_op = None
         self._dirty()
         return node
 
@@ -431,6 +448,7 @@ class FunctionGraph:
         for cache in (self._layout_cache, self._outputs_cache, self._index_cache, self._inputs_cache,
                       self._shapes_cache, self._ops or {}):
             cache.pop(name, None)
+        self._by_op = None
 
     def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> int:
         """Point every data consumer of ``old`` (and function outputs) at ``new``."""
