@@ -109,6 +109,10 @@ def _fused_buffers(header, shapes, limit: int) -> List[List[int]]:
     return buffers
 
 
+def _is_vector(shape) -> bool:
+    return shape is not None and len(shape) == 1
+
+
 def _elements(shape) -> int:
     """Elements of a static shape; 0 when it is not fully known."""
     if shape is None or any(d < 0 for d in shape):
@@ -144,8 +148,9 @@ def reduce_functions(header, limit: int, library):
         sizes = [_elements(shapes[i]) if static else 0 for i in buf]
         padded = [-(-n // lane) * lane for n in sizes]
         pieces = []
-        for i, n, p in zip(buf, sizes, padded):
-            pieces.append(b.op("Reshape", [xs[i], flat], name="flat", T=t, Tshape=type_attr(i32))[0])
+        for i, n, p in zip(buf, sizes, padded):  # a vector (a bias, say) is flat already
+            pieces.append(xs[i] if _is_vector(shapes[i]) else
+                          b.op("Reshape", [xs[i], flat], name="flat", T=t, Tshape=type_attr(i32))[0])
             if p > n:  # each tensor starts aligned, so splitting the sum back copies nothing
                 pieces.append(b.const(np.zeros(p - n), dtype, "pad")[0])
         if len(pieces) > 1:
@@ -169,6 +174,9 @@ def reduce_functions(header, limit: int, library):
             if static and p > n:
                 part = b.op("Slice", [part, b.const([0], i32, "begin")[0], b.const([n], i32, "size")[0]],
                             name="unpad", T=t, Index=type_attr(i32))[0]
+            if _is_vector(shapes[i]):
+                out[i] = part
+                continue
             shape = (b.const(shapes[i], i32, "shape") if static else
                      b.op("Shape", [xs[i]], name="shape", T=t, out_type=type_attr(i32)))[0]
             out[i] = b.op("Reshape", [part, shape], name=f"reduced_{i}", T=t, Tshape=type_attr(i32),

@@ -106,12 +106,9 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: 
     loop_types = [I32] + [types_pb2.DT_VARIANT] * len(out_types) + [I32] + types
     loop_shapes = [[]] + [[]] * len(out_types) + [[]] + arg_shapes(original)
 
-    def loop_args(fb):
-        arg_names = ["i"] + [f"outputs_{k}" for k in range(len(out_types))] + ["slices"] + names
-        return [fb.arg(n, t, s) for n, t, s in zip(arg_names, loop_types, loop_shapes)]
-
     fb = FunctionBuilder(body_name, lib)
-    args = loop_args(fb)
+    arg_names = ["i"] + [f"outputs_{k}" for k in range(len(out_types))] + ["slices"] + names
+    args = [fb.arg(n, t, s) for n, t, s in zip(arg_names, loop_types, loop_shapes)]
     i, lists, rest = args[0], args[1:1 + len(out_types)], args[2 + len(out_types):]
     start = fb.op("Mul", [i, fb.const(b, I32, "slice")[0]], name="start", T=i32)[0]
     rows = slice_rows(fb, start, fb.const(b, I32, "slice")[0])
@@ -128,7 +125,7 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: 
     body = fb.finish()
 
     fb = FunctionBuilder(cond_name, lib)
-    args = loop_args(fb)
+    args = fb.args_of(body)  # the loop variables, as the body takes them
     fb.ret("more", fb.op("Less", [args[0], args[1 + len(out_types)]], name="more", T=i32)[0], types_pb2.DT_BOOL)
     fb.fdef.signature.is_stateful = False
     cond = fb.finish()

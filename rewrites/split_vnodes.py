@@ -198,7 +198,8 @@ class _Loop:
         lib[vdef.signature.name] = vdef
         self.body_name = function_name(sig.function, "vnodes", "body")
         self.cond_name = function_name(sig.function, "vnodes", "cond")
-        self.functions = [self._body(lib), self._cond(lib)]
+        body = self._body(lib)
+        self.functions = [body, self._cond(lib, body)]
 
     # loop variables: i, carried..., nv, per, batch..., resources...
     def _loop_types(self) -> List[int]:
@@ -246,9 +247,9 @@ class _Loop:
             fb.ret(f"out_{k}", ref, t)
         return fb.finish()
 
-    def _cond(self, lib):
+    def _cond(self, lib, body):
         fb = FunctionBuilder(self.cond_name, lib)
-        args = self._loop_args(fb)
+        args = fb.args_of(body)  # the loop variables, as the body takes them
         nv = args[1 + len(self.carried)]
         fb.ret("more", fb.op("Less", [args[0], nv], name="more", T=type_attr(I32))[0], types_pb2.DT_BOOL)
         fb.fdef.signature.is_stateful = False
@@ -547,10 +548,7 @@ INIT_OP = "__saved_model_init_op"
 
 
 def _graph_node(gd, name: str, op: str, inputs=(), **attrs) -> str:
-    n = gd.node.add(name=name, op=op)
-    n.input.extend(inputs)
-    for k, v in attrs.items():
-        n.attr[k].CopyFrom(v)
+    gd.node.add(name=name, op=op, input=inputs, attr=attrs)
     return name
 
 

@@ -342,6 +342,18 @@ class FunctionBuilder:
             self.fdef.arg_attr[len(sig.input_arg) - 1].CopyFrom(attr)
         return name
 
+    def args_of(self, fdef: function_pb2.FunctionDef) -> List[str]:
+        """Every argument of ``fdef``, another builder's function (names, types and attributes,
+        copied in one call each), as this function's first arguments; returns their names."""
+        sig = self.fdef.signature
+        if sig.input_arg:
+            raise ValueError(f"{sig.name}: args_of adds the first arguments; this function has some")
+        sig.input_arg.extend(fdef.signature.input_arg)
+        self.fdef.arg_attr.MergeFrom(fdef.arg_attr)
+        names = [a.name for a in sig.input_arg]
+        self._valid.update(names)
+        return names
+
     def _unique(self, base: str) -> str:
         k = self._used.get(base, 0)
         self._used[base] = k + 1
