@@ -22,7 +22,11 @@ def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None,
     (.pb / .pbtxt; ``outputs`` names its output tensors, default: unconsumed nodes); or a TF1
     MetaGraphDef (.meta, or a checkpoint directory) with its checkpoint (default: beside it,
     or ``checkpoint``; ``loss`` names the train op's loss when it cannot be found)."""
-    path = os.fspath(path)
+    with _gc_paused():
+        return _load(os.fspath(path), outputs, checkpoint, loss)
+
+
+def _load(path: str, outputs, checkpoint, loss) -> GraphItem:
     if not os.path.exists(path):
         raise InputError(f"{path}: no such file or directory")
     if savedmodel.is_saved_model_dir(path):
@@ -63,8 +67,11 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
 def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: Optional[str] = None,
             train_signature: str = "", after_each: Optional[Callable[[Pass, GraphItem], None]] = None,
             outputs: Optional[Sequence[str]] = None, allreduce: str = "auto", fusion_mb: float = 4,
-            checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "") -> GraphItem:
+            checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False) -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
+    With ``in_place``, a loaded item is rewritten itself and returned, without the copy (a
+    model's size in memory and the time to copy it): for an item loaded only to be rewritten
+    (a pass that fails leaves it partly rewritten).
 
     ``allreduce``: "mpi" adds the all-reduce over MPI ranks to the training step, "none" leaves
     it out, "auto" adds it when vfgraph's MPI ops are available here. ``after_each(pass, item)``
@@ -73,7 +80,7 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi', 'none' or 'auto'")
     with _gc_paused():
         return _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce,
-                        fusion_mb, checkpoint, loss)
+                        fusion_mb, checkpoint, loss, in_place)
 
 
 @contextlib.contextmanager
@@ -91,9 +98,10 @@ def _gc_paused():
 
 
 def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce, fusion_mb,
-             checkpoint, loss) -> GraphItem:
+             checkpoint, loss, in_place) -> GraphItem:
     if isinstance(model, GraphItem):
         item = model
+        item._pipeline_owned = in_place
     else:  # loaded here and held by nothing else: the passes may edit it in place
         item = load(model, outputs, checkpoint, loss)
         item._pipeline_owned = True

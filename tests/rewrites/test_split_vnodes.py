@@ -141,6 +141,10 @@ def test_rewrite_is_deterministic_and_leaves_input_alone(models, tmp_path):
     c = vfgraph.save(vfgraph.rewrite(item, vnodes=4, vnode_batch=8), tmp_path / "c")
     assert item.saved_model.SerializeToString(deterministic=True) == proto
     assert digest(c) == digest(a)
+    # in_place: the item itself is rewritten (no copy), with the same result.
+    edited = vfgraph.rewrite(item, vnodes=4, vnode_batch=8, in_place=True)
+    assert edited is item and item.saved_model.SerializeToString(deterministic=True) != proto
+    assert digest(vfgraph.save(edited, tmp_path / "d")) == digest(a)
 
 
 @pytest.mark.parametrize("name", ["embedding:sgd", "embedding:adam", "embedding:adagrad", "lstm", "transformer:sgd"])

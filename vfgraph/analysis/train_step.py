@@ -379,7 +379,7 @@ class _FlowGraph:
         to_sink = set(sinks)
         # The common cases written out (this loop runs once per batch-dependent node and input).
         keys, succ, unit, out_ids = self.keys, self.succ, self.unit, self._out
-        for name in sorted(dep):
+        for name in (n for n in g.nodes if n in dep):  # stored order: producers before consumers, mostly
             outs = g.outputs(name)
             if len(outs) == 1 and name not in to_sink:
                 t = outs[0]
