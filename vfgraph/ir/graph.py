@@ -78,14 +78,17 @@ def output_layout(
         recipe = _output_recipe(op, library)
         if op not in library:
             _REGISTERED_OUTPUTS[op] = recipe
-    attrs = node.attr
+    get = node.attr.get  # (get: reading adds no entry)
     out: List[Tuple[str, int, DataType]] = []
     for name, type_list_attr, fixed, type_attr, number_attr, defaults in recipe:
         if type_list_attr:
-            types = list(attrs[type_list_attr].list.type if type_list_attr in attrs else defaults[type_list_attr])
+            v = get(type_list_attr)
+            types = list(v.list.type) if v is not None else list(defaults[type_list_attr])
         else:
-            dtype = fixed or (attrs[type_attr].type if type_attr in attrs else defaults.get(type_attr, 0))
-            count = (attrs[number_attr].i if number_attr in attrs else defaults.get(number_attr, 0)) if number_attr else 1
+            v = None if fixed else get(type_attr)
+            dtype = fixed or (v.type if v is not None else defaults.get(type_attr, 0))
+            v = get(number_attr) if number_attr else None
+            count = (v.i if v is not None else defaults.get(number_attr, 0)) if number_attr else 1
             types = [dtype] * count
         out.extend([(name, k, t) for k, t in enumerate(types)])
     return out
@@ -253,8 +256,8 @@ class FunctionGraph:
         """Every flat output of ``node``; an op without list outputs needs no attribute read."""
         found = self._outputs_cache.get(node)
         if found is None:
-            names = output_names(self.nodes[node].op, self.library)
-            found = self._outputs_cache[node] = ([TensorRef(node, a, 0) for a in names] if names is not None else
+            names = output_names(self.op_types()[node], self.library)
+            found = self._outputs_cache[node] = ([_ref(TensorRef, (node, a, 0)) for a in names] if names is not None else
                                                  [TensorRef(node, a, k) for a, k, _ in self.layout(node)])
         return found
 
@@ -323,10 +326,9 @@ class FunctionGraph:
         return self._read_shapes(node)[1]
 
     def _read_shapes(self, node: str) -> Tuple[Optional[Tuple[Optional[List[int]], ...]], Tuple[bool, ...]]:
-        attrs = self.nodes[node].attr
-        if "_output_shapes" not in attrs:
+        value = self.nodes[node].attr.get("_output_shapes")  # (get: reading adds no entry)
+        if value is None:
             return None, ()
-        value = attrs["_output_shapes"]
         key = value.SerializeToString()
         found = self._parsed_shapes.get(key)
         if found is None:
