@@ -14,7 +14,7 @@ from tensorflow.core.framework import types_pb2
 from vfgraph.builder import (I32, FunctionBuilder, batch_size, check, func_attr, list_concat, shapes_attr, slice_rows,
                              type_attr, types_attr)
 from vfgraph.errors import PipelineError
-from vfgraph.ir.graph import FunctionGraph, arg_shapes, verify_function_def
+from vfgraph.ir.graph import FunctionGraph, arg_shapes, copy_header, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem, SignatureInfo
 from vfgraph.passes.base import Pass, PassResult
@@ -48,12 +48,10 @@ class MicrobatchInferencePass(Pass):
             if why:
                 notes.append(f"microbatch-inference: signature {sig.key!r} left as is: {why}")
                 continue
-            original = item.function(sig.function)
-            slice_name = function_name(sig.function, "slice")
-            slice_fn = item.new_function(slice_name)  # a copy, made in the library
-            slice_fn.CopyFrom(original)
-            slice_fn.signature.name = slice_name
-            for f in _loop_functions(item, sig, original, slice_fn, b):
+            slice_fn = item.function(sig.function)
+            header = copy_header(slice_fn)  # the serving function's name, arguments, outputs, attributes
+            slice_fn.signature.name = function_name(sig.function, "slice")  # renamed in place: no copy
+            for f in _loop_functions(item, sig, header, slice_fn, b):
                 item.set_function(f)
             verify_function_def(item.function(sig.function), item.library)
             item.preserve.add(sig.function)
@@ -87,9 +85,10 @@ def _unsliceable(item: GraphItem, sig: SignatureInfo) -> str:
 
 def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: int):
     """The serving loop: (replacement function, loop body, loop condition). A ``While`` over
-    ``ceil(n / b)`` slices calls ``slice_fn`` on each and appends its outputs to tensor lists,
-    concatenated at the end."""
-    g = FunctionGraph._over(original, item.library)  # read only
+    ``ceil(n / b)`` slices calls ``slice_fn`` (the serving function's nodes) on each and appends
+    its outputs to tensor lists, concatenated at the end; ``original`` is the serving
+    function's header."""
+    g = FunctionGraph._over(slice_fn, item.library)  # read only
     lib = item.library
     lib[slice_fn.signature.name] = slice_fn
     names = g.arg_names
