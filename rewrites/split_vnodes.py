@@ -72,9 +72,7 @@ class SplitVnodesPass(Pass):
                                 drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))
         reduce_fn = function_name(sig.function, "reduce")
         item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step)))
-        loop = _Loop(g, step, vdef, self.vnodes, b, item.library)
-        for f in loop.functions:
-            item.set_function(f)
+        loop = _Loop(g, step, vdef, self.vnodes, b, item.library, item.new_function)
         stepped = _step_function(item, g, step, loop, udef, reduce_fn)
         verify_function_def(stepped, item.library)
         notes = add_stepwise(item, g, step, loop, udef, reduce_fn) if self.stepwise else []
@@ -180,10 +178,11 @@ class _Loop:
     """The virtual-node loop shared by the training step and the step-wise accumulate: a
     ``While`` over the slices of the fed batch whose body calls the virtual-node function and
     adds its gradients to the loop-carried sums (sparse rows and per-example outputs go to
-    tensor lists). Its body and condition are library functions written once (``functions``);
-    :meth:`emit` writes the loop into a function under construction."""
+    tensor lists). Its body and condition are library functions, written once into the empty
+    entries ``new_function(name)`` gives; :meth:`emit` writes the loop into a function under
+    construction."""
 
-    def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library):
+    def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library, new_function):
         self.g, self.step, self.vdef, self.vnodes, self.b = g, step, vdef, vnodes, b
         sig = step.signature
         self.keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
@@ -198,8 +197,8 @@ class _Loop:
         lib[vdef.signature.name] = vdef
         self.body_name = function_name(sig.function, "vnodes", "body")
         self.cond_name = function_name(sig.function, "vnodes", "cond")
-        body = self._body(lib)
-        self.functions = [body, self._cond(lib, body)]
+        body = self._body(lib, new_function(self.body_name))
+        self._cond(lib, body, new_function(self.cond_name))
 
     # loop variables: i, carried..., nv, per, batch..., resources...
     def _loop_types(self) -> List[int]:
@@ -218,9 +217,9 @@ class _Loop:
                  [f"resource_{k}" for k in range(len(self.step.signature.resource_args))])
         return [fb.arg(n, t, s) for n, t, s in zip(names, self._loop_types(), self._loop_shapes())]
 
-    def _body(self, lib):
+    def _body(self, lib, into):
         sig = self.step.signature
-        fb = FunctionBuilder(self.body_name, lib)
+        fb = FunctionBuilder(self.body_name, lib, into)
         args = self._loop_args(fb)
         k_c = len(self.carried)
         i, carried, per = args[0], args[1:1 + k_c], args[2 + k_c]
@@ -247,8 +246,8 @@ class _Loop:
             fb.ret(f"out_{k}", ref, t)
         return fb.finish()
 
-    def _cond(self, lib, body):
-        fb = FunctionBuilder(self.cond_name, lib)
+    def _cond(self, lib, body, into):
+        fb = FunctionBuilder(self.cond_name, lib, into)
         args = fb.args_of(body)  # the loop variables, as the body takes them
         nv = args[1 + len(self.carried)]
         fb.ret("more", fb.op("Less", [args[0], nv], name="more", T=type_attr(I32))[0], types_pb2.DT_BOOL)
@@ -373,8 +372,6 @@ def _step_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Lo
     sig = step.signature
     original = item.function(sig.function)
     lib = item.library
-    for f in loop.functions:
-        lib[f.signature.name] = f
     fb, args = FunctionBuilder.like(original, lib)
     by = dict(zip(g.arg_names, args))
     res = [by[a] for a in sig.resource_args]
