@@ -70,7 +70,8 @@ class InsertAllreducePass(Pass):
         for key in todo:
             buffers = []
             for fn in split[key]["reduce_functions"]:
-                functions, groups = reduce_functions(item.function(fn), int(self.fusion_mb * (1 << 20)), item.library)
+                functions, groups = reduce_functions(item.function(fn), int(self.fusion_mb * (1 << 20)), item.library,
+                                                     item.new_function)
                 for f in functions:
                     item.set_function(f)
                 verify_function_def(item.function(fn), item.library)
@@ -120,10 +121,12 @@ def _elements(shape) -> int:
     return math.prod(shape)  # Python integers: exact, and no numpy call per tensor
 
 
-def reduce_functions(header, limit: int, library):
+def reduce_functions(header, limit: int, library, new_function=None):
     """A reduce function's new body and its two branches: ``VfSize() > 1`` picks
     ``<fn>_all`` (fused all-reduce, gathers) over ``<fn>_one`` (identity), so one process
-    runs no collective and copies nothing. Returns (functions, argument names per buffer)."""
+    runs no collective and copies nothing. Returns (functions to add, argument names per
+    buffer): the new body, and the branches unless ``new_function(name)`` gave the library
+    entries they were written into."""
     fn = header.signature.name
     args = list(header.signature.input_arg)
     names = [a.name for a in args]
@@ -134,7 +137,7 @@ def reduce_functions(header, limit: int, library):
     gathers = [i for i, n in enumerate(names) if n.startswith("gather_")]
     i32 = types_pb2.DT_INT32
 
-    b = FunctionBuilder(f"{fn}_all", library)
+    b = FunctionBuilder(f"{fn}_all", library, new_function(f"{fn}_all") if new_function else None)
     xs = [b.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None) for i, a in enumerate(args)]
     flat = b.const([-1], i32, "flat")[0]
     axis = b.const(0, i32, "axis")[0]
@@ -189,7 +192,7 @@ def reduce_functions(header, limit: int, library):
         b.ret(name, ref, dtype)
     multi = b.finish()
 
-    one = function_pb2.FunctionDef()
+    one = new_function(f"{fn}_one") if new_function else function_pb2.FunctionDef()
     one.CopyFrom(header)  # split-vnodes' identity
     one.signature.name = f"{fn}_one"
     lib = dict(library)
@@ -207,7 +210,7 @@ def reduce_functions(header, limit: int, library):
     for k, v in header.attr.items():
         m.fdef.attr[k].CopyFrom(v)
     groups = [[names[i] for i in buf] for buf in buffers] + [[names[i]] for i in gathers]
-    return [m.finish(), multi, one], groups
+    return [m.finish()] + ([] if new_function else [multi, one]), groups
 
 
 def graph_fingerprint(item: GraphItem) -> str:
