@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import sys
 from functools import lru_cache
 from typing import Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
@@ -39,6 +40,9 @@ class TensorRef(NamedTuple):
 
 # TensorRef's tuple made without its Python-level __new__ (a 100k-node graph parses ~130k strings)
 _ref = tuple.__new__
+# Names are interned: a node's name read from its NodeDef and parsed from an input reading it
+# are then one string, compared by identity, and a graph's output names are a few strings.
+_intern = sys.intern
 
 
 @lru_cache(maxsize=1 << 20)
@@ -46,14 +50,14 @@ def parse_input(text: str) -> Tuple[TensorRef, bool]:
     """Parse one FunctionDef input string; returns (tensor, is_control). Results are shared
     (a TensorRef is immutable), so a string is parsed once."""
     if text.startswith("^"):
-        return _ref(TensorRef, (text[1:], None, 0)), True
+        return _ref(TensorRef, (_intern(text[1:]), None, 0)), True
     parts = text.split(":")
     if len(parts) == 1:
-        return _ref(TensorRef, (text, None, 0)), False
+        return _ref(TensorRef, (_intern(text), None, 0)), False
     if len(parts) == 3:
-        return _ref(TensorRef, (parts[0], parts[1], int(parts[2]))), False
+        return _ref(TensorRef, (_intern(parts[0]), _intern(parts[1]), int(parts[2]))), False
     if len(parts) == 2:  # GraphDef style "node:k"
-        return _ref(TensorRef, (parts[0], "", int(parts[1]))), False
+        return _ref(TensorRef, (_intern(parts[0]), "", int(parts[1]))), False
     raise VerifyError(f"malformed input reference {text!r}")
 
 
@@ -158,7 +162,7 @@ class FunctionGraph:
         self._header.CopyFrom(fdef)
         self.library: Mapping[str, function_pb2.FunctionDef] = library or {}
         # The nodes of the private copy, taken out of it (the header keeps everything else).
-        self.nodes: Dict[str, node_def_pb2.NodeDef] = {n.name: n for n in self._header.node_def}
+        self.nodes: Dict[str, node_def_pb2.NodeDef] = {_intern(n.name): n for n in self._header.node_def}
         del self._header.node_def[:]
         self._consumers: Optional[Dict[TensorRef, List[Tuple[str, int]]]] = None
         self._layout_cache: Dict[str, List[Tuple[str, int, DataType]]] = {}
@@ -182,7 +186,7 @@ class FunctionGraph:
         g = cls.__new__(cls)
         g._header = fdef
         g.library = library or {}
-        g.nodes = {n.name: n for n in fdef.node_def}
+        g.nodes = {_intern(n.name): n for n in fdef.node_def}
         g._consumers = None
         g._layout_cache, g._outputs_cache, g._index_cache, g._inputs_cache = {}, {}, {}, {}
         g._shapes_cache, g._parsed_shapes, g._ops, g._by_op = {}, {}, None, None
