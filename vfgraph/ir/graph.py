@@ -98,7 +98,7 @@ def output_layout(
     return out
 
 
-# op type -> its outputs as (name, type_list_attr, type, type_attr, number_attr), for registered ops
+# op type -> its outputs as in _output_recipe, for registered ops
 _REGISTERED_OUTPUTS: Dict[str, tuple] = {}
 
 
@@ -261,8 +261,9 @@ class FunctionGraph:
         found = self._outputs_cache.get(node)
         if found is None:
             names = output_names(self.op_types()[node], self.library)
-            found = self._outputs_cache[node] = ([_ref(TensorRef, (node, a, 0)) for a in names] if names is not None else
-                                                 [TensorRef(node, a, k) for a, k, _ in self.layout(node)])
+            found = self._outputs_cache[node] = (
+                [_ref(TensorRef, (node, a, 0)) for a in names] if names is not None else
+                [TensorRef(node, a, k) for a, k, _ in self.layout(node)])
         return found
 
     def flat_index(self, ref: TensorRef) -> int:
