@@ -83,16 +83,16 @@ def _unsliceable(item: GraphItem, sig: SignatureInfo) -> str:
     return ""
 
 
-def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: int):
+def _loop_functions(item: GraphItem, sig: SignatureInfo, header, slice_fn, b: int):
     """The serving loop: (replacement function, loop body, loop condition). A ``While`` over
     ``ceil(n / b)`` slices calls ``slice_fn`` (the serving function's nodes) on each and appends
-    its outputs to tensor lists, concatenated at the end; ``original`` is the serving
-    function's header."""
+    its outputs to tensor lists, concatenated at the end; ``header`` is the serving
+    function's without its nodes."""
     g = FunctionGraph._over(slice_fn, item.library)  # read only
     lib = item.library
     lib[slice_fn.signature.name] = slice_fn
     names = g.arg_names
-    types = [a.type for a in original.signature.input_arg]
+    types = [a.type for a in header.signature.input_arg]
     batch_idx = [names.index(a) for a in sig.batch_args]
     out_types = [a.type for a in slice_fn.signature.output_arg]
     out_shapes = [g.shape(ref) for _, ref in g.output_refs()]
@@ -103,7 +103,7 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: 
     cond_name = function_name(sig.function, "microbatch", "cond")
     # loop variables: i, one list per output, number of slices, every argument
     loop_types = [I32] + [types_pb2.DT_VARIANT] * len(out_types) + [I32] + types
-    loop_shapes = [[]] + [[]] * len(out_types) + [[]] + arg_shapes(original)
+    loop_shapes = [[]] + [[]] * len(out_types) + [[]] + arg_shapes(header)
 
     fb = FunctionBuilder(body_name, lib)
     arg_names = ["i"] + [f"outputs_{k}" for k in range(len(out_types))] + ["slices"] + names
@@ -130,7 +130,7 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: 
     cond = fb.finish()
 
     lib.update({body_name: body, cond_name: cond})
-    fb, args = FunctionBuilder.like(original, lib)
+    fb, args = FunctionBuilder.like(header, lib)
     n = batch_size(fb, args[batch_idx[0]], types[batch_idx[0]])
     checks = [check(fb, fb.op("Equal", [batch_size(fb, args[j], types[j]), n], name="same_batch", T=i32)[0],
                     f"vfgraph: inputs {keys[0]!r} and {k!r} have different leading (batch) dimensions")
@@ -143,6 +143,6 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, original, slice_fn, b: 
                  T=types_attr(loop_types), cond=func_attr(cond_name), body=func_attr(body_name),
                  output_shapes=shapes_attr(loop_shapes), parallel_iterations=1, _lower_using_switch_merge=True)
     outs = loop.outputs()
-    for k, (a, t, e, s) in enumerate(zip(original.signature.output_arg, out_types, elements, out_shapes)):
+    for k, (a, t, e, s) in enumerate(zip(header.signature.output_arg, out_types, elements, out_shapes)):
         fb.ret(a.name, list_concat(fb, outs[1 + k], t, e, s), t)
     return [fb.finish(), body, cond]

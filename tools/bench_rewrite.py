@@ -201,8 +201,7 @@ def child(args) -> None:
         calls = referenced_functions(fdef, lib)
         emit("exported", export_s=export_s, nodes=len(fdef.node_def), function=fdef.signature.name,
              called_functions=len(calls), called_function_nodes=sum(len(lib[c].node_def) for c in calls),
-             saved_model_pb_bytes=os.path.getsize(os.path.join(path, "saved_model.pb")),
-             first_load_s=_timed(lambda: vfgraph.load(path)))
+             saved_model_pb_bytes=os.path.getsize(os.path.join(path, "saved_model.pb")))
         return
 
     if args.phase == "import":

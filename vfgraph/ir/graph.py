@@ -301,19 +301,21 @@ class FunctionGraph:
         return self._ops
 
     def nodes_of(self, op: str) -> List[str]:
-        """The nodes of op type ``op``, in stored order (grouped once; kept right by the edit
-        verbs). Read only."""
+        """The nodes of op type ``op``, in stored order. Read only."""
+        return self._grouped().get(op, [])
+
+    def present_ops(self) -> List[str]:
+        """The op types of the nodes, each once, sorted."""
+        return sorted(self._grouped())
+
+    def _grouped(self) -> Dict[str, List[str]]:
+        """Node names by op type (grouped once; kept right by the edit verbs)."""
         if self._by_op is None:
             by_op: Dict[str, List[str]] = {}
             for name, t in self.op_types().items():
                 by_op.setdefault(t, []).append(name)
             self._by_op = by_op
-        return self._by_op.get(op, [])
-
-    def present_ops(self) -> List[str]:
-        """The op types of the nodes, each once, sorted."""
-        self.nodes_of("")
-        return sorted(self._by_op)
+        return self._by_op
 
     def recorded_shapes(self, node: str) -> Optional[Tuple[Optional[List[int]], ...]]:
         """Every output's static shape as recorded on ``node`` (None: nothing recorded), read
