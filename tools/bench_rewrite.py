@@ -16,10 +16,12 @@ Cases:
 Every measurement runs in a fresh process with intra/inter-op threads set to 1, after a
 warm-up on a 2-layer model (one-time costs out of the timed run): one process exports the
 case, then an import and a rewrite alternate, each in its own process (what one leaves in
-memory, a 100k-node graph's worth, weighed on the next when they shared one), up to five
-pairs. The import converts the train function's FunctionDef to a GraphDef
-(function_def_to_graph_def, not timed) and times importing it into a fresh tf.Graph; the
-rewrite process times ``item = vfgraph.load(path)`` (the load) and then
+memory, a 100k-node graph's worth, weighed on the next when they shared one): five pairs,
+then more (up to 15) while the case has used under two thirds of its budget, which steadies
+the medians of the small cases, whose short runs a burst of load elsewhere moves the most.
+The import converts the train function's FunctionDef to a GraphDef (function_def_to_graph_def,
+not timed) and times importing it into a fresh tf.Graph; the rewrite process times
+``item = vfgraph.load(path)`` (the load) and then
 ``vfgraph.rewrite(item, vnodes=8, vnode_batch=16, in_place=True)`` (the pipeline: no copy of
 the item, as when ``vfgraph.rewrite`` is given the path); load + pipeline is the rewrite. A
 case gets ``--budget`` seconds (default 180) for its pairs; a rewrite that runs past it is
@@ -29,8 +31,9 @@ Reported per case: median pipeline time / median import time (the target is <= 1
 other views of the same runs on a noisy shared machine: the median over the pairs of pipeline
 / import ("paired"), and the fastest pipeline / the fastest import ("fastest": noise only ever
 adds time); the rewrite (load included) / import; how pipeline time scales from ~10k to ~100k
-nodes (target: 10x nodes costs <= 12x time), plus the scaling between every pair of
-consecutive dense sizes measured (pipeline, and rewrite).
+nodes (target: 10x nodes costs <= 12x time; from the medians, and from the fastest runs),
+plus the scaling between every pair of consecutive dense sizes measured (pipeline, and
+rewrite).
 
     python tools/bench_rewrite.py [--quick] [--json PATH] [--budget SECONDS]
 """
@@ -290,7 +293,8 @@ def run_case(args, spec: str, label: str):
     res = {"case": label, "spec": spec}
     code = _run_phase(args, cmd + ["--phase", "export"], log_path, res, args.export_timeout)
     start = time.monotonic()
-    while code == 0 and "timed_out" not in res and len(res.get("rewrite_runs", [])) < 5:
+    while code == 0 and "timed_out" not in res and _more_pairs(len(res.get("rewrite_runs", [])),
+                                                               time.monotonic() - start, args.budget):
         t0 = time.monotonic()
         code = _run_phase(args, cmd + ["--phase", "import"], log_path, res, args.export_timeout)
         if code == 0 and "timed_out" not in res:
@@ -307,7 +311,7 @@ def run_case(args, spec: str, label: str):
     imports = res.get("import_reps", [])[:len(runs)]
     if runs:
         res.update(import_s=statistics.median(imports), rewrite_s=statistics.median(runs),
-                   pipeline_s=statistics.median(pipes),
+                   pipeline_s=statistics.median(pipes), pipeline_fastest_s=min(pipes),
                    load_s=statistics.median(r["load_s"] for r in res["rewrite_runs"]),
                    paired_ratio=statistics.median(p / i for p, i in zip(pipes, imports)),
                    fastest_ratio=min(pipes) / min(imports))
@@ -323,6 +327,17 @@ def run_case(args, spec: str, label: str):
               f"({res['timed_out_after_s']:.0f} s)", flush=True)
     subprocess.run(["rm", "-rf", work])
     return res
+
+
+MIN_PAIRS, MAX_PAIRS = 5, 15
+
+
+def _more_pairs(done: int, spent: float, budget: float) -> bool:
+    """Another import/rewrite pair? Five at least (within the budget); then more, up to 15, while
+    the case has used under two thirds of its budget: a small case's runs are short, so a burst
+    of load from elsewhere on the machine moves each of them by a larger fraction, and more of
+    them steady its median."""
+    return done < MIN_PAIRS or (done < MAX_PAIRS and spent < budget * 2 / 3)
 
 
 def calibrate():
@@ -399,7 +414,8 @@ def main():
         scaling.append({"from": a["case"], "to": b["case"], "nodes_ratio": nr, "time_ratio": tr,
                         "time_ratio_is_lower_bound": lower, "exponent": math.log(tr) / math.log(nr),
                         "time_ratio_per_10x_nodes": 10 ** (math.log(tr) / math.log(nr)),
-                        "rewrite_time_ratio": None if lower else b["rewrite_s"] / a["rewrite_s"]})
+                        "rewrite_time_ratio": None if lower else b["rewrite_s"] / a["rewrite_s"],
+                        "fastest_time_ratio": None if lower else b["pipeline_fastest_s"] / a["pipeline_fastest_s"]})
     target = next((s for s in scaling if s["from"] == "dense-10000" and s["to"] == "dense-100000"), None)
 
     print("\nper case (pipeline = vfgraph.rewrite of the loaded model: passes + verify; rewrite = load + pipeline;")
@@ -439,7 +455,8 @@ def main():
         print("\nscaling of pipeline time between dense sizes (target for ~10k -> ~100k: <= 12x time for 10x nodes):")
         for s in scaling:
             lb = ">=" if s["time_ratio_is_lower_bound"] else ""
-            note = " (lower bounds: the larger case was stopped)" if lb else f"; rewrite x{s['rewrite_time_ratio']:.2f}"
+            note = " (lower bounds: the larger case was stopped)" if lb else (
+                f"; fastest runs x{s['fastest_time_ratio']:.2f}; rewrite x{s['rewrite_time_ratio']:.2f}")
             print(f"  {s['from']} -> {s['to']}: nodes x{s['nodes_ratio']:.2f}, time x{lb}{s['time_ratio']:.2f}, "
                   f"time ~ nodes^{lb}{s['exponent']:.2f} (= x{lb}{s['time_ratio_per_10x_nodes']:.1f} per 10x nodes)"
                   f"{note}")
