@@ -357,6 +357,28 @@ def calibrate():
     return per, base, counts
 
 
+def memory_reference(sizes=(10_000, 100_000), probes: int = 1_000_000, repeats: int = 3) -> dict:
+    """Nanoseconds per lookup in a dictionary of ``n`` node-name-like keys, in insertion order
+    and in random order (fastest of ``repeats``): what the graph's size alone does to the cost
+    of the lookups a rewrite is made of, on this machine at this time."""
+    import random
+
+    out = {}
+    for n in sizes:
+        keys = [sys.intern(f"gradient_tape/sequential/dense_{i}/MatMul/MatMul_1") for i in range(n)]
+        table = {k: [i] for i, k in enumerate(keys)}
+        ordered = keys * max(1, probes // n)
+        shuffled = ordered[:]
+        random.Random(0).shuffle(shuffled)
+        for label, seq in (("in_order", ordered), ("random", shuffled)):
+            best = min(_timed(lambda: [table[k][0] for k in seq]) for _ in range(repeats))
+            out[f"{label}_ns_{n}"] = best * 1e9 / len(seq)
+    a, b = sizes[0], sizes[-1]
+    out["random_ratio"] = out[f"random_ns_{b}"] / out[f"random_ns_{a}"]
+    out["in_order_ratio"] = out[f"in_order_ns_{b}"] / out[f"in_order_ns_{a}"]
+    return out
+
+
 def main():
     args = parse_args()
     if args.child:
@@ -417,6 +439,7 @@ def main():
                         "rewrite_time_ratio": None if lower else b["rewrite_s"] / a["rewrite_s"],
                         "fastest_time_ratio": None if lower else b["pipeline_fastest_s"] / a["pipeline_fastest_s"]})
     target = next((s for s in scaling if s["from"] == "dense-10000" and s["to"] == "dense-100000"), None)
+    memory = memory_reference()
 
     print("\nper case (pipeline = vfgraph.rewrite of the loaded model: passes + verify; rewrite = load + pipeline;")
     print("import = tf.graph_util.import_graph_def of the train function's GraphDef; target pipeline/import <= 1)")
@@ -462,6 +485,9 @@ def main():
                   f"{note}")
     if target is None:
         print("  ~10k -> ~100k: not measured in this run (see above)")
+    print(f"\nmemory reference (dictionary lookups, ns each, 10k -> 100k keys): in order "
+          f"{memory['in_order_ns_10000']:.0f} -> {memory['in_order_ns_100000']:.0f} (x{memory['in_order_ratio']:.2f}), "
+          f"random {memory['random_ns_10000']:.0f} -> {memory['random_ns_100000']:.0f} (x{memory['random_ratio']:.2f})")
 
     report = {"benchmark": "bench_rewrite", "config": {
         "vnodes": VNODES, "vnode_batch": VNODE_BATCH, "quick": args.quick, "budget_s": args.budget,
@@ -469,7 +495,7 @@ def main():
         "tensorflow": tf.__version__, "python": platform.python_version(), "git": git_state(),
         "cpu_count": os.cpu_count(),
         "targets": {"pipeline_over_import": 1.0, "time_ratio_for_10x_nodes": 12.0}},
-        "results": results, "scaling": scaling, "target_10k_to_100k": target}
+        "results": results, "scaling": scaling, "target_10k_to_100k": target, "memory_reference": memory}
     write_report(args.json, report)
 
 
