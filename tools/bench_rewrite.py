@@ -33,7 +33,8 @@ other views of the same runs on a noisy shared machine: the median over the pair
 adds time); the rewrite (load included) / import; how pipeline time scales from ~10k to ~100k
 nodes (target: 10x nodes costs <= 12x time; from the medians, and from the fastest runs),
 plus the scaling between every pair of consecutive dense sizes measured (pipeline, and
-rewrite).
+rewrite); and a memory reference: nanoseconds per dictionary lookup with 10k and with 100k
+node-name-like keys, in order and at random, what the size alone costs on this machine then.
 
     python tools/bench_rewrite.py [--quick] [--json PATH] [--budget SECONDS]
 """
