@@ -67,8 +67,8 @@ class SplitVnodesPass(Pass):
         vdef = extract_function(g, vnode_fn, [(f"out_{o.name}", o.ref) for o in vnode_outputs] + cut_args,
                                 into=item.new_function(vnode_fn))
         # (the virtual-node function's ops are some of the step's: no stateless random op, no seed)
-        random = any(op.startswith(_STATELESS_RANDOM) for op in g.present_ops())
-        seeded = _distinct_seeds(vdef, item.library) if random else []
+        has_random = any(op.startswith(_STATELESS_RANDOM) for op in g.present_ops())
+        seeded = _distinct_seeds(vdef, item.library) if has_random else []
         udef = extract_function(g, update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
                                 new_args=cut_args, keep_args=sig.resource_args,
                                 drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))

@@ -22,14 +22,13 @@ def _stateful(g: FunctionGraph, name: str) -> bool:
     op = g.op_types()[name]
     if op in g.library:
         return g.library[op].signature.is_stateful
-    found = _STATEFUL.get(op)
-    if found is None:
-        od = op_def_registry.get(op)
-        found = _STATEFUL[op] = bool(od and od.is_stateful)
-    return found
+    return _registered_stateful(op)
 
 
-_STATEFUL: Dict[str, bool] = {}  # registered op type -> is_stateful
+@lru_cache(maxsize=None)
+def _registered_stateful(op: str) -> bool:
+    od = op_def_registry.get(op)
+    return bool(od and od.is_stateful)
 
 
 def extract_function(

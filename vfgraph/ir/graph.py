@@ -442,7 +442,6 @@ class FunctionGraph:
         self._forget(node.name)
         if self._ops is not None:
             self._ops[node.name] = node.op
-        self._by_op = None
         self._dirty()
         return node
 
