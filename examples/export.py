@@ -260,9 +260,73 @@ def tf1_checkpoint(out: str, optimizer: str = "momentum", lr: float = 0.05, reso
     return os.path.join(out, "model.meta")
 
 
+def tf1_serve_train(out: str, optimizer: str = "momentum", lr: float = 0.05, resource: bool = True,
+                    ema: bool = False) -> None:
+    """A TF1 SavedModel as TF1 training code exports it for serving and training: tags
+    ``serve, train``; 'serving_default' (x -> logits, moving statistics) and 'train' whose only
+    output is the loss, computed without the update; the update is the train op, stored in
+    the ``train_op`` collection (``opt.minimize`` puts it there). Batch norm from
+    ``tf.nn.moments``: its moving averages are assign ops run under control dependencies of
+    ``opt.minimize``, or (``ema``) a ``tf.compat.v1.train.ExponentialMovingAverage`` of the
+    moments grouped with it, ``tf.group(minimize, ema.apply(...))``, which SavedModel's
+    ``saved_model_train_op`` collection holds (``train_op`` then holds the minimize op alone).
+    Reference variables unless ``resource``."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python.saved_model import constants
+
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default(), v1.variable_scope(v1.get_variable_scope(), use_resource=resource):
+        x = v1.placeholder(tf.float32, [None, 64], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        w1 = v1.get_variable("w1", initializer=np.random.default_rng(0).normal(scale=0.1, size=(64, 32))
+                             .astype("float32"))
+        gamma = v1.get_variable("bn/gamma", initializer=tf.ones([32]))
+        beta = v1.get_variable("bn/beta", initializer=tf.zeros([32]))
+        w2 = v1.get_variable("w2", initializer=np.random.default_rng(1).normal(scale=0.1, size=(32, 10))
+                             .astype("float32"))
+        b2 = v1.get_variable("b2", initializer=tf.zeros([10]))
+        h = tf.matmul(x, w1)
+        mean, variance = tf.nn.moments(h, [0])
+        logits = tf.matmul(tf.nn.relu(tf.nn.batch_normalization(h, mean, variance, beta, gamma, 1e-3)), w2) + b2
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
+        step = v1.train.get_or_create_global_step()
+        opt = {"sgd": lambda: v1.train.GradientDescentOptimizer(lr),
+               "momentum": lambda: v1.train.MomentumOptimizer(lr, 0.9),
+               "adam": lambda: v1.train.AdamOptimizer(lr / 10)}[optimizer]()
+        if ema:
+            averages = v1.train.ExponentialMovingAverage(0.9, name="bn_moving")
+            apply = averages.apply([mean, variance])
+            train_op = tf.group(opt.minimize(loss, global_step=step), apply, name="train")
+            v1.add_to_collection(constants.TRAIN_OP_KEY, train_op)
+            mmean, mvar = averages.average(mean), averages.average(variance)
+        else:
+            mmean = v1.get_variable("bn/moving_mean", initializer=tf.zeros([32]), trainable=False)
+            mvar = v1.get_variable("bn/moving_variance", initializer=tf.ones([32]), trainable=False)
+            for avg, value in ((mmean, mean), (mvar, variance)):
+                v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, v1.assign_sub(avg, (avg - value) * 0.1))
+            with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+                opt.minimize(loss, global_step=step, name="train")  # minimize adds it to GraphKeys.TRAIN_OP
+        serve_h = tf.nn.batch_normalization(tf.matmul(x, w1), mmean, mvar, beta, gamma, 1e-3)
+        serve = tf.identity(tf.matmul(tf.nn.relu(serve_h), w2) + b2, name="logits")
+        init = v1.global_variables_initializer()
+    with g.as_default(), v1.Session(graph=g) as sess:
+        sess.run(init)
+        b = v1.saved_model.Builder(out)
+        sig = v1.saved_model.signature_def_utils.predict_signature_def
+        tags = [v1.saved_model.tag_constants.SERVING, v1.saved_model.tag_constants.TRAINING]
+        b.add_meta_graph_and_variables(sess, tags,
+                                       signature_def_map={"train": sig({"x": x, "y": y}, {"loss": loss}),
+                                                          "serving_default": sig({"x": x}, {"logits": serve})},
+                                       saver=v1.train.Saver(), strip_default_attrs=True)
+        b.save()
+
+
 MODELS = {"digits-mlp": digits_mlp, "digits-cnn": digits_cnn, "digits-embedding": digits_embedding,
           "digits-lstm": digits_lstm, "digits-transformer": digits_transformer, "digits-dropout": digits_dropout,
-          "tf1-bn": tf1_momentum_bn, "tf1-checkpoint": tf1_checkpoint, "resnet50": resnet50}
+          "tf1-bn": tf1_momentum_bn, "tf1-checkpoint": tf1_checkpoint, "tf1-serve-train": tf1_serve_train,
+          "resnet50": resnet50}
 
 
 def main() -> None:

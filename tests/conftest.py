@@ -41,6 +41,10 @@ def models(tmp_path_factory):
                 getattr(export, f"digits_{kind}")(path, **({"optimizer": opt} if opt else {}))
             elif kind in ("tf1", "tf1-ref"):  # TF1 SavedModel, resource or reference variables
                 export.tf1_momentum_bn(path, resource=kind == "tf1", **({"optimizer": opt} if opt else {}))
+            elif kind == "tf1-serve-train":  # tags serve+train, loss-only 'train', train op in a collection
+                flags = set(opt.split(",")) if opt else set()  # e.g. "ref,ema" or "sgd"
+                optimizer = next((f for f in flags if f in ("sgd", "momentum", "adam")), "momentum")
+                export.tf1_serve_train(path, optimizer=optimizer, resource="ref" not in flags, ema="ema" in flags)
             elif kind in ("tf1ckpt", "tf1ckpt-resource"):  # a .meta + checkpoint (returns the .meta)
                 made[name] = export.tf1_checkpoint(path, resource=kind.endswith("resource"),
                                                    **({"optimizer": opt} if opt else {}))
