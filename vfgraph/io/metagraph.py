@@ -23,6 +23,13 @@ from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 from vfgraph.errors import DetectionError, InputError
 
 TRAIN_LOSS_NODE = "vf/train_loss"
+# Where TF1 code leaves its train op: tf.compat.v1.GraphKeys.TRAIN_OP (opt.minimize adds to it),
+# SavedModel's constants.TRAIN_OP_KEY collection, and constants.TRAIN_OP_SIGNATURE_KEY (what
+# tf.compat.v1.saved_model.loader's get_train_op reads first).
+TRAIN_OP_COLLECTIONS = ("train_op", "saved_model_train_op")
+TRAIN_OP_SIGNATURE = "__saved_model_train_op"
+# variable writes (resource forms; reference variables are converted before these are read)
+_WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter", "ResourceStridedSliceAssign")
 _GRAD_YS = re.compile(r"(^|/)grad_ys_\d+$")
 _GRAD_SCOPE = re.compile(r"(^|/)gradients(?:_\d+)?/(.+?)_grad/")
 
@@ -103,7 +110,7 @@ def load_meta_graph(path: str, checkpoint: Optional[str] = None, loss: str = "")
     from vfgraph.io import refvars
 
     refvars.to_resource_variables(mg, meta)
-    if "train" not in mg.signature_def and "train_op" in mg.collection_def:
+    if "train" not in mg.signature_def and train_op_candidates(mg):
         _add_train_signature(mg, meta, loss)
     if not [k for k in mg.signature_def if not k.startswith("__")]:
         raise InputError(f"{meta}: nothing to rewrite: no signatures and no 'train_op' collection; add the train "
@@ -117,13 +124,7 @@ def _add_train_signature(mg, where: str, loss: str) -> None:
     """Signature 'train' over the train_op collection's op: placeholders in, loss out."""
     gd = mg.graph_def
     nodes = {n.name: n for n in gd.node}
-    ops = sorted({v.split(":")[0].lstrip("^") for v in mg.collection_def["train_op"].node_list.value})
-    if len(ops) != 1:
-        raise DetectionError(f"{where}: collection 'train_op' holds {len(ops)} ops ({', '.join(ops) or 'none'}); "
-                             "vfgraph needs exactly one")
-    train_op = ops[0]
-    if train_op not in nodes:
-        raise InputError(f"{where}: collection 'train_op' names missing node {train_op!r}")
+    train_op = find_train_op(mg, nodes, where)
     upstream = ancestors(nodes, [train_op])
     if loss:
         loss_tensor = loss if ":" in loss else loss + ":0"
@@ -136,9 +137,9 @@ def _add_train_signature(mg, where: str, loss: str) -> None:
     if not placeholders:
         raise DetectionError(f"{where}: the train op {train_op!r} reads no placeholder; vfgraph needs the batch "
                              "fed through placeholders (graphs reading a tf.data iterator are not supported)")
-    out = gd.node.add(name=TRAIN_LOSS_NODE, op="Identity", input=[loss_tensor, "^" + train_op])
     loss_node = nodes[loss_tensor.split(":")[0]]
-    out.attr["T"].type = _output_dtype(loss_node, int(loss_tensor.split(":")[1]), where)
+    out = _after(gd, TRAIN_LOSS_NODE, loss_tensor, train_op,
+                 _output_dtype(loss_node, int(loss_tensor.split(":")[1]), where))
     sig = mg.signature_def["train"]
     sig.method_name = "tensorflow/serving/predict"
     for p in placeholders:
@@ -150,6 +151,82 @@ def _add_train_signature(mg, where: str, loss: str) -> None:
     o.name = TRAIN_LOSS_NODE + ":0"
     o.dtype = out.attr["T"].type
     o.tensor_shape.SetInParent()
+
+
+def train_op_candidates(mg) -> List[str]:
+    """Names of the ops TF1 code marked as its train op (collections and signature), sorted."""
+    names = set()
+    for key in TRAIN_OP_COLLECTIONS:
+        if key in mg.collection_def:
+            names.update(v.split(":")[0].lstrip("^") for v in mg.collection_def[key].node_list.value)
+    if TRAIN_OP_SIGNATURE in mg.signature_def:
+        names.update(t.name.split(":")[0].lstrip("^") for t in mg.signature_def[TRAIN_OP_SIGNATURE].outputs.values())
+    return sorted(n for n in names if n)
+
+
+def find_train_op(mg, nodes, where: str) -> Optional[str]:
+    """The op that runs the training step: the one train-op candidate, or of several the one
+    that runs all the others (``tf.group(minimize, ema_apply)`` in ``saved_model_train_op``
+    beside the minimize op that ``opt.minimize`` left in ``train_op``); None without any."""
+    ops = train_op_candidates(mg)
+    if not ops:
+        return None
+    for op in ops:
+        if op not in nodes:
+            raise InputError(f"{where}: the train op collections ({', '.join(TRAIN_OP_COLLECTIONS)}) name missing "
+                             f"node {op!r}")
+    if len(ops) == 1:
+        return ops[0]
+    covering = [op for op in ops if set(ops) <= ancestors(nodes, [op])]
+    if len(covering) != 1:
+        raise DetectionError(f"{where}: the train op collections hold {len(ops)} ops ({', '.join(ops)}) and none "
+                             "runs all the others; vfgraph needs one train op (group them with tf.group)")
+    return covering[0]
+
+
+def attach_train_op(mg, key: str, where: str) -> bool:
+    """Make training signature ``key`` run the train op when it computes no variable update.
+
+    TF1 code often exports a 'train' signature whose outputs are only the loss, the update
+    being the op a TF1 loop runs beside it (``sess.run([train_op, loss])``). When the train op
+    reads the placeholders the signature's inputs name (and no other), each output of the
+    signature is replaced by an ``Identity`` of it with a control dependency on the train op:
+    the values returned are the same, and the signature is the training step. Returns whether
+    the signature was changed."""
+    sig = mg.signature_def[key]
+    gd = mg.graph_def
+    nodes = {n.name: n for n in gd.node}
+    outputs = sorted(sig.outputs.items())
+    upstream = ancestors(nodes, [t.name.split(":")[0] for _, t in outputs])
+    if not outputs or any(nodes[n].op.startswith(_WRITE_PREFIXES) for n in upstream):
+        return False
+    train_op = find_train_op(mg, nodes, where)
+    if train_op is None:
+        return False
+    feeds = {t.name.split(":")[0] for t in sig.inputs.values()}
+    reads = {n for n in ancestors(nodes, [train_op]) if nodes[n].op == "Placeholder"}
+    if not reads & feeds:
+        return False  # a train op over other inputs: not this signature's step
+    if reads - feeds:
+        raise DetectionError(f"{where}: signature {key!r} computes no variable update, and the train op {train_op!r} "
+                             f"reads placeholders that are not its inputs ({', '.join(sorted(reads - feeds))}); add "
+                             "them to the signature's inputs so that it runs the training step")
+    for out_key, t in outputs:
+        name = t.name if ":" in t.name else t.name + ":0"
+        dtype = t.dtype or _output_dtype(nodes[name.split(":")[0]], int(name.split(":")[1]), where)
+        node_name = f"vf/{key}_{re.sub(r'[^A-Za-z0-9_.]', '_', out_key)}"
+        while node_name in nodes:
+            node_name += "_"
+        nodes[node_name] = _after(gd, node_name, name, train_op, dtype)
+        t.name = node_name + ":0"
+    return True
+
+
+def _after(gd, name: str, tensor: str, op: str, dtype: int):
+    """A node ``name`` of ``gd`` returning ``tensor`` once ``op`` has run."""
+    out = gd.node.add(name=name, op="Identity", input=[tensor, "^" + op])
+    out.attr["T"].type = dtype
+    return out
 
 
 def ancestors(nodes, roots: Iterable[str]) -> set:

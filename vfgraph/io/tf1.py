@@ -5,8 +5,13 @@ control dependencies included, so a loss fetched after ``train_op`` brings the u
 with it) becomes a library function whose arguments are the signature's placeholders and
 the variables' handles. Passes rewrite that function like any TF2 signature function. On
 save, the graph keeps every original node (initialisers, saver, collections); each
-rewritten signature points at a call of its function, and a ``train_op`` collection's op is
-replaced by a NoOp of the same name that runs the call.
+rewritten signature points at a call of its function, and the train op (``train_op`` or
+``saved_model_train_op`` collection, ``__saved_model_train_op`` signature) is replaced by a
+NoOp of the same name that runs the call.
+
+A training signature that computes no variable update (its outputs only the loss, the
+update left to the train op a TF1 loop runs beside it) runs the train op when that op reads
+the signature's inputs (``metagraph.attach_train_op``).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from tensorflow.core.framework import function_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
 from vfgraph.errors import InputError
+from vfgraph.io.metagraph import attach_train_op, train_op_candidates
 from vfgraph.ir.graph import output_layout
 from vfgraph.item import GraphItem, SignatureInfo, VariableInfo
 
@@ -45,6 +51,9 @@ def convert(sm: saved_model_pb2.SavedModel, path: str, skip: Set[str] = frozense
 
     mg = sm.meta_graphs[0]
     refvars.to_resource_variables(mg, path)
+    for key in sorted(mg.signature_def):
+        if key not in skip and SignatureInfo(key, "", [], {}, [], {}).is_training:
+            attach_train_op(mg, key, path)
     gd = mg.graph_def
     nodes = {n.name: n for n in gd.node}
     graph = tf.Graph()
@@ -167,7 +176,7 @@ def emit(item: GraphItem) -> saved_model_pb2.SavedModel:
     sm.CopyFrom(item.saved_model)
     mg = sm.meta_graphs[0]
     lib = item.library
-    train_ops = list(mg.collection_def["train_op"].node_list.value) if "train_op" in mg.collection_def else []
+    train_ops = train_op_candidates(mg)
     for key, sig in sorted(item.signatures.items()):
         if sig.function not in item.preserve:
             continue  # not rewritten: the signature keeps running the original graph
@@ -182,7 +191,7 @@ def emit(item: GraphItem) -> saved_model_pb2.SavedModel:
         for k, out_key in enumerate(sig.output_keys):
             mg.signature_def[key].outputs[out_key].name = f"{call.name}:{k}"
         if item.training_signature() is sig:
-            for op_name in sorted({o.split(":")[0] for o in train_ops}):
+            for op_name in train_ops:
                 _replace_train_op(mg.graph_def, op_name, call.name)
     return sm
 
