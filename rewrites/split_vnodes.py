@@ -15,7 +15,8 @@ from tensorflow.core.framework import node_def_pb2, types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 from typing import ClassVar, List, Tuple
 
-from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, with_dynamic_batch
+from vfgraph.analysis.train_step import (TrainStep, analyze_train_step, check_batch_inputs, static_batch,
+                                         with_dynamic_batch)
 from vfgraph.builder import (I32, FunctionBuilder, Node, batch_size, check, extract_function, func_attr, list_concat,
                              shapes_attr, slice_rows, tensor_attr, type_attr, types_attr, zeros)
 from vfgraph.errors import DetectionError, PipelineError
@@ -56,7 +57,7 @@ class SplitVnodesPass(Pass):
         original.verify()
         check_batch_inputs(original, sig)
         b = self._vnode_batch(original, sig)
-        static = any(original.arg_shape(a)[0] > 0 for a in sig.batch_args)
+        static = static_batch(original, sig) > 0
         g = with_dynamic_batch(original, sig, b) if static else original
         step = analyze_train_step(g, sig)
         vnode_fn = function_name(sig.function, "vnode")
@@ -70,7 +71,7 @@ class SplitVnodesPass(Pass):
         has_random = any(op.startswith(_STATELESS_RANDOM) for op in g.present_ops())
         seeded = _distinct_seeds(vdef, item.library) if has_random else []
         udef = extract_function(g, update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
-                                new_args=cut_args, keep_args=sig.resource_args,
+                                new_args=cut_args, keep_args=sig.invariant_args,
                                 drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))
         reduce_fn = function_name(sig.function, "reduce")
         item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step)))
@@ -98,7 +99,7 @@ class SplitVnodesPass(Pass):
     def _vnode_batch(self, g: FunctionGraph, sig) -> int:
         if self.vnode_batch:
             return self.vnode_batch
-        static = g.arg_shape(sig.batch_args[0])[0]
+        static = static_batch(g, sig)
         if static > 0:
             if static % self.vnodes:
                 raise DetectionError(
@@ -205,18 +206,20 @@ class _Loop:
     # loop variables: i, carried..., nv, per, batch..., resources...
     def _loop_types(self) -> List[int]:
         carried = [t if c == "mean" else types_pb2.DT_VARIANT for c, t, _ in self.carried]
-        res = [types_pb2.DT_RESOURCE] * len(self.step.signature.resource_args)
+        res = [self.g.dtype(TensorRef(a)) for a in self.step.signature.invariant_args]
         return [I32] + carried + [I32, I32] + self.batch_types + res
 
     def _loop_shapes(self) -> List:
         carried = [s if c == "mean" else [] for c, _, s in self.carried]
         batch = [self.g.arg_shape(a) for a in self.step.signature.batch_args]
-        return [[]] + carried + [[], []] + batch + [[]] * len(self.step.signature.resource_args)
+        sig = self.step.signature
+        return [[]] + carried + [[], []] + batch + [[]] * len(sig.resource_args) + [
+            self.g.arg_shape(a) for a in sig.captured_args]
 
     def _loop_args(self, fb: FunctionBuilder) -> List[str]:
         names = (["i"] + [f"carried_{k}" for k in range(len(self.carried))] + ["nv", "per"] +
                  [f"batch_{k}" for k in range(len(self.batch_types))] +
-                 [f"resource_{k}" for k in range(len(self.step.signature.resource_args))])
+                 [f"resource_{k}" for k in range(len(self.step.signature.invariant_args))])
         return [fb.arg(n, t, s) for n, t, s in zip(names, self._loop_types(), self._loop_shapes())]
 
     def _body(self, lib, into):
@@ -229,7 +232,7 @@ class _Loop:
         res = args[3 + k_c + len(self.batch_types):]
         rows = slice_rows(fb, fb.op("Mul", [i, per], name="start", T=type_attr(I32))[0], per)
         by_name = {a: rows(x, t) for a, x, t in zip(sig.batch_args, batch, self.batch_types)}
-        by_name.update(zip(sig.resource_args, res))
+        by_name.update(zip(sig.invariant_args, res))
         v_args = [a.name for a in self.vdef.signature.input_arg]
         if VNODE_INDEX in v_args:
             by_name[VNODE_INDEX] = fb.op("Cast", [i], name="index", SrcT=type_attr(I32),
@@ -376,7 +379,7 @@ def _step_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Lo
     lib = item.library
     fb, args = FunctionBuilder.like(original, lib)
     by = dict(zip(g.arg_names, args))
-    res = [by[a] for a in sig.resource_args]
+    res = [by[a] for a in sig.invariant_args]
     outs, sums, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
     outs, sums, count = loop.reduce(fb, outs, sums, nv, reduce_fn)
     results = loop.outputs(fb, outs, count, nv)
@@ -465,7 +468,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
 
     fb, args = FunctionBuilder.like(acc_header, lib, into=item.new_function(acc_fn))
     by = dict(zip(inner + acc_args, args))
-    outs, sums, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.resource_args])
+    outs, sums, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.invariant_args])
     count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
     adds = [_accumulate(fb, by[a], v, c) for a, v, c in zip(acc_args, sums, step.cut)]
     adds.append(fb.op("AssignAddVariableOp", [by["vf_count"], count], name="accumulate", dtype=type_attr(F32)))
@@ -492,7 +495,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     ok = check(fb, some, f"vfgraph: {sig.key}_apply found no accumulated virtual node; "
                          f"call {sig.key}_accumulate with a batch first")
     means = _means(fb, step, got[:-1], got[-1])
-    call, _ = _update(fb, udef, means, [by[a] for a in sig.resource_args], after=[reduced, ok])
+    call, _ = _update(fb, udef, means, [by[a] for a in sig.invariant_args], after=[reduced, ok])
     for a, c in zip(acc_args, step.cut):
         empty = c.shape if c.combine == "mean" else [0] + list(c.shape[1:])  # sparse: no rows yet
         fb.control_ret(fb.op("AssignVariableOp", [by[a], zeros(fb, empty, c.dtype)], name="reset", deps=[call],

@@ -7,9 +7,9 @@ import os
 from typing import Callable, Optional, Sequence, Union
 
 from vfgraph import __version__
-from vfgraph.errors import InputError
-from vfgraph.io import graphdef, metagraph, savedmodel
-from vfgraph.ir.graph import verify_function_def
+from vfgraph.errors import InputError, InternalError, VerifyError, VfgraphError
+from vfgraph.io import graphdef, metagraph, objectgraph, savedmodel
+from vfgraph.ir.graph import function_dependencies, verify_function_def
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, Sequential, parse_pipeline
 
@@ -114,7 +114,11 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
         pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, allreduce == "mpi", fusion_mb)
     seq = Sequential(parse_pipeline(pipeline), after_each=after_each)
     out, notes = seq(item)
-    verify(out)
+    objectgraph.relink_captured_tensors(out.meta_graph.object_graph_def, out.library)
+    try:
+        verify(out)
+    except VfgraphError as e:  # the passes made what TensorFlow's loader would refuse
+        raise InternalError(f"the rewritten model would not load ({seq.spec()}): {e}") from e
     history = list(out.metadata.get("history", []))
     history.append({"pipeline": seq.spec(),
                     "source_fingerprint": savedmodel.source_fingerprint(item.source, item.variables_prefix),
@@ -125,10 +129,24 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
 
 
 def verify(item: GraphItem) -> None:
-    """Check every library function the signatures reach."""
+    """Check what TensorFlow's loader reads: every library function reachable from a signature
+    or from the object graph (concrete functions, the objects they are bound to, captured
+    tensors), and each function those call."""
     lib = item.library
-    for name in sorted({sig.function for sig in item.signatures.values()} | item.preserve):
-        verify_function_def(lib[name], lib)
+    og = item.meta_graph.object_graph_def
+    problems = objectgraph.loader_problems(og, lib)
+    if problems:
+        raise VerifyError(f"{item.source}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if problems[1:] else ""))
+    roots = {sig.function for sig in item.signatures.values()} | item.preserve | objectgraph.object_graph_functions(og)
+    missing = sorted(r for r in roots if r not in lib)
+    if missing:
+        raise VerifyError(f"{item.source}: function {missing[0]!r} is used but not in the library")
+    seen = set()
+    for root in sorted(roots):
+        for name in function_dependencies(root, lib):
+            if name not in seen:
+                seen.add(name)
+                verify_function_def(lib[name], lib)
 
 
 def save(item: GraphItem, out: Union[str, os.PathLike], force: bool = False) -> str:
@@ -136,3 +154,4 @@ def save(item: GraphItem, out: Union[str, os.PathLike], force: bool = False) -> 
     if item.kind == "graph_def":
         return graphdef.save_graph_def(item, os.fspath(out), force=force)
     return savedmodel.save_saved_model(item, os.fspath(out), force=force)
+

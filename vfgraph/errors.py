@@ -31,3 +31,14 @@ class VerifyError(VfgraphError):
 
 class OutputError(VfgraphError):
     """The output location cannot be written."""
+
+
+class InternalError(VfgraphError):
+    """vfgraph produced something it must not write (a model TensorFlow would not load): a bug
+    in vfgraph, not the user's mistake. Nothing is written."""
+
+    exit_code = 3
+
+    def __init__(self, what: str):
+        super().__init__(f"internal error: {what}; nothing was written. This is a bug in vfgraph: please report it "
+                         "with the model (or the command that exported it) and the command line")

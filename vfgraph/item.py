@@ -42,6 +42,14 @@ class SignatureInfo:
     outputs: List[TensorSpecInfo] = field(default_factory=list)
     call_inputs: List[str] = field(default_factory=list)  # TF1: graph nodes feeding ``function``
     output_keys: List[str] = field(default_factory=list)  # TF1: signature output keys, in order
+    # non-resource arguments bound to captured values rather than fed (a constant captured from
+    # eager code: Gemma's embedding scale, a Normalization layer's mean)
+    captured_args: List[str] = field(default_factory=list)
+
+    @property
+    def invariant_args(self) -> List[str]:
+        """Arguments every virtual node and slice reads unchanged: the variables, then the captured values."""
+        return self.resource_args + self.captured_args
 
     @property
     def is_training(self) -> bool:

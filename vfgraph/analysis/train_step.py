@@ -123,9 +123,10 @@ class _Cuttable:
         self.blocked: Set[TensorRef] = set()
         self._flags: Dict[str, List[bool]] = {}
         roots = []
-        for name in sorted(n for op in g.present_ops() if _is_sparse_op(op) for n in g.nodes_of(op) if n in dep):
+        candidates = sorted(n for op in g.present_ops() if _is_sparse_op(op) for n in g.nodes_of(op) if n in dep)
+        for name in candidates:
             roles = _sparse_roles(g, name)
-            if roles is None:
+            if roles is None or _added_to_dense(g, name, dep, candidates):
                 continue
             inputs = g.data_inputs(name)
             vals = _walk_back(g, inputs[roles[0]], _ROWWISE, dep)
@@ -231,6 +232,7 @@ def refine_shapes(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, List[s
 # Ops that sum rows of a sparse gradient into a variable's shape: (values input, indices input).
 _SPARSE_INPUTS = {"UnsortedSegmentSum": ("data", "segment_ids"), "ResourceScatterAdd": ("updates", "indices"),
                   "ResourceScatterSub": ("updates", "indices")}
+_SPARSE_DENSIFY = {"UnsortedSegmentSum"}  # rows summed into a dense tensor of the variable's shape
 _ROWWISE = {"Identity", "Square", "Neg", "Cast", "Mul", "RealDiv", "Sqrt", "Abs"}
 _INDEX_PASS = {"Identity", "Cast"}
 
@@ -251,6 +253,34 @@ def _sparse_roles(g: FunctionGraph, name: str) -> Optional[Tuple[int, int]]:
 
     names = [a.name for a in op_def_registry.get(op).input_arg]
     return names.index(want[0]), names.index(want[1])
+
+
+_SUMS = {"AddN", "AddV2", "Add"}
+
+
+def _added_to_dense(g: FunctionGraph, name: str, dep: Set[str], sparse: List[str]) -> bool:
+    """Whether the rows sparse op ``name`` sums into a dense tensor are then added to a dense,
+    batch-dependent gradient: a variable used both as a lookup table and as a weight (a token
+    embedding tied to the output projection) gets the sum of both, which is dense, so it is
+    averaged like any dense gradient rather than concatenated as rows."""
+    if g.nodes[name].op not in _SPARSE_DENSIFY:
+        return False
+    sparse_set = set(sparse)
+    frontier, seen = [name], {name}
+    while frontier:
+        n = frontier.pop()
+        for t in g.outputs(n):
+            for c, _ in g.consumers(t):
+                if c in seen:
+                    continue
+                seen.add(c)
+                op = g.nodes[c].op
+                if op in _INDEX_PASS:
+                    frontier.append(c)
+                elif op in _SUMS and any(not i.is_function_arg and i.node in dep and i.node not in seen
+                                         and i.node not in sparse_set for i in g.data_inputs(c)):
+                    return True
+    return False
 
 
 def _batch_shaped(g: FunctionGraph, ref: TensorRef) -> bool:
@@ -787,6 +817,11 @@ def _unbounded_message(g, sig, flow, sinks) -> str:
             "variable (sparse or per-example gradients are not supported for this update)")
 
 
+def static_batch(g: FunctionGraph, sig: SignatureInfo) -> int:
+    """The batch size the training inputs were exported with (0: dynamic)."""
+    return next((g.arg_shape(a)[0] for a in sig.batch_args if g.arg_shape(a)[0] > 0), 0)
+
+
 def with_dynamic_batch(g: FunctionGraph, sig: SignatureInfo, vnode_batch: int) -> FunctionGraph:
     """``g`` with its static shapes re-inferred for a batch dimension of unknown size.
 
@@ -822,7 +857,7 @@ def with_dynamic_batch(g: FunctionGraph, sig: SignatureInfo, vnode_batch: int) -
         infer(vnode_batch)
     except ValueError as e:
         raise DetectionError(
-            f"signature {sig.key!r} was exported with a static batch of {g.arg_shape(sig.batch_args[0])[0]} that "
+            f"signature {sig.key!r} was exported with a static batch of {static_batch(g, sig)} that "
             f"its graph depends on, so it cannot run on slices of {vnode_batch} ({str(e).splitlines()[0][:160]}); "
             "re-export the training function with a None batch dimension") from None
     ops = infer(None)

@@ -149,7 +149,7 @@ def _signature_info(path, key, sig, graph_nodes, library, handles) -> Optional[S
         forwarded = [parse_input(s)[0].node for s in node.input if not s.startswith("^")]
         source_of = {ia: source_of.get(fa, fa) for ia, fa in zip(inner_args, forwarded)}
         fdef = inner_fdef
-    batch_args, resource_args, input_keys, variables = [], [], {}, {}
+    batch_args, resource_args, captured_args, input_keys, variables = [], [], [], {}, {}
     for a in fdef.signature.input_arg:
         src = source_of.get(a.name)
         if a.type == types_pb2.DT_RESOURCE:
@@ -162,15 +162,18 @@ def _signature_info(path, key, sig, graph_nodes, library, handles) -> Optional[S
                                         [d.size for d in attrs["shape"].shape.dim] if "shape" in attrs else None)
             dtype, shape = found
             variables[a.name] = VariableInfo(name=src or a.name, dtype=dtype, shape=None if shape is None else list(shape))
-        else:
+        elif src in placeholder_key or not placeholder_key:
             batch_args.append(a.name)
             input_keys[a.name] = placeholder_key.get(src, a.name)
+        else:  # fed by a graph node that is no input of the signature: a captured value
+            captured_args.append(a.name)
     inputs = [TensorSpecInfo(k, t.dtype, None if t.tensor_shape.unknown_rank else [d.size for d in t.tensor_shape.dim])
               for k, t in sorted(sig.inputs.items())]
     outputs = [TensorSpecInfo(k, t.dtype, None if t.tensor_shape.unknown_rank else [d.size for d in t.tensor_shape.dim])
                for k, t in sorted(sig.outputs.items())]
     return SignatureInfo(key=key, function=fdef.signature.name, batch_args=batch_args, input_keys=input_keys,
-                         resource_args=resource_args, variables=variables, inputs=inputs, outputs=outputs)
+                         resource_args=resource_args, variables=variables, inputs=inputs, outputs=outputs,
+                         captured_args=captured_args)
 
 
 def _single_call(fdef, library):

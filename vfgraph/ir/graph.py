@@ -512,8 +512,8 @@ class FunctionGraph:
         for name in nodes:
             for i, (t, ctl) in enumerate(self.inputs(name)):
                 p = t.node
-                if ctl:
-                    ok = p in nodes
+                if ctl:  # a control input may name an argument (a custom gradient's waits on its inputs)
+                    ok = p in nodes or p in args
                 elif t.arg is None:
                     if p in args:
                         continue
@@ -576,8 +576,8 @@ class FunctionGraph:
     def _checked_input(self, name: str, s: str, args) -> Optional[str]:
         """The node input ``s`` of node ``name`` waits for (None: none), or the error."""
         t, ctl = parse_input(s)
-        if t.node in args and not ctl:
-            if t.arg is not None:
+        if t.node in args:
+            if t.arg is not None and not ctl:
                 raise VerifyError(f"{self.name}: node {name!r} reads argument {s!r} with an output index")
             return None
         if t.node not in self.nodes:
