@@ -1,8 +1,9 @@
 """vfgraph: a graph-rewriting compiler that makes exported TensorFlow models hardware-independent.
 
-``import vfgraph`` is light: the API (:func:`load`, :func:`rewrite`, :func:`save`, :func:`verify`)
-imports TensorFlow on first use, and vfgraph's MPI ops are registered as soon as TensorFlow is
-imported (now, if it already is), so graphs that contain them load with ``tf.saved_model.load``.
+``import vfgraph`` is light: the API (:func:`load`, :func:`rewrite`, :func:`save`, :func:`verify`,
+:func:`export`) imports TensorFlow on first use, and vfgraph's MPI ops are registered as soon as
+TensorFlow is imported (now, if it already is), so graphs that contain them load with
+``tf.saved_model.load``.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import sys
 from vfgraph.errors import VfgraphError
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "load", "rewrite", "save", "verify", "VfgraphError"]
-_API = ("load", "rewrite", "save", "verify")
+__all__ = ["__version__", "load", "rewrite", "save", "verify", "export", "VfgraphError"]
+_API = ("load", "rewrite", "save", "verify", "export")
 
 
 def __getattr__(name: str):

@@ -155,3 +155,52 @@ def save(item: GraphItem, out: Union[str, os.PathLike], force: bool = False) -> 
         return graphdef.save_graph_def(item, os.fspath(out), force=force)
     return savedmodel.save_saved_model(item, os.fspath(out), force=force)
 
+
+def export(model: ModelLike, out: Union[str, os.PathLike], version: int = 1, vnode_batch: int = 0,
+           force: bool = False) -> str:
+    """Write a serving-only SavedModel of ``model`` at ``out/<version>/`` (TF Serving's layout)
+    and return that directory: the serving signatures, micro-batched, and the variables they
+    read; no training functions and none of vfgraph's ops, so TensorFlow loads and serves it
+    without vfgraph (Python, the C API, TF Serving).
+
+    Serving is micro-batched in slices of ``vnode_batch`` examples, or of the training rewrite's
+    b when the model records one; a model whose serving is already micro-batched keeps its
+    slices; with no slice size known, the serving functions are kept as they are. The input is
+    not changed; the output is written atomically (an existing version only with ``force``)."""
+    from vfgraph.io import serving
+
+    if not isinstance(vnode_batch, int) or vnode_batch < 0:
+        raise InputError(f"--vnode-batch {vnode_batch}: give the examples per slice (0: the model's own)")
+    source = model.source if isinstance(model, GraphItem) else os.fspath(model)
+    serving.prepare_target(os.fspath(out), version, force, source)
+    with _gc_paused():
+        item = model if isinstance(model, GraphItem) else load(model)
+        item = _sliced_for_serving(item, vnode_batch, in_place=not isinstance(model, GraphItem))
+        return serving.save_serving_model(item, os.fspath(out), version, force)
+
+
+def _sliced_for_serving(item: GraphItem, vnode_batch: int, in_place: bool) -> GraphItem:
+    """``item`` with its serving signatures micro-batched (microbatch-inference) when a slice size
+    is known and they are not already."""
+    import logging
+
+    from vfgraph.io.serving import serving_keys
+
+    rewrites = item.metadata.get("rewrites", {})
+    done = rewrites.get("microbatch-inference", {})
+    keys = serving_keys(item)
+    sliced = {done[k]["vnode_batch"] for k in keys if k in done}
+    if sliced:
+        if vnode_batch and sliced != {vnode_batch}:
+            raise InputError(f"{item.source}: serving is already micro-batched in slices of "
+                             f"{', '.join(map(str, sorted(sliced)))}; export it without --vnode-batch, or export the "
+                             f"original model with --vnode-batch {vnode_batch}")
+        return item
+    b = vnode_batch or next((int(r["vnode_batch"]) for r in rewrites.get("split-vnodes", {}).values()
+                             if r.get("vnode_batch")), 0)
+    if not b or not keys:
+        return item
+    item = rewrite(item, pipeline=f"microbatch-inference{{vnode-batch={b}}}", in_place=in_place)
+    for note in item.metadata.get("notes", []):
+        logging.getLogger("vfgraph").warning("%s", note)
+    return item

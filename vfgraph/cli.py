@@ -1,4 +1,4 @@
-"""vfgraph command line: rewrite | inspect | diff | verify | train | build-ops."""
+"""vfgraph command line: rewrite | inspect | diff | verify | train | export | build-ops."""
 from __future__ import annotations
 
 import argparse
@@ -83,6 +83,15 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: the "
                    "CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
 
+    e = sub.add_parser("export", help="write a serving-only SavedModel (TF Serving's OUTPUT/VERSION/ layout) that "
+                                      "TensorFlow serves without vfgraph")
+    e.add_argument("model", help="SavedModel directory (an original model or a rewritten one)")
+    e.add_argument("-o", "--output", required=True, help="base directory; the model is written to OUTPUT/VERSION/")
+    e.add_argument("--version", type=int, default=1, help="version directory under OUTPUT (default 1)")
+    e.add_argument("--vnode-batch", type=int, default=0,
+                   help="serve in slices of at most this many examples (default: the model's own b, if it has one)")
+    e.add_argument("--force", action="store_true", help="replace OUTPUT/VERSION if it exists")
+
     bo = sub.add_parser("build-ops", help="build (or find) vfgraph's MPI ops for this TensorFlow and MPI")
     bo.add_argument("--force", action="store_true", help="build again even if the cache holds them")
     return p
@@ -112,7 +121,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         return {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
-                "verify": cmd_verify, "train": cmd_train, "build-ops": cmd_build_ops}[args.command](args)
+                "verify": cmd_verify, "train": cmd_train, "export": cmd_export,
+                "build-ops": cmd_build_ops}[args.command](args)
     except VfgraphError as e:
         print(f"vfgraph {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -263,7 +273,24 @@ def cmd_train(args) -> int:
                 force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
                 seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank, threads=args.threads)
     if res is not None:  # rank 0 (or the only process)
-        print(f"trained {res.steps} steps: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}; wrote {res.out}")
+        from vfgraph.io.serving import sibling_dir, target_dir
+
+        serve = target_dir(sibling_dir(res.out), 1)
+        print(f"trained {res.steps} steps: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}; wrote {res.out}"
+              + (f" and, to serve, {serve}" if os.path.isdir(serve) else ""))
+    return 0
+
+
+def cmd_export(args) -> int:
+    import vfgraph
+    from vfgraph.io.savedmodel import read_metadata
+
+    path = vfgraph.export(args.model, args.output, version=args.version, vnode_batch=args.vnode_batch,
+                          force=args.force)
+    rec = (read_metadata(path) or {}).get("serving_export", {})
+    sliced = rec.get("vnode_batch", {})
+    sigs = ", ".join(f"{k} (slices of {sliced[k]})" if k in sliced else k for k in rec.get("signatures", []))
+    print(f"wrote {path} (serving only: {sigs})")
     return 0
 
 

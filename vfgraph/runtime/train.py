@@ -229,3 +229,12 @@ def _save_trained(loaded, model: str, out: str, losses: List[float]) -> None:
         os.rename(target, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    # Beside it, what a server loads: OUT.serving/1/ (serving signatures and their variables only,
+    # no training functions, none of vfgraph's ops), replacing the one an earlier run wrote.
+    from vfgraph.io import serving
+
+    try:
+        serving.save_serving_model(savedmodel.load_saved_model(out), serving.sibling_dir(out), force=True)
+    except VfgraphError as e:  # a model without a servable signature still trained
+        shutil.rmtree(serving.target_dir(serving.sibling_dir(out), 1), ignore_errors=True)
+        log.warning("no serving export beside %s: %s", out, e)
