@@ -34,8 +34,20 @@ def error_line(res):
 
 def test_version_and_help():
     assert vf("--version").stdout.startswith("vfgraph ")
-    for cmd in ("rewrite", "inspect", "diff", "verify", "train"):
+    for cmd in ("rewrite", "inspect", "diff", "verify", "train", "export", "build-ops"):
         assert vf(cmd, "--help").returncode == 0
+    assert "default mpi" in vf("rewrite", "--help").stdout.replace("\n", " ").replace("  ", " ")
+
+
+def test_the_output_depends_on_the_input_and_options_only(models, tmp_path):
+    """The default all-reduce is the same on every machine, and the summary line says which."""
+    src = models("mlp:sgd")
+    a = vf("rewrite", src, "--vnodes", 2, "-o", tmp_path / "a")
+    b = vf("rewrite", src, "--vnodes", 2, "--allreduce", "none", "-o", tmp_path / "b")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert "all-reduce: mpi" in a.stdout and "all-reduce: none" in b.stdout
+    assert "all-reduce over MPI ranks" in vf("inspect", tmp_path / "a").stdout
+    assert "all-reduce: none" in vf("inspect", tmp_path / "b").stdout
 
 
 def test_rewrite_inspect_diff_verify(models, tmp_path):

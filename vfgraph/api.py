@@ -66,18 +66,20 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
 
 def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: Optional[str] = None,
             train_signature: str = "", after_each: Optional[Callable[[Pass, GraphItem], None]] = None,
-            outputs: Optional[Sequence[str]] = None, allreduce: str = "auto", fusion_mb: float = 4,
+            outputs: Optional[Sequence[str]] = None, allreduce: str = "mpi", fusion_mb: float = 4,
             checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False) -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
     With ``in_place``, a loaded item is rewritten itself and returned, without the copy (a
     model's size in memory and the time to copy it): for an item loaded only to be rewritten
     (a pass that fails leaves it partly rewritten).
 
-    ``allreduce``: "mpi" adds the all-reduce over MPI ranks to the training step, "none" leaves
-    it out, "auto" adds it when vfgraph's MPI ops are available here. ``after_each(pass, item)``
+    ``allreduce``: "mpi" (the default) adds the all-reduce over MPI ranks to the training step
+    of a TF2 SavedModel (on one process it is skipped at run time; loading the model then needs
+    vfgraph's ops, see :func:`export` for serving), "none" leaves it out. The output depends
+    only on the input and the options: where the ops cannot be built, "mpi" is an error. ``after_each(pass, item)``
     sees each pass's result before the next pass edits it in place (``item.copy()`` keeps one)."""
-    if allreduce not in ("auto", "mpi", "none"):
-        raise InputError(f"allreduce={allreduce!r}: choose 'mpi', 'none' or 'auto'")
+    if allreduce not in ("mpi", "none"):
+        raise InputError(f"allreduce={allreduce!r}: choose 'mpi' or 'none'")
     with _gc_paused():
         return _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce,
                         fusion_mb, checkpoint, loss, in_place)
@@ -107,10 +109,8 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
         item._pipeline_owned = True
     if pipeline is None:
         has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
-        if allreduce == "auto":
-            from vfgraph import ops
-
-            allreduce = "mpi" if has_training and item.kind == "saved_model" and ops.available() else "none"
+        if item.kind != "saved_model":  # TF1 and GraphDef outputs train on one process
+            allreduce = "none"
         pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, allreduce == "mpi", fusion_mb)
     seq = Sequential(parse_pipeline(pipeline), after_each=after_each)
     out, notes = seq(item)

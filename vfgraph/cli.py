@@ -40,9 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--print-after-all", action="store_true", help="print the canonical graph after each pass")
     r.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     r.add_argument("--outputs", help="frozen GraphDefs: comma-separated output tensors (default: unconsumed nodes)")
-    r.add_argument("--allreduce", choices=("auto", "mpi", "none"), default="auto",
-                   help="data-parallel all-reduce over MPI ranks in the training step (auto: mpi when "
-                        "vfgraph's MPI ops are available)")
+    r.add_argument("--allreduce", choices=("mpi", "none"), default="mpi",
+                   help="data-parallel all-reduce over MPI ranks in a TF2 training step (default mpi: the same "
+                        "output on every machine; loading it needs vfgraph's ops, so serve a 'vfgraph export' of it; "
+                        "none: no collectives)")
     r.add_argument("--fusion-mb", type=float, default=4, help="largest fused all-reduce buffer, MiB (default 4)")
     _tf1_options(r)
 
@@ -156,7 +157,8 @@ def cmd_rewrite(args) -> int:
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
-    print(f"wrote {path} ({item.metadata['history'][-1]['pipeline']})")
+    reduced = bool(item.metadata.get("rewrites", {}).get("insert-allreduce"))
+    print(f"wrote {path} (all-reduce: {'mpi' if reduced else 'none'}; {item.metadata['history'][-1]['pipeline']})")
     return 0
 
 
@@ -215,6 +217,8 @@ def cmd_inspect(args) -> int:
             print(f"  all-reduce over MPI ranks: {len(fused)} fused buffer(s) of at most {ar['fusion_mb']:g} MiB "
                   f"({sum(map(len, fused))} tensors), {len(ar['buffers'][0]) - len(fused)} gathered; "
                   f"start with signature {ar['broadcast_signature']!r}; graph fingerprint {ar['fingerprint'][:16]}")
+        elif rw:
+            print("  all-reduce: none (each process trains alone; rewrite with --allreduce mpi for mpiexec)")
         if "training" in e:
             t = e["training"]
             print("  gradients (tensor -> variable):")
