@@ -246,7 +246,8 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
         b.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None)
     check = b.op("VfCheck", name="check", fingerprint=fingerprint, what=f"signature {key!r}")
     b.control_ret(check)
-    sent = [a for a in variables if sig.variables[a].dtype in _BROADCAST_TYPES]
+    # (captured constants are bound too: the same graph holds them on every rank)
+    sent = [a for a in variables if a in sig.variables and sig.variables[a].dtype in _BROADCAST_TYPES]
     if sent:
         b.control_ret(b.op("VfBroadcastVariables", sent, name="broadcast", deps=[check], N=len(sent), root=0))
     for k, v in header.attr.items():
@@ -254,4 +255,5 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
     item.set_function(b.finish())
     name = f"{key}_broadcast"
     add_signature(item, name, fn, cf, bare_id, [], takes_inputs=False, like=key, extra_handles=[])
-    return name, [sig.variables[a].name for a in variables if sig.variables[a].dtype not in _BROADCAST_TYPES]
+    return name, [sig.variables[a].name for a in variables
+                  if a in sig.variables and sig.variables[a].dtype not in _BROADCAST_TYPES]
