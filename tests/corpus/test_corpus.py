@@ -1,0 +1,39 @@
+"""The real-architecture corpus (examples/corpus.py): models written by keras-hub,
+keras.applications, Keras layers and TensorFlow's TF1 API, each rewritten and checked
+(vfgraph/testing/corpus.py says what is checked)."""
+import pytest
+
+import corpus
+from vfgraph.testing.corpus import check_model
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    made = {}
+
+    def get(name, optimizer=None):
+        key = (name, optimizer)
+        if key not in made:
+            made[key] = corpus.export(name, str(root / f"{name}_{optimizer or 'own'}"), optimizer)
+        return made[key]
+
+    return get
+
+
+@pytest.mark.corpus
+@pytest.mark.parametrize("name", sorted(corpus.CORPUS))
+def test_corpus_model(name, exported, tmp_path):
+    e = corpus.CORPUS[name]
+    res = check_model(name, exported(name), str(tmp_path), corpus.sample, optimizer=e.optimizer,
+                      batch_stats=e.batch_stats, dropout=e.dropout, tags=list(e.tags) or None,
+                      sgd_variant=lambda: exported(name, "sgd"))
+    assert not res.refused, res.refused
+    assert res.serving_error is not None and res.serving_error < 1e-5, res
+    assert res.fresh_load, res.fresh_error
+    if e.optimizer and not e.tags:
+        # batch norm: Grappler's arithmetic optimizer reassociates the original graph's gradient
+        # arithmetic across what becomes the cut; with it off, V=1 is bit-identical there too
+        exact = res.v1_identical or (e.batch_stats and res.v1_identical_without_arithmetic and res.v1_error < 1e-3)
+        assert exact, f"V=1 differs from the original in {res.v1_differing[:5]} ({res.v1_error})"
+        assert res.v4_error is not None and res.v4_error < 1e-5, (res.v4_reference, res.v4_error)
