@@ -18,6 +18,7 @@ from tensorflow.python.framework import op_def_registry
 
 import vfgraph
 from vfgraph.io import checkpoint
+from vfgraph.testing import c_api
 from vfgraph.ir.graph import function_dependencies, iter_func_attrs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -143,39 +144,19 @@ def fresh(exports, batch, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def c_client(tmp_path_factory):
-    """The C API client (tests/io/serve_c_api.c), built once against the TensorFlow wheel."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("gcc is needed to build the C API client")
-    tf_dir = os.path.dirname(tf.__file__)
-    exe = str(tmp_path_factory.mktemp("c_api") / "serve_c_api")
-    gold = ["-fuse-ld=gold"] if shutil.which("ld.gold") else []  # links the 1 GB library in 3 s instead of 15
-    res = subprocess.run([gcc, "-O1", *gold, "-o", exe, os.path.join(ROOT, "tests", "io", "serve_c_api.c"),
-                          f"-I{tf_dir}/include", f"-L{tf_dir}", "-l:libtensorflow_cc.so.2",
-                          "-l:libtensorflow_framework.so.2", f"-Wl,-rpath,{tf_dir}"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    return exe
+    """The C API client (vfgraph/testing/serve_c_api.c), built once against the TensorFlow wheel."""
+    try:
+        return c_api.build_client(str(tmp_path_factory.mktemp("c_api")))
+    except c_api.CApiUnavailable as e:
+        pytest.skip(str(e))
 
 
 def run_c_client(exe, path, batch, tmp_path):
     """Serve ``batch`` from ``path`` through the C API; the tensor names come from the
     serving signature_def. Returns {output key: array}."""
-    sd = read_proto(path).meta_graphs[0].signature_def[serving_key(path)]
-    ((_, inp),) = sd.inputs.items()
-    keys = sorted(sd.outputs)
-    data = tmp_path / "batch.f32"
-    batch.astype("<f4").tofile(data)
-    res = subprocess.run([exe, path, inp.name, str(data), str(batch.shape[0]), str(batch.shape[1])]
-                         + [sd.outputs[k].name for k in keys], capture_output=True, text=True, env=ENV, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    lines = res.stdout.splitlines()
-    out = {}
-    for k, head, values in zip(keys, lines[0::2], lines[1::2]):
-        _, name, nd, *dims = head.split()
-        assert name == sd.outputs[k].name and int(nd) == len(dims)
-        out[k] = np.array(values.split(), dtype=np.float32).reshape([int(d) for d in dims])
-    return out
+    key = serving_key(path)
+    ((name, _),) = read_proto(path).meta_graphs[0].signature_def[key].inputs.items()
+    return c_api.serve(exe, path, {name: batch.astype(np.float32)}, key, env=ENV)
 
 
 @pytest.mark.parametrize("case", CASES)
