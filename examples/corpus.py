@@ -290,6 +290,98 @@ def tf1_serve_train(out: str, optimizer: str = "momentum") -> None:
     export.tf1_serve_train(out, optimizer=optimizer)
 
 
+def qwen3(out: str, optimizer: str = "adamw") -> None:
+    """Qwen3 causal LM: query/key RMSNorm, grouped-query attention, tied embedding."""
+    import keras_hub
+
+    _seed()
+    bb = keras_hub.models.Qwen3Backbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+                                        head_dim=8, hidden_dim=16, intermediate_dim=32)
+    _causal_lm(out, optimizer, keras_hub.models.Qwen3CausalLM(bb, preprocessor=None))
+
+
+def mistral(out: str, optimizer: str = "sgd") -> None:
+    """Mistral causal LM: sliding-window attention, rotary embeddings, GQA."""
+    import keras_hub
+
+    _seed()
+    bb = keras_hub.models.MistralBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=4, hidden_dim=16,
+                                          intermediate_dim=32, num_key_value_heads=2, sliding_window=4)
+    _causal_lm(out, optimizer, keras_hub.models.MistralCausalLM(bb, preprocessor=None), lr=0.1)
+
+
+def qwen_moe(out: str, optimizer: str = "momentum") -> None:
+    """Qwen-MoE causal LM: routed experts beside a shared expert."""
+    import keras_hub
+
+    _seed()
+    bb = keras_hub.models.QwenMoeBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+                                          hidden_dim=16, intermediate_dim=32, moe_intermediate_dim=16,
+                                          shared_expert_intermediate_dim=16, num_experts=4, top_k=2)
+    _causal_lm(out, optimizer, keras_hub.models.QwenMoeCausalLM(bb, preprocessor=None), lr=0.05)
+
+
+def t5(out: str, optimizer: str = "adam") -> None:
+    """T5 encoder-decoder: relative position buckets, gated activation, tied embedding; a
+    token classifier on the decoder's output."""
+    import keras
+    import keras_hub
+
+    _seed()
+    bb = keras_hub.models.T5Backbone(vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16,
+                                     intermediate_dim=32, key_value_dim=8, dropout=0.0)
+    names = ("encoder_token_ids", "encoder_padding_mask", "decoder_token_ids", "decoder_padding_mask")
+    feats = {k: keras.Input((SEQ,), dtype="int32", name=k) for k in names}
+    logits = keras.layers.Dense(VOCAB)(bb(feats)["decoder_sequence_output"])
+    _save(out, keras.Model(feats, logits), _tokens(*names), _token_labels(), _ce, optimizer, 0.01)
+
+
+def distilbert(out: str, optimizer: str = "sgd") -> None:
+    """DistilBERT encoder with a classifier on the first token."""
+    import keras
+    import keras_hub
+
+    _seed()
+    bb = keras_hub.models.DistilBertBackbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=16, dropout=0.0)
+    feats = {k: keras.Input((SEQ,), dtype="int32", name=k) for k in ("token_ids", "padding_mask")}
+    _save(out, keras.Model(feats, keras.layers.Dense(3)(bb(feats)[:, 0])), _tokens("token_ids", "padding_mask"),
+          _class_labels(), _ce, optimizer, 0.05)
+
+
+def deit(out: str, optimizer: str = "adamw") -> None:
+    """DeiT: a vision transformer with class and distillation tokens."""
+    import keras
+    import keras_hub
+
+    _seed()
+    bb = keras_hub.models.DeiTBackbone(image_shape=(IMAGE, IMAGE, 3), patch_size=8, num_layers=2, num_heads=2,
+                                       hidden_dim=16, intermediate_dim=32)
+    x = keras.Input((IMAGE, IMAGE, 3))
+    _save(out, keras.Model(x, keras.layers.Dense(10)(bb(x)[:, 0])), _image_spec(), _class_labels(), _ce,
+          optimizer, 0.005)
+
+
+def densenet121(out: str, optimizer: str = "sgd") -> None:
+    """keras.applications DenseNet121: dense concatenations, batch norm."""
+    _application("DenseNet121", out, optimizer)
+
+
+def resnet50_v2(out: str, optimizer: str = "momentum") -> None:
+    """keras.applications ResNet50V2: pre-activation residual blocks."""
+    _application("ResNet50V2", out, optimizer)
+
+
+def efficientnet_v2_b0(out: str, optimizer: str = "adam") -> None:
+    """keras.applications EfficientNetV2B0: fused MBConv, a Rescaling input."""
+    _application("EfficientNetV2B0", out, optimizer, lr=0.001)
+
+
+def convnext_tiny(out: str, optimizer: str = "adamw") -> None:
+    """keras.applications ConvNeXtTiny: LayerNorm, layer scale, stochastic depth."""
+    _application("ConvNeXtTiny", out, optimizer, lr=0.001)
+
+
 CORPUS: Dict[str, Entry] = {
     "gpt2": Entry(gpt2, "decoder LM, tied embedding", "adam"),
     "llama": Entry(llama, "decoder LM, rotary, RMSNorm, GQA, gated FFN", "sgd"),
@@ -309,10 +401,26 @@ CORPUS: Dict[str, Entry] = {
     "mobilenet-v3-export": Entry(mobilenet_v3_export, "keras.applications, model.export(), inference", ""),
 }
 
+# More of the same families, for tools/corpus_sweep.py (larger or slower than the tests need).
+EXTENDED: Dict[str, Entry] = {
+    "qwen3": Entry(qwen3, "decoder LM, QK-norm, GQA, tied embedding", "adamw"),
+    "mistral": Entry(mistral, "decoder LM, sliding-window attention", "sgd"),
+    "qwen-moe": Entry(qwen_moe, "decoder LM, routed and shared experts", "momentum"),
+    "t5": Entry(t5, "encoder-decoder, relative positions", "adam"),
+    "distilbert": Entry(distilbert, "encoder, classifier", "sgd"),
+    "deit": Entry(deit, "vision transformer, distillation token", "adamw"),
+    "densenet121": Entry(densenet121, "keras.applications, dense blocks, batch norm", "sgd", batch_stats=True),
+    "resnet50-v2": Entry(resnet50_v2, "keras.applications, pre-activation ResNet", "momentum", batch_stats=True),
+    "efficientnet-v2-b0": Entry(efficientnet_v2_b0, "keras.applications, fused MBConv", "adam", batch_stats=True,
+                                dropout=True),
+    "convnext-tiny": Entry(convnext_tiny, "keras.applications, LayerNorm, stochastic depth", "adamw", dropout=True),
+}
+ALL: Dict[str, Entry] = {**CORPUS, **EXTENDED}
+
 
 def export(name: str, out: str, optimizer: Optional[str] = None) -> str:
     """Export corpus model ``name`` to ``out`` (with ``optimizer`` instead of its own); returns ``out``."""
-    e = CORPUS[name]
+    e = ALL[name]
     e.build(out, optimizer or e.optimizer) if e.optimizer else e.build(out)
     return out
 
@@ -345,12 +453,12 @@ def sample(signature, batch: int, seed: int = 0) -> Dict[str, "object"]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", choices=sorted(CORPUS) + ["list"])
+    p.add_argument("name", choices=sorted(ALL) + ["list"])
     p.add_argument("out", nargs="?")
     p.add_argument("--optimizer", choices=["sgd", "momentum", "adam", "adamw"])
     a = p.parse_args()
     if a.name == "list":
-        for k, e in CORPUS.items():
+        for k, e in ALL.items():
             print(f"{k:22} {e.family} ({e.optimizer or 'inference'})")
         return
     if not a.out:

@@ -85,3 +85,14 @@ def rewritten(tmp_path_factory, models):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def c_client(tmp_path_factory):
+    """The C API serving client (vfgraph/testing/serve_c_api.c), built once against the TensorFlow wheel."""
+    from vfgraph.testing import c_api
+
+    try:
+        return c_api.build_client(str(tmp_path_factory.mktemp("c_api")))
+    except c_api.CApiUnavailable as e:
+        pytest.skip(str(e))

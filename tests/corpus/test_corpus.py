@@ -23,14 +23,17 @@ def exported(tmp_path_factory):
 
 @pytest.mark.corpus
 @pytest.mark.parametrize("name", sorted(corpus.CORPUS))
-def test_corpus_model(name, exported, tmp_path):
+def test_corpus_model(name, exported, tmp_path, c_client):
     e = corpus.CORPUS[name]
     res = check_model(name, exported(name), str(tmp_path), corpus.sample, optimizer=e.optimizer,
                       batch_stats=e.batch_stats, dropout=e.dropout, tags=list(e.tags) or None,
-                      sgd_variant=lambda: exported(name, "sgd"))
+                      sgd_variant=lambda: exported(name, "sgd"), c_api_client=c_client)
     assert not res.refused, res.refused
     assert res.serving_error is not None and res.serving_error < 1e-5, res
     assert res.fresh_load, res.fresh_error
+    if not e.tags:  # the serving export: no vfgraph needed, in Python and in the C API
+        assert not res.export_problem, res.export_problem
+        assert res.export_error < 1e-5 and res.export_c_api_error < 1e-5, res
     if e.optimizer and not e.tags:
         # batch norm: Grappler's arithmetic optimizer reassociates the original graph's gradient
         # arithmetic across what becomes the cut; with it off, V=1 is bit-identical there too

@@ -142,15 +142,6 @@ def fresh(exports, batch, tmp_path_factory):
     return report
 
 
-@pytest.fixture(scope="session")
-def c_client(tmp_path_factory):
-    """The C API client (vfgraph/testing/serve_c_api.c), built once against the TensorFlow wheel."""
-    try:
-        return c_api.build_client(str(tmp_path_factory.mktemp("c_api")))
-    except c_api.CApiUnavailable as e:
-        pytest.skip(str(e))
-
-
 def run_c_client(exe, path, batch, tmp_path):
     """Serve ``batch`` from ``path`` through the C API; the tensor names come from the
     serving signature_def. Returns {output key: array}."""

@@ -44,6 +44,9 @@ class CorpusResult:
     v4_reference: str = ""                    # what V=4 was compared with
     fresh_load: Optional[bool] = None
     fresh_error: str = ""
+    export_error: Optional[float] = None       # vfgraph export, served by a process without vfgraph
+    export_c_api_error: Optional[float] = None  # the same export served through the C API
+    export_problem: str = ""
 
     def checks(self) -> List[str]:
         out = []
@@ -57,6 +60,10 @@ class CorpusResult:
             out.append(f"V=4 ({self.v4_reference})")
         if self.fresh_load:
             out.append("fresh load")
+        if self.export_error is not None and self.export_error < 1e-5:
+            out.append("export served without vfgraph")
+        if self.export_c_api_error is not None and self.export_c_api_error < 1e-5:
+            out.append("export served by the C API")
         return out
 
 
@@ -108,20 +115,26 @@ def _per_slice_reference(fn, inputs: Dict[str, np.ndarray], vnodes: int) -> Dict
     return {n: np.mean([f[n] for f in finals], axis=0) if start[n].dtype.kind == "f" else finals[-1][n] for n in start}
 
 
-def _fresh_serve(path: str, key: str, inputs: Dict[str, np.ndarray], workdir: str, tags=None) -> Dict[str, np.ndarray]:
-    """Load ``path`` in a new Python process (stock TensorFlow, vfgraph imported only for its
-    ops, as the README says a training model with the all-reduce needs) and serve ``inputs``."""
+def _fresh_serve(path: str, key: str, inputs: Dict[str, np.ndarray], workdir: str, tags=None,
+                 vfgraph: bool = True) -> Dict[str, np.ndarray]:
+    """Load ``path`` in a new Python process and serve ``inputs``: stock TensorFlow, with
+    vfgraph imported only for its ops (which a training model with the all-reduce needs, as the
+    README says), or (``vfgraph=False``) in an isolated interpreter that never imports it."""
     src = os.path.join(workdir, "fresh_in.npz")
     dst = os.path.join(workdir, "fresh_out.npz")
     np.savez(src, **inputs)
     code = (
-        "import sys, numpy as np, vfgraph, tensorflow as tf\n"
+        f"import sys, numpy as np, tensorflow as tf{', vfgraph' if vfgraph else ''}\n"
         f"m = tf.saved_model.load({path!r}{', tags=' + repr(tags) if tags else ''})\n"
         f"x = dict(np.load({src!r}))\n"
         f"out = m.signatures[{key!r}](**x)\n"
+        "assert any(n.startswith('vfgraph') for n in sys.modules) or not " + repr(vfgraph) + "\n"
+        "assert not any(n.startswith('vfgraph') for n in sys.modules) or " + repr(vfgraph) + "\n"
         f"np.savez({dst!r}, **{{k: v.numpy() for k, v in out.items()}})\n")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    flags = [] if vfgraph else ["-I"]  # isolated: neither the working directory nor PYTHON* variables
+    r = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=600, cwd=workdir)
     if r.returncode:
         raise RuntimeError((r.stderr.strip().splitlines() or ["no output"])[-1])
     return dict(np.load(dst))
@@ -150,10 +163,12 @@ def _v1_fresh(original: str, v1: str, batches: List[Dict[str, np.ndarray]], work
 
 def check_model(name: str, original: str, workdir: str, sample: Sample, *, optimizer: str = "",
                 batch_stats: bool = False, dropout: bool = False, sgd_variant: Optional[Callable[[], str]] = None,
-                tags: Optional[List[str]] = None) -> CorpusResult:
+                tags: Optional[List[str]] = None, c_api_client: str = "") -> CorpusResult:
     """Run every corpus check on the exported model ``original``; outputs go under ``workdir``.
     ``sgd_variant()`` exports the same model with SGD, for the V=4 comparison of a model
-    trained with an adaptive optimizer. A refusal is returned in ``refused``."""
+    trained with an adaptive optimizer; ``c_api_client`` (vfgraph.testing.c_api.build_client)
+    serves the serving export through TensorFlow's C API too. A refusal is returned in
+    ``refused``."""
     import tensorflow as tf
 
     import vfgraph
@@ -188,6 +203,16 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
             res.fresh_load = _output_error(got, _fresh_serve(v4, key, inputs, workdir, tags)) < 1e-6
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             res.fresh_load, res.fresh_error = False, str(e)
+        if not tags:  # the serving export of the rewritten model, served without vfgraph
+            exported = vfgraph.export(v4, os.path.join(workdir, "serving"), force=True)
+            try:
+                res.export_error = _output_error(want, _fresh_serve(exported, key, inputs, workdir, vfgraph=False))
+                if c_api_client:
+                    from vfgraph.testing import c_api
+
+                    res.export_c_api_error = _output_error(want, c_api.serve(c_api_client, exported, inputs, key))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                res.export_problem = str(e)
     if not training:
         return res
     res.params = _param_count(orig.signatures["train"])
