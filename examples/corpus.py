@@ -214,17 +214,21 @@ def _classifier(backbone_out, classes: int = 10):
     return keras.layers.Dense(classes)(backbone_out)
 
 
-def vit(out: str, optimizer: str = "momentum") -> None:
-    """Vision transformer: patch embedding, a class token broadcast to the batch, learned positions."""
+def _vision_transformer(out: str, optimizer: str, lr: float, backbone: str, **config) -> None:
+    """A keras-hub vision-transformer backbone with a classifier on its first (class) token."""
     import keras
     import keras_hub
 
     _seed()
-    bb = keras_hub.models.ViTBackbone(image_shape=(IMAGE, IMAGE, 3), patch_size=8, num_layers=2, num_heads=2,
-                                      hidden_dim=16, mlp_dim=32)
+    bb = getattr(keras_hub.models, backbone)(image_shape=(IMAGE, IMAGE, 3), patch_size=8, num_layers=2, num_heads=2,
+                                             hidden_dim=16, **config)
     x = keras.Input((IMAGE, IMAGE, 3))
-    _save(out, keras.Model(x, keras.layers.Dense(10)(bb(x)[:, 0])), _image_spec(), _class_labels(), _ce,
-          optimizer, 0.05)
+    _save(out, keras.Model(x, keras.layers.Dense(10)(bb(x)[:, 0])), _image_spec(), _class_labels(), _ce, optimizer, lr)
+
+
+def vit(out: str, optimizer: str = "momentum") -> None:
+    """Vision transformer: patch embedding, a class token broadcast to the batch, learned positions."""
+    _vision_transformer(out, optimizer, 0.05, "ViTBackbone", mlp_dim=32)
 
 
 def resnet_hub(out: str, optimizer: str = "momentum") -> None:
@@ -351,15 +355,7 @@ def distilbert(out: str, optimizer: str = "sgd") -> None:
 
 def deit(out: str, optimizer: str = "adamw") -> None:
     """DeiT: a vision transformer with class and distillation tokens."""
-    import keras
-    import keras_hub
-
-    _seed()
-    bb = keras_hub.models.DeiTBackbone(image_shape=(IMAGE, IMAGE, 3), patch_size=8, num_layers=2, num_heads=2,
-                                       hidden_dim=16, intermediate_dim=32)
-    x = keras.Input((IMAGE, IMAGE, 3))
-    _save(out, keras.Model(x, keras.layers.Dense(10)(bb(x)[:, 0])), _image_spec(), _class_labels(), _ce,
-          optimizer, 0.005)
+    _vision_transformer(out, optimizer, 0.005, "DeiTBackbone", intermediate_dim=32)
 
 
 def densenet121(out: str, optimizer: str = "sgd") -> None:

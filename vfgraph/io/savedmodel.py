@@ -280,17 +280,23 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
                 json.dump(item.metadata, f, indent=2, sort_keys=True)
                 f.write("\n")
         _write_fingerprint(tmp, proto)
-        if os.path.exists(out):
-            old = tempfile.mkdtemp(prefix=".vfgraph-old-", dir=parent)
-            os.rename(out, os.path.join(old, "x"))
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def replace_dir(tmp: str, out: str) -> None:
+    """Move the finished directory ``tmp`` to ``out`` (in the same parent), replacing an
+    existing ``out`` only once ``tmp`` is complete."""
+    if os.path.exists(out):
+        old = tempfile.mkdtemp(prefix=".vfgraph-old-", dir=os.path.dirname(out) or ".")
+        os.rename(out, os.path.join(old, "x"))
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
 
 
 def _write_fingerprint(path: str, proto: saved_model_pb2.SavedModel) -> None:

@@ -108,13 +108,7 @@ def save_serving_model(item: GraphItem, out: str, version: int = 1, force: bool 
             f.write("\n")
         savedmodel._write_fingerprint(tmp, proto)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a server often runs as another user
-        if os.path.exists(path):
-            old = tempfile.mkdtemp(prefix=".vfgraph-old-", dir=base)
-            os.rename(path, os.path.join(old, "x"))
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
+        savedmodel.replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
