@@ -124,9 +124,10 @@ class _Cuttable:
         self._flags: Dict[str, List[bool]] = {}
         roots = []
         candidates = sorted(n for op in g.present_ops() if _is_sparse_op(op) for n in g.nodes_of(op) if n in dep)
+        sparse_ops = set(candidates)
         for name in candidates:
             roles = _sparse_roles(g, name)
-            if roles is None or _added_to_dense(g, name, dep, candidates):
+            if roles is None or _added_to_dense(g, name, dep, sparse_ops):
                 continue
             inputs = g.data_inputs(name)
             vals = _walk_back(g, inputs[roles[0]], _ROWWISE, dep)
@@ -258,14 +259,13 @@ def _sparse_roles(g: FunctionGraph, name: str) -> Optional[Tuple[int, int]]:
 _SUMS = {"AddN", "AddV2", "Add"}
 
 
-def _added_to_dense(g: FunctionGraph, name: str, dep: Set[str], sparse: List[str]) -> bool:
+def _added_to_dense(g: FunctionGraph, name: str, dep: Set[str], sparse_ops: Set[str]) -> bool:
     """Whether the rows sparse op ``name`` sums into a dense tensor are then added to a dense,
     batch-dependent gradient: a variable used both as a lookup table and as a weight (a token
     embedding tied to the output projection) gets the sum of both, which is dense, so it is
     averaged like any dense gradient rather than concatenated as rows."""
     if g.nodes[name].op not in _SPARSE_DENSIFY:
         return False
-    sparse_set = set(sparse)
     frontier, seen = [name], {name}
     while frontier:
         n = frontier.pop()
@@ -278,7 +278,7 @@ def _added_to_dense(g: FunctionGraph, name: str, dep: Set[str], sparse: List[str
                 if op in _INDEX_PASS:
                     frontier.append(c)
                 elif op in _SUMS and any(not i.is_function_arg and i.node in dep and i.node not in seen
-                                         and i.node not in sparse_set for i in g.data_inputs(c)):
+                                         and i.node not in sparse_ops for i in g.data_inputs(c)):
                     return True
     return False
 
