@@ -25,6 +25,7 @@ def _row(r, e) -> str:
 
 def main() -> int:
     import corpus
+    from vfgraph.testing import c_api
     from vfgraph.testing.corpus import check_model, write_json
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,6 +35,11 @@ def main() -> int:
     p.add_argument("--extended", action="store_true", help="also the models of corpus.EXTENDED")
     a = p.parse_args()
     names = a.only.split(",") if a.only else sorted(corpus.ALL if a.extended else corpus.CORPUS)
+    try:
+        client = c_api.build_client(os.path.join(a.out, "c_api"))
+    except c_api.CApiUnavailable as e:
+        print(f"no C API check: {e}", file=sys.stderr)
+        client = ""
     results = []
     header = ["| model | family | optimizer | parameters | nodes | rewrite (s) | checks passed |",
               "|---|---|---|---|---|---|---|"]
@@ -45,7 +51,7 @@ def main() -> int:
         src = corpus.export(name, os.path.join(work, "original"))
         sgd = lambda: corpus.export(name, os.path.join(work, "original_sgd"), "sgd")  # noqa: E731
         r = check_model(name, src, work, corpus.sample, optimizer=e.optimizer, batch_stats=e.batch_stats,
-                        dropout=e.dropout, tags=list(e.tags) or None, sgd_variant=sgd)
+                        dropout=e.dropout, tags=list(e.tags) or None, sgd_variant=sgd, c_api_client=client)
         results.append(r)
         print(_row(r, e) + f"  <!-- {time.perf_counter() - t:.0f} s -->", flush=True)
     os.makedirs(a.out, exist_ok=True)
