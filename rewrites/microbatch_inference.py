@@ -1,23 +1,44 @@
 """microbatch-inference: serve requests of any size in slices of at most ``b`` examples.
 
-Each inference signature's function moves to ``<name>__vf..._slice``; its original name then
-holds a loop that feeds the request through it ``b`` examples at a time and concatenates the
-outputs, so memory is bounded by one slice and results equal the original's.
+Each inference signature's function becomes, in place, the body of a loop
+(``__vf_<name>_microbatch_body``) that takes rows ``[i * b, (i + 1) * b)`` of the batch inputs;
+its original name then holds a function that checks the inputs and runs the loop, which
+appends each slice's outputs to tensor lists and concatenates them at the end: memory is
+bounded by one slice and results equal the original's.
+
+The loop runs on TensorFlow's single-threaded executor: the loop and each slice's kernels on
+the one thread that serves the request (a kernel still spreads its own work over the
+intra-op threads). On the default executor the slices' ops go to whichever inter-op thread is
+free, and glibc's malloc keeps an arena per thread that holds on to what it freed: with many
+inter-op threads a request stayed resident at several slices' activations, up to as much as
+the whole request unsliced, and so does a hand-written ``tf.while_loop`` over slices
+(docs/benchmarks.md). The single-threaded executor cannot run TF1 control flow, partitioned
+graphs, collectives or reference variables, and a function called inside the loop would run
+on the default executor (and could wait forever on a server's one inter-op thread): a serving
+function with any of these keeps the default executor, and a note says so.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, List
+from typing import ClassVar, List, Tuple
 
 from tensorflow.core.framework import types_pb2
 
-from vfgraph.builder import (I32, FunctionBuilder, batch_size, check, func_attr, list_concat, shapes_attr, slice_rows,
-                             type_attr, types_attr)
+from vfgraph.builder import (I32, FunctionBuilder, batch_size, check, func_attr, list_concat, shape_proto, shapes_attr,
+                             slice_rows, type_attr, types_attr)
 from vfgraph.errors import PipelineError
-from vfgraph.ir.graph import FunctionGraph, arg_shapes, copy_header, verify_function_def
+from vfgraph.ir.graph import FunctionGraph, arg_shapes, copy_header, function_dependencies, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem, SignatureInfo
 from vfgraph.passes.base import Pass, PassResult
+
+SINGLE_THREADED = "SINGLE_THREADED_EXECUTOR"
+# what TensorFlow's single-threaded executor refuses (TF1 control flow, partitioned graphs,
+# collectives, reference variables)
+_NOT_SINGLE_THREADED = frozenset((
+    "Switch", "RefSwitch", "_SwitchN", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+    "RefNextIteration", "LoopCond", "ControlTrigger", "_Send", "_Recv", "_HostSend", "_HostRecv", "Send", "Recv",
+    "VariableV2", "Variable", "TemporaryVariable"))
 
 
 @dataclass(frozen=True)
@@ -48,15 +69,23 @@ class MicrobatchInferencePass(Pass):
             if why:
                 notes.append(f"microbatch-inference: signature {sig.key!r} left as is: {why}")
                 continue
-            slice_fn = item.function(sig.function)
-            header = copy_header(slice_fn)  # the serving function's name, arguments, outputs, attributes
-            slice_fn.signature.name = function_name(sig.function, "slice")  # renamed in place: no copy
-            for f in _loop_functions(item, sig, header, slice_fn, b):
+            serving_fn = item.function(sig.function)
+            header = copy_header(serving_fn)  # the serving function's name, arguments, outputs, attributes
+            single, why_not = _single_threaded(item, serving_fn)
+            if not single:
+                notes.append(f"microbatch-inference: signature {sig.key!r} runs its slices on TensorFlow's default "
+                             f"executor ({why_not}), so its peak memory can grow with the inter-op threads")
+            # the serving function becomes the loop body in place (no copy); its name then
+            # holds the new serving function
+            new = _loop_functions(item, sig, header, serving_fn, b, single)
+            for f in new:
                 item.set_function(f)
             verify_function_def(item.function(sig.function), item.library)
             item.preserve.add(sig.function)
             item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})[sig.key] = {
-                "function": sig.function, "slice_function": slice_fn.signature.name, "vnode_batch": b}
+                "function": sig.function, "loop_function": new[1].signature.name,
+                "body_function": serving_fn.signature.name, "vnode_batch": b,
+                "executor": SINGLE_THREADED if single else "default"}
             modified = True
         return PassResult(item, modified, notes)
 
@@ -83,14 +112,31 @@ def _unsliceable(item: GraphItem, sig: SignatureInfo) -> str:
     return ""
 
 
-def _loop_functions(item: GraphItem, sig: SignatureInfo, header, slice_fn, b: int):
-    """The serving loop: (replacement function, loop body, loop condition). A ``While`` over
-    ``ceil(n / b)`` slices calls ``slice_fn`` (the serving function's nodes) on each and appends
-    its outputs to tensor lists, concatenated at the end; ``header`` is the serving
+def _single_threaded(item: GraphItem, fdef) -> Tuple[bool, str]:
+    """(whether serving function ``fdef`` can run on the single-threaded executor, why not)."""
+    called = function_dependencies(fdef.signature.name, item.library)[1:]
+    if called:
+        return False, f"it calls function {called[0]!r}"
+    for node in fdef.node_def:
+        if node.op in _NOT_SINGLE_THREADED or node.op.startswith("Collective"):
+            return False, f"it has a {node.op} op ({node.name!r})"
+    return True, ""
+
+
+def _loop_functions(item: GraphItem, sig: SignatureInfo, header, slice_fn, b: int, single: bool = True):
+    """The serving loop: (replacement function, loop function, loop condition); the loop body
+    is ``slice_fn`` itself (the serving function's nodes, edited in place). The replacement
+    checks the inputs and counts the ``ceil(n / b)`` slices; the loop function runs a ``While``
+    over them whose body takes its slice of the batch inputs, runs the serving nodes on it and
+    appends their outputs to tensor lists, concatenated at the end. The serving nodes sit in
+    the body itself rather than behind a call: a call there would start its own executor,
+    which hands its ops to the inter-op threads (and, waiting on them from the one inter-op
+    thread a server may have, would never return). ``single``: the loop function runs on the
+    single-threaded executor (never inlined, the ``While`` not lowered to TF1 control flow,
+    which that executor cannot run), and with it each iteration. ``header`` is the serving
     function's without its nodes."""
-    g = FunctionGraph._over(slice_fn, item.library)  # read only
+    g = FunctionGraph._over(slice_fn, item.library)  # read only, before the edit
     lib = item.library
-    lib[slice_fn.signature.name] = slice_fn
     names = g.arg_names
     types = [a.type for a in header.signature.input_arg]
     batch_idx = [names.index(a) for a in sig.batch_args]
@@ -99,37 +145,40 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, header, slice_fn, b: in
     elements = [[-1] + [d if d >= 0 else -1 for d in s[1:]] for s in out_shapes]
     keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
     i32 = type_attr(I32)
+    executor = SINGLE_THREADED if single else ""
+    loop_name = function_name(sig.function, "microbatch", "loop")
     body_name = function_name(sig.function, "microbatch", "body")
     cond_name = function_name(sig.function, "microbatch", "cond")
     # loop variables: i, one list per output, number of slices, every argument
     loop_types = [I32] + [types_pb2.DT_VARIANT] * len(out_types) + [I32] + types
     loop_shapes = [[]] + [[]] * len(out_types) + [[]] + arg_shapes(header)
-
-    fb = FunctionBuilder(body_name, lib)
-    arg_names = ["i"] + [f"outputs_{k}" for k in range(len(out_types))] + ["slices"] + names
-    args = [fb.arg(n, t, s) for n, t, s in zip(arg_names, loop_types, loop_shapes)]
-    i, lists, rest = args[0], args[1:1 + len(out_types)], args[2 + len(out_types):]
-    start = fb.op("Mul", [i, fb.const(b, I32, "slice")[0]], name="start", T=i32)[0]
-    rows = slice_rows(fb, start, fb.const(b, I32, "slice")[0])
-    call_args = list(rest)
-    for j in batch_idx:
-        call_args[j] = rows(call_args[j], types[j])
-    got = fb.op("StatefulPartitionedCall", call_args, name="slice", Tin=types_attr(types),
-                Tout=types_attr(out_types), f=func_attr(slice_fn.signature.name))
-    new = [fb.op("TensorListSetItem", [lst, i, got[k]], name="append", element_dtype=type_attr(t))[0]
-           for k, (lst, t) in enumerate(zip(lists, out_types))]
-    nxt = fb.op("AddV2", [i, fb.const(1, I32, "one")[0]], name="next", T=i32)[0]
-    for k, (ref, t) in enumerate(zip([nxt] + new + args[1 + len(out_types):], loop_types)):
-        fb.ret(f"out_{k}", ref, t)
-    body = fb.finish()
+    _to_loop_body(slice_fn, body_name, lib, b, names, types, batch_idx, out_types)
+    lib[body_name] = slice_fn
+    verify_function_def(slice_fn, lib)
 
     fb = FunctionBuilder(cond_name, lib)
-    args = fb.args_of(body)  # the loop variables, as the body takes them
+    args = fb.args_of(slice_fn)  # the loop variables, as the body takes them
     fb.ret("more", fb.op("Less", [args[0], args[1 + len(out_types)]], name="more", T=i32)[0], types_pb2.DT_BOOL)
     fb.fdef.signature.is_stateful = False
     cond = fb.finish()
 
-    lib.update({body_name: body, cond_name: cond})
+    lib[cond_name] = cond
+    fb = FunctionBuilder(loop_name, lib)
+    slices = fb.arg("slices", I32, [])
+    args = [fb.arg(n, t, s) for n, t, s in zip(names, types, loop_shapes[2 + len(out_types):])]
+    if single:
+        fb.fdef.attr["_noinline"].b = True  # an inlined call would leave the default executor running it
+    lists = [fb.op("TensorListReserve", [fb.const(e, I32, "element_shape")[0], slices], name="outputs",
+                   element_dtype=type_attr(t), shape_type=i32)[0] for t, e in zip(out_types, elements)]
+    loop = fb.op("While", [fb.const(0, I32, "zero")[0]] + lists + [slices] + args, name="microbatches",
+                 T=types_attr(loop_types), cond=func_attr(cond_name), body=func_attr(body_name),
+                 output_shapes=shapes_attr(loop_shapes), parallel_iterations=1, _lower_using_switch_merge=not single)
+    outs = loop.outputs()
+    for k, (t, e, s) in enumerate(zip(out_types, elements, out_shapes)):
+        fb.ret(f"output_{k}", list_concat(fb, outs[1 + k], t, e, s), t)
+    loop_fn = fb.finish()
+
+    lib[loop_name] = loop_fn
     fb, args = FunctionBuilder.like(header, lib)
     n = batch_size(fb, args[batch_idx[0]], types[batch_idx[0]])
     checks = [check(fb, fb.op("Equal", [batch_size(fb, args[j], types[j]), n], name="same_batch", T=i32)[0],
@@ -137,12 +186,96 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, header, slice_fn, b: in
               for k, j in zip(keys[1:], batch_idx[1:])]
     up = fb.op("AddV2", [n, fb.const(b - 1, I32, "round_up")[0]], name="rounded_up", T=i32)[0]
     slices = fb.op("FloorDiv", [up, fb.const(b, I32, "slice")[0]], name="slices", deps=checks, T=i32)[0]
-    lists = [fb.op("TensorListReserve", [fb.const(e, I32, "element_shape")[0], slices], name="outputs",
-                   element_dtype=type_attr(t), shape_type=i32)[0] for t, e in zip(out_types, elements)]
-    loop = fb.op("While", [fb.const(0, I32, "zero")[0]] + lists + [slices] + args, name="microbatches",
-                 T=types_attr(loop_types), cond=func_attr(cond_name), body=func_attr(body_name),
-                 output_shapes=shapes_attr(loop_shapes), parallel_iterations=1, _lower_using_switch_merge=True)
-    outs = loop.outputs()
-    for k, (a, t, e, s) in enumerate(zip(header.signature.output_arg, out_types, elements, out_shapes)):
-        fb.ret(a.name, list_concat(fb, outs[1 + k], t, e, s), t)
-    return [fb.finish(), body, cond]
+    run = fb.op("StatefulPartitionedCall", [slices] + args, name="microbatches", Tin=types_attr([I32] + types),
+                Tout=types_attr(out_types), f=func_attr(loop_name), executor_type=executor, shapes=out_shapes)
+    for k, (a, t) in enumerate(zip(header.signature.output_arg, out_types)):
+        fb.ret(a.name, run[k], t)
+    return [fb.finish(), loop_fn, cond]
+
+
+def _to_loop_body(fdef, name: str, lib, b: int, names, types, batch_idx, out_types) -> None:
+    """Turn serving function ``fdef`` in place into the ``While`` body ``name``: its arguments
+    become (i, one tensor list per output, number of slices, its own arguments), each batch
+    argument is read as rows ``[i * b, (i + 1) * b)`` of itself, and it returns the loop
+    variables with its outputs set as item i of the lists. The nodes this adds are named under
+    a prefix none of ``fdef``'s names use."""
+    taken = {a.name for a in fdef.signature.input_arg} | {n.name.split("/")[0] for n in fdef.node_def}
+    p = "vf_microbatch"
+    while p in taken or any(t.startswith(p + "_") for t in taken):
+        p += "_"
+    i32 = type_attr(I32)
+    # the bookkeeping nodes, written by a builder over the loop variables and one stand-in
+    # argument per output of the serving nodes (replaced by those outputs below)
+    fb = FunctionBuilder(name, lib)
+    loop_vars = [fb.arg(f"{p}_i", I32, [])] + [fb.arg(f"{p}_outputs_{k}", types_pb2.DT_VARIANT, [])
+                                                for k in range(len(out_types))] + [fb.arg(f"{p}_slices", I32, [])]
+    own = [fb.arg(n, t) for n, t in zip(names, types)]
+    got = [fb.arg(f"{p}_got_{k}", t) for k, t in enumerate(out_types)]
+    i = loop_vars[0]
+    start = fb.op("Mul", [i, fb.const(b, I32, "slice")[0]], name="start", T=i32)[0]
+    rows = slice_rows(fb, start, fb.const(b, I32, "slice")[0])
+    sliced = {names[j]: rows(own[j], types[j]) for j in batch_idx}
+    new = [fb.op("TensorListSetItem", [lst, i, got[k]], name="append", element_dtype=type_attr(t))[0]
+           for k, (lst, t) in enumerate(zip(loop_vars[1:-1], out_types))]
+    nxt = fb.op("AddV2", [i, fb.const(1, I32, "one")[0]], name="next", T=i32)[0]
+    added = fb.fdef
+
+    renamed = {n.name: f"{p}/{n.name}" for n in added.node_def}
+
+    def bookkeeping(ref: str) -> str:
+        ctl = "^" if ref.startswith("^") else ""
+        node, sep, rest = ref.lstrip("^").partition(":")
+        return ctl + renamed[node] + sep + rest if node in renamed else ref
+
+    def serving(ref: str) -> str:  # a reference inside the serving nodes: batch arguments read sliced
+        if ref.startswith("^"):
+            return ref
+        arg = ref.partition(":")[0]
+        return bookkeeping(sliced[arg]) if arg in sliced else ref
+
+    for node in fdef.node_def:
+        if any(s.partition(":")[0] in sliced for s in node.input):
+            inputs = [serving(s) for s in node.input]
+            del node.input[:]
+            node.input.extend(inputs)
+    outputs = {f"{p}_got_{k}": serving(fdef.ret[a.name]) for k, a in enumerate(fdef.signature.output_arg)}
+    for node in added.node_def:
+        node.name = renamed[node.name]
+        inputs = [outputs.get(s, bookkeeping(s)) for s in node.input]
+        del node.input[:]
+        node.input.extend(inputs)
+    fdef.node_def.extend(added.node_def)
+
+    sig = fdef.signature
+    sig.name = name
+    sig.is_stateful = True
+    shift = len(loop_vars)
+    own_args = [_copy(a) for a in sig.input_arg]  # copies: what a cleared field held is not kept
+    del sig.input_arg[:]
+    sig.input_arg.extend(list(added.signature.input_arg)[:shift] + own_args)
+    arg_attr = {k: _copy(v) for k, v in fdef.arg_attr.items()}
+    unique_ids = dict(fdef.resource_arg_unique_id)
+    fdef.ClearField("arg_attr")
+    fdef.ClearField("resource_arg_unique_id")
+    for k in range(shift):
+        fdef.arg_attr[k].CopyFrom(added.arg_attr[k])
+    for k, v in arg_attr.items():
+        fdef.arg_attr[k + shift].CopyFrom(v)
+    for k, v in unique_ids.items():
+        fdef.resource_arg_unique_id[k + shift] = v
+    if "_input_shapes" in fdef.attr:
+        shapes = list(fdef.attr["_input_shapes"].list.shape)
+        fdef.attr["_input_shapes"].list.ClearField("shape")
+        fdef.attr["_input_shapes"].list.shape.extend([shape_proto([])] * shift + shapes)
+    rets = [bookkeeping(nxt)] + [bookkeeping(r) for r in new] + [loop_vars[-1]] + list(names)
+    del sig.output_arg[:]
+    fdef.ClearField("ret")
+    for k, (ref, t) in enumerate(zip(rets, [I32] + [types_pb2.DT_VARIANT] * len(out_types) + [I32] + list(types))):
+        sig.output_arg.add(name=f"out_{k}", type=t)
+        fdef.ret[f"out_{k}"] = ref
+
+
+def _copy(message):
+    out = type(message)()
+    out.CopyFrom(message)
+    return out
