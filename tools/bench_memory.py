@@ -22,6 +22,24 @@ TensorFlow runs with intra/inter-op threads = 1 (--threads) so that thread-local
 buffers do not differ between the runs.
 
     python tools/bench_memory.py [--quick] [--json PATH]
+
+--serving measures serving instead: keras.applications.ResNet50 (64x64 inputs, 10 classes)
+exported with Keras's model.export(), and vfgraph.rewrite(path, vnodes=16, vnode_batch=16),
+against two baselines from the same run: a hand-written tf.while_loop over slices of 16 in
+plain TensorFlow (a tf.Module around the same Keras model, parallel_iterations=1, outputs in a
+TensorArray) and the rewrite with its loop left on TensorFlow's default executor (what
+microbatch-inference wrote before it used the single-threaded one). Each configuration runs
+in its own process for each inter-op thread count (--serving-inter-op, 0 = TensorFlow's
+default; intra-op threads TensorFlow's default): load, call with 16 examples, then with 256.
+
+  growth     = VmHWM after the 256-example call - VmHWM after the 16-example call (the headline;
+               ratio against the original at the same thread count, target <= 0.25)
+  again      = a second 256-example call alone: VmHWM after it (reset by /proc/self/clear_refs)
+               - RSS before it
+  time       = seconds of that second 256-example call
+and, as the size of one slice's activations, the original's growth / 16.
+
+    python tools/bench_memory.py --serving [--serving-inter-op 0,16] [--json PATH]
 """
 from __future__ import annotations
 
@@ -52,8 +70,14 @@ def parse_args():
     p.add_argument("--steps", type=int, default=None, help="training steps per configuration (default 3; --quick 3)")
     p.add_argument("--threads", type=int, default=1, help="intra/inter-op threads (0 = TensorFlow default)")
     p.add_argument("--no-original", action="store_true", help="skip the un-rewritten reference run")
+    p.add_argument("--serving", action="store_true", help="serving memory (ResNet-50 model.export, 256 vs 16)")
+    p.add_argument("--serving-inter-op", default="0,16",
+                   help="inter-op thread counts for --serving (0 = TensorFlow's default)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--serving-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.serving and a.json == "/tmp/vfgraph_bench_memory.json":
+        a.json = "/tmp/vfgraph_bench_memory_serving.json"
     a.model = a.model or ("smallcnn" if a.quick else "resnet50")
     a.batch = a.batch or (64 if a.quick else 256)
     a.steps = a.steps or 3
@@ -145,10 +169,160 @@ def run_child(args, path: str, batch: int):
     return {"error": f"exit {p.returncode}", "stderr_tail": p.stderr[-3000:]}
 
 
+# ---------------------------------------------------------------------------------------------- serving
+
+SERVING_TARGET = 0.25
+SERVING_SLICE = 16
+SERVING_REQUEST = 256
+
+
+def export_serving(work: str) -> dict:
+    """The serving configurations' SavedModels: {label: (path, signature)}."""
+    import keras
+    import tensorflow as tf
+
+    import vfgraph
+
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10,
+                                        classifier_activation=None)
+    src = os.path.join(work, "original")
+    model.export(src, verbose=False)
+
+    class Loop(tf.Module):  # the yardstick: what one would write by hand in plain TensorFlow
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 64, 64, 3], tf.float32)])
+        def serve(self, x):
+            b = SERVING_SLICE
+            k = (tf.shape(x)[0] + b - 1) // b
+            out = tf.TensorArray(tf.float32, size=k, infer_shape=False, element_shape=tf.TensorShape([None, 10]))
+
+            def body(i, out):
+                return i + 1, out.write(i, self.model(x[i * b:(i + 1) * b], training=False))
+
+            _, out = tf.while_loop(lambda i, out: i < k, body, [0, out], parallel_iterations=1)
+            return {"output_0": out.concat()}
+
+    loop = Loop()
+    hand = os.path.join(work, "hand")
+    tf.saved_model.save(loop, hand, signatures={"serving_default": loop.serve})
+    paths = {"original": src, "tf.while_loop by hand": hand}
+    from vfgraph.rewrites import microbatch_inference
+
+    single = microbatch_inference._single_threaded
+    microbatch_inference._single_threaded = lambda item, fdef: (False, "bench_memory: the default executor")
+    try:
+        paths["rewritten, default executor"] = vfgraph.save(
+            vfgraph.rewrite(src, vnodes=16, vnode_batch=SERVING_SLICE), os.path.join(work, "default"))
+    finally:
+        microbatch_inference._single_threaded = single
+    paths["rewritten"] = vfgraph.save(vfgraph.rewrite(src, vnodes=16, vnode_batch=SERVING_SLICE),
+                                      os.path.join(work, "rewritten"))
+    return paths
+
+
+def serving_child(args) -> None:
+    spec = json.loads(args.serving_child)
+    import numpy as np
+    import tensorflow as tf
+
+    import vfgraph  # noqa: F401
+
+    if spec["inter_op"] > 0:
+        tf.config.threading.set_inter_op_parallelism_threads(spec["inter_op"])
+    loaded = tf.saved_model.load(spec["path"])
+    fn = loaded.signatures["serving_default"]
+    (key,) = fn.structured_input_signature[1]
+    rng = np.random.default_rng(0)
+    small = tf.constant(rng.standard_normal((SERVING_SLICE, 64, 64, 3)).astype("float32"))
+    large = tf.constant(rng.standard_normal((SERVING_REQUEST, 64, 64, 3)).astype("float32"))
+    fn(**{key: small})
+    hwm_small = proc_status("VmHWM")
+    fn(**{key: large})
+    hwm_large = proc_status("VmHWM")
+
+    def alone(x):
+        rss = proc_status("VmRSS")
+        reset_hwm()
+        t0 = time.perf_counter()
+        out = fn(**{key: x})
+        dt = time.perf_counter() - t0
+        return proc_status("VmHWM") - rss, dt, out
+
+    again, seconds, out = alone(large)
+    print(json.dumps({"hwm_after_small": hwm_small, "hwm_after_large": hwm_large, "growth": hwm_large - hwm_small,
+                      "again": again, "seconds": seconds,
+                      "output_shape": list(next(iter(out.values())).shape)}), flush=True)
+
+
+def serving_main(args) -> None:
+    import tensorflow as tf
+
+    inter_ops = [int(t) for t in args.serving_inter_op.split(",")]
+    print(f"vfgraph bench_memory --serving: ResNet-50 (64x64, model.export), request of {SERVING_REQUEST} after one "
+          f"of {SERVING_SLICE}, slices of {SERVING_SLICE}; each configuration in its own process; TF "
+          f"{tf.__version__}, inter-op threads {inter_ops} (0 = TF default: {os.cpu_count()} CPUs here)", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="vfgraph-bench-memory-serving-") as work:
+        t0 = time.perf_counter()
+        paths = export_serving(work)
+        print(f"  exported and rewrote ({time.perf_counter() - t0:.1f} s)", flush=True)
+        for inter in inter_ops:
+            for label, path in paths.items():
+                spec = json.dumps({"path": path, "inter_op": inter})
+                cmd = [sys.executable, os.path.abspath(__file__), "--serving-child", spec]
+                p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
+                r = json.loads(line) if line else {"error": f"exit {p.returncode}", "stderr_tail": p.stderr[-3000:]}
+                results[f"{label} @ {inter}"] = dict(r, config=label, inter_op=inter)
+                print(f"  {label}, inter-op {inter or 'default'}: "
+                      + (f"growth {r['growth'] / 1e6:.0f} MB" if "growth" in r else f"FAILED {r['error']}"), flush=True)
+
+    ratios = {}
+    print(f"\nMB (10^6 bytes); growth = VmHWM after the {SERVING_REQUEST}-example call - VmHWM after the "
+          f"{SERVING_SLICE}-example call; again = VmHWM of a second {SERVING_REQUEST}-example call alone after a "
+          f"clear_refs reset - RSS before it; ratio = growth / the original's at the same inter-op threads "
+          f"(target <= {SERVING_TARGET})")
+    head = (f"| configuration | inter-op threads | growth (MB) | ratio | again (MB) | "
+            f"{SERVING_REQUEST} examples (s) |")
+    print(head)
+    print("|" + "---|" * 6)
+    for key, r in results.items():
+        if "error" in r:
+            print(f"| {r['config']} | {r['inter_op'] or 'default'} | FAILED | | | |")
+            continue
+        base = results.get(f"original @ {r['inter_op']}", {})
+        q = r["growth"] / base["growth"] if base.get("growth") else float("nan")
+        ratios[key] = q
+        print(f"| {r['config']} | {r['inter_op'] or 'default'} | {r['growth'] / 1e6:.0f} | {q:.2f} | "
+              f"{r['again'] / 1e6:.0f} | {r['seconds']:.2f} |")
+    headline = {k: v for k, v in ratios.items() if k.startswith("rewritten @")}
+    for k, v in headline.items():
+        base = results[f"original @ {results[k]['inter_op']}"]["growth"]
+        print(f"{k}: growth ratio {v:.2f}, {'meets' if v <= SERVING_TARGET else 'MISSES'} the target <= "
+              f"{SERVING_TARGET}; one slice's share of the original's growth: {base / 16e6:.0f} MB")
+    report = {"benchmark": "bench_memory --serving", "config": {
+        "model": "resnet50 64x64 model.export", "slice": SERVING_SLICE, "request": SERVING_REQUEST,
+        "inter_op": inter_ops, "tensorflow": tf.__version__, "python": platform.python_version(), "git": git_state(),
+        "cpu_count": os.cpu_count(), "target_ratio": SERVING_TARGET, "units": "bytes"},
+        "results": results, "ratios": ratios,
+        "meets_target": bool(headline) and all(v <= SERVING_TARGET for v in headline.values())}
+    write_report(args.json, report)
+
+
 def main():
     args = parse_args()
     if args.child:
         child(args)
+        return
+    if args.serving_child:
+        serving_child(args)
+        return
+    if args.serving:
+        serving_main(args)
         return
     import tensorflow as tf
 
