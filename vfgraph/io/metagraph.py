@@ -197,8 +197,11 @@ def attach_train_op(mg, key: str, where: str) -> bool:
     gd = mg.graph_def
     nodes = {n.name: n for n in gd.node}
     outputs = sorted(sig.outputs.items())
+    if not outputs or any(not re.fullmatch(r"[^:^]+(:\d+)?", t.name) or t.name.split(":")[0] not in nodes
+                          for _, t in outputs):
+        return False  # converting the signature names what is wrong with it
     upstream = ancestors(nodes, [t.name.split(":")[0] for _, t in outputs])
-    if not outputs or any(nodes[n].op.startswith(_WRITE_PREFIXES) for n in upstream):
+    if any(nodes[n].op.startswith(_WRITE_PREFIXES) for n in upstream):
         return False
     train_op = find_train_op(mg, nodes, where)
     if train_op is None:
