@@ -24,21 +24,6 @@ def _name(variant):
     return "tf1-serve-train" + (f":{variant}" if variant else "")
 
 
-@pytest.fixture(scope="module")
-def rewrite(models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tf1_train_op")
-    made = {}
-
-    def get(variant, vnodes):
-        if (variant, vnodes) not in made:
-            out = str(root / f"{variant.replace(',', '_') or 'resource'}_v{vnodes}")
-            vfgraph.save(vfgraph.rewrite(models(_name(variant)), vnodes=vnodes), out)
-            made[variant, vnodes] = out
-        return made[variant, vnodes]
-
-    return get
-
-
 def _train_op(mg):
     """The op a TF1 loop runs: SavedModel's train-op collection, else GraphKeys.TRAIN_OP."""
     key = "saved_model_train_op" if "saved_model_train_op" in mg.collection_def else "train_op"
@@ -74,10 +59,10 @@ class Session:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_one_vnode_session_loop_is_bit_identical(models, rewrite, variant):
+def test_one_vnode_session_loop_is_bit_identical(models, rewritten, variant):
     """The original's Session loop over 3 steps (sess.run([train_op, loss])) and the same loop
     over the rewritten model (V=1) end with the same variables and losses, bit for bit."""
-    want, got = Session(models(_name(variant))), Session(rewrite(variant, 1))
+    want, got = Session(models(_name(variant))), Session(rewritten(_name(variant), 1))
     want_loss = [want.step(x, y) for x, y in BATCHES]
     got_loss = [got.step(x, y) for x, y in BATCHES]
     a, b = want.values(), got.values()
@@ -87,12 +72,12 @@ def test_one_vnode_session_loop_is_bit_identical(models, rewrite, variant):
         np.testing.assert_array_equal(b[name], a[name], err_msg=name)
     assert got_loss == want_loss
     # the rewritten train op is the rewritten step: the signature now runs it
-    meta = vfgraph.load(rewrite(variant, 1)).metadata
+    meta = vfgraph.load(rewritten(_name(variant), 1)).metadata
     assert meta["rewrites"]["split-vnodes"]["train"]["vnodes"] == 1
 
 
 @pytest.mark.parametrize("variant", ["", "ref,ema"])
-def test_vnodes_use_per_slice_statistics(models, rewrite, variant):
+def test_vnodes_use_per_slice_statistics(models, rewritten, variant):
     """V=4 on 32 examples equals the original train op run on each slice of 8 from the same
     state, parameter deltas and moving averages averaged (one momentum step from zero slots
     is linear in the gradient), the global step advanced once, the loss the slices' mean."""
@@ -106,7 +91,7 @@ def test_vnodes_use_per_slice_statistics(models, rewrite, variant):
         finals.append(orig.values())
     ref = {n: np.mean([f[n] for f in finals], axis=0) if start[n].dtype.kind == "f" else finals[-1][n]
            for n in start}
-    got = Session(rewrite(variant, 4))
+    got = Session(rewritten(_name(variant), 4))
     loss = got.step(x, y)
     values = got.values()
     assert loss == pytest.approx(np.mean(losses), rel=1e-6)
@@ -120,10 +105,10 @@ def test_vnodes_use_per_slice_statistics(models, rewrite, variant):
     assert stats and any(not np.allclose(full.values()[n], values[n], rtol=1e-6) for n in stats)
 
 
-def test_serving_signature_equals_the_original(models, rewrite):
+def test_serving_signature_equals_the_original(models, rewritten):
     """Before and after a V=4 step, serving_default computes what the original's does on the
     same variables."""
-    orig, new = Session(models(_name(""))), Session(rewrite("", 4))
+    orig, new = Session(models(_name(""))), Session(rewritten(_name(""), 4))
     x = BATCHES[1][0]
     np.testing.assert_array_equal(new.serve(x), orig.serve(x))
     new.step(*BATCHES[0])
@@ -132,9 +117,9 @@ def test_serving_signature_equals_the_original(models, rewrite):
     assert new.values()["global_step:0"] == 1
 
 
-def test_loads_in_a_fresh_process(rewrite):
+def test_loads_in_a_fresh_process(rewritten):
     """tf.saved_model.load with tags serve + train: the 'train' signature is the step."""
-    out = rewrite("ema", 4)
+    out = rewritten(_name("ema"), 4)
     code = (
         "import numpy as np, tensorflow as tf, vfgraph\n"
         f"m = tf.saved_model.load({out!r}, tags=['serve', 'train'])\n"

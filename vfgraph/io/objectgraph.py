@@ -18,8 +18,8 @@ def _node_names(fdef: function_pb2.FunctionDef) -> Set[str]:
 def relink_captured_tensors(object_graph, library: Mapping[str, function_pb2.FunctionDef]) -> int:
     """Point each captured tensor whose node left the function it names at the function that
     now holds the node. Passes move a function's nodes into functions named after it
-    (split-vnodes: the virtual-node and update functions; microbatch-inference: the slice
-    function), so the candidates are the functions whose names derive from the original one,
+    (split-vnodes: the virtual-node and update functions; microbatch-inference: its loop
+    body), so the candidates are the functions whose names derive from the original one,
     in sorted order. Returns how many were moved."""
     names: Dict[str, Set[str]] = {}
 
