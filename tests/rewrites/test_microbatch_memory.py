@@ -51,9 +51,10 @@ _GROWTH = """
                 return int(line.split()[1]) * 1024
     fn = tf.saved_model.load({path!r}).signatures["serve"]
     x = np.random.default_rng(0).normal(size=(256, 64)).astype("float32")
-    fn(keras_tensor=x[:16])
+    (key,) = fn.structured_input_signature[1]  # Keras numbers its input names per process
+    fn(**{{key: x[:16]}})
     before = hwm()
-    fn(keras_tensor=x)
+    fn(**{{key: x}})
     print(json.dumps({{"growth": hwm() - before}}))
 """
 
