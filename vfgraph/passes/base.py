@@ -69,51 +69,145 @@ def get_pass_class(name: str):
     return getattr(module, cls_name)
 
 
-_SPEC = re.compile(r"\s*([a-z][a-z0-9-]*)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def parse_pipeline(text: str) -> List[Pass]:
-    """Parse ``name{opt=v,...},name2`` into pass instances."""
-    passes: List[Pass] = []
-    pos = 0
-    text = text.strip()
-    if not text:
+    """Parse ``name{opt=v,...},name2`` into pass instances.
+
+    Passes are separated by one ``,``; a pass's options are ``key=value`` pairs in one ``{...}``
+    after its name, separated by one ``,``; spaces around names, keys and values are ignored.
+    A malformed spec is refused with the 1-based column of the problem and what was expected there."""
+    if not text.strip():
         raise PipelineError("empty pipeline; give at least one pass, e.g. 'split-vnodes{vnodes=8}'")
-    while pos < len(text):
-        m = _SPEC.match(text, pos)
-        if not m or m.end() == pos:
-            raise PipelineError(f"cannot parse pipeline at column {pos + 1}: {text[pos:pos + 30]!r}")
-        name, body = m.group(1), m.group(2)
-        cls = get_pass_class(name)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for opt in filter(None, (o.strip() for o in (body or "").split(","))):
-            if "=" not in opt:
-                raise PipelineError(f"pass {name!r}: option {opt!r} needs a value (key=value)")
-            k, v = (s.strip() for s in opt.split("=", 1))
+    n = len(text)
+    pos = 0
+
+    def fail(at: int, problem: str) -> PipelineError:
+        return PipelineError(f"pipeline {text!r}, column {at + 1}: {problem}")
+
+    def skip() -> str:
+        """Move past spaces; the character there ('' at the end)."""
+        nonlocal pos
+        while pos < n and text[pos].isspace():
+            pos += 1
+        return text[pos] if pos < n else ""
+
+    def found(c: str) -> str:
+        return f"found {c!r}" if c else "found the end of the pipeline"
+
+    def pass_name(comma: Optional[int]) -> str:
+        nonlocal pos
+        c = skip()
+        m = _NAME.match(text, pos)
+        if m:
+            pos = m.end()
+            return m.group(0)
+        after = f" after the ',' at column {comma + 1}" if comma is not None else ""
+        if c == "}":
+            hint = "remove the '}' (it has no '{' before it)"
+        elif c == ",":
+            hint = "separate passes with one ','"
+        elif not c:
+            hint = "remove the trailing ','"
+        else:
+            hint = "pass names are words joined by '-', e.g. split-vnodes"
+        raise fail(pos, f"expected a pass name{after}, {found(c)}; {hint}")
+
+    def options(name: str, fields) -> Dict[str, object]:
+        nonlocal pos
+        brace = pos
+        close = next((i for i in range(brace + 1, n) if text[i] in "{}"), n)
+        if close == n or text[close] == "{":
+            before = f" before the '{{' at column {close + 1}" if close < n else ""
+            raise fail(brace, f"the '{{' of pass {name!r} is not closed{before}; end its options with '}}', "
+                              f"e.g. {name}{{key=value}}")
+        pos = brace + 1
+        if skip() == "}":  # '{}': no options
+            pos += 1
+            return {}
+        kwargs: Dict[str, object] = {}
+        given: Dict[str, str] = {}
+        comma = None
+        while True:
+            c = skip()
+            m = _NAME.match(text, pos)
+            if not m:
+                after = f" after the ',' at column {comma + 1}" if comma is not None else ""
+                hint = ("separate options with one ','" if c == "," else
+                        "remove the trailing ','" if c == "}" else "give options as key=value")
+                raise fail(pos, f"expected an option (key=value) of pass {name!r}{after}, {found(c)}; {hint}")
+            k = m.group(0)
+            pos = m.end()
+            c = skip()
+            if c in (",", "}"):
+                raise fail(pos, f"pass {name!r}: option {k!r} needs a value (key=value), {found(c)}")
+            if c != "=":
+                raise fail(pos, f"pass {name!r}: expected '=' after option {k!r}, {found(c)}; give options as "
+                                "key=value")
+            pos += 1
+            skip()
+            start = pos
+            while pos < close and text[pos] != ",":
+                pos += 1
+            v = text[start:pos].strip()
+            if not v:
+                raise fail(start, f"pass {name!r}: option {k!r} needs a value after '=', {found(text[pos])}")
             key = k.replace("-", "_")
             if key not in fields:
                 raise PipelineError(f"pass {name!r} has no option {k!r}; options: "
                                     f"{', '.join(f.replace('_', '-') for f in fields) or 'none'}")
+            if key in given:
+                raise PipelineError(f"pass {name!r}: option {k!r} given twice ({given[key]} and {v}); give it once")
+            given[key] = v
             kwargs[key] = _convert(name, k, v, fields[key])
-        passes.append(cls(**kwargs))
-        pos = m.end()
-    return passes
+            if pos == close:
+                pos += 1
+                return kwargs
+            comma = pos
+            pos += 1
+
+    passes: List[Pass] = []
+    comma = None
+    while True:
+        name = pass_name(comma)
+        cls = get_pass_class(name)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        braced = skip() == "{"
+        passes.append(cls(**(options(name, fields) if braced else {})))
+        c = skip()
+        if not c:
+            return passes
+        if c != ",":
+            if c == "}":
+                hint = "" if braced else f", or open the options of pass {name!r} with '{{'"
+                raise fail(pos, f"'}}' without a '{{' before it; remove it{hint}")
+            what = f"after the options of pass {name!r}" if braced else f"after pass {name!r}"
+            expect = "','" if braced else "',' or '{'"
+            raise fail(pos, f"expected {expect} {what}, {found(c)}; separate passes with ',' and give a pass's "
+                            "options in one {key=value,...}")
+        comma = pos
+        pos += 1
 
 
 def _convert(pass_name: str, key: str, value: str, field):
+    """An option's text as the type of its field (bool, int, float; anything else stays text)."""
     typ = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "str")
+    kinds = [("bool", "true or false"), ("int", "a whole number"), ("float", "a number")]
+    kind, want = next(((k, w) for k, w in kinds if k in typ), ("str", ""))
     try:
-        if "bool" in typ:
+        if kind == "bool":
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(value)
             return value.lower() in ("true", "1")
-        if "int" in typ:
+        if kind == "int":
             return int(value)
-        if "float" in typ:
+        if kind == "float":
             return float(value)
     except ValueError:
-        raise PipelineError(f"pass {pass_name!r}: option {key}={value!r} is not a valid {typ}") from None
+        example = "" if field.default is dataclasses.MISSING else f", e.g. {key}={_fmt(field.default)}"
+        raise PipelineError(f"pass {pass_name!r}: option {key}={value!r} is not a valid {typ}; "
+                            f"give {want}{example}") from None
     return value
 
 
