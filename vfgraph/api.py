@@ -171,8 +171,8 @@ def export(model: ModelLike, out: Union[str, os.PathLike], version: int = 1, vno
 
     if not isinstance(vnode_batch, int) or vnode_batch < 0:
         raise InputError(f"--vnode-batch {vnode_batch}: give the examples per slice (0: the model's own)")
-    source = model.source if isinstance(model, GraphItem) else os.fspath(model)
-    serving.prepare_target(os.fspath(out), version, force, source)
+    sources = savedmodel.input_paths(model) if isinstance(model, GraphItem) else [os.fspath(model)]
+    serving.prepare_target(os.fspath(out), version, force, sources)
     with _gc_paused():
         item = model if isinstance(model, GraphItem) else load(model)
         item = _sliced_for_serving(item, vnode_batch, in_place=not isinstance(model, GraphItem))

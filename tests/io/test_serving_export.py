@@ -275,7 +275,7 @@ def test_cli_export_and_its_errors(models, tmp_path):
 
 
 def test_api_errors(models, tmp_path):
-    with pytest.raises(vfgraph.VfgraphError, match="inside the input model"):
+    with pytest.raises(vfgraph.VfgraphError, match="lies inside the input"):
         vfgraph.export(models("mlp:adam"), os.path.join(models("mlp:adam"), "serving"))
     with pytest.raises(vfgraph.VfgraphError, match="non-negative integer"):
         vfgraph.export(models("mlp:adam"), tmp_path / "o", version=-1)

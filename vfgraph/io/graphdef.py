@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from tensorflow.core.framework import graph_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
-from vfgraph.errors import InputError, OutputError
+from vfgraph.errors import InputError
 from vfgraph.ir.graph import function_dependencies
 from vfgraph.item import GraphItem, SignatureInfo
 
@@ -43,6 +43,16 @@ def read_graph_def(path: str) -> graph_pb2.GraphDef:
     if not gd.node:
         raise InputError(f"{path}: the GraphDef has no nodes")
     return gd
+
+
+def emitted_by_vfgraph(path: str) -> bool:
+    """Whether the file at ``path`` is a GraphDef :func:`save_graph_def` wrote (one call of
+    the rewritten graph function, named ``vf/graph``)."""
+    try:
+        gd = read_graph_def(path)
+    except InputError:
+        return False
+    return any(n.name == "vf/graph" and n.attr["f"].func.name == GRAPH_FUNCTION for n in gd.node)
 
 
 def graph_outputs(gd: graph_pb2.GraphDef) -> List[str]:
@@ -108,12 +118,9 @@ def load_graph_def(path: str, outputs: Optional[Sequence[str]] = None) -> GraphI
 
 def save_graph_def(item: GraphItem, out: str, force: bool = False) -> str:
     """Write the rewritten graph as a GraphDef (.pbtxt: text, otherwise binary), atomically."""
-    from vfgraph.io.savedmodel import prepare_output
+    from vfgraph.io import outputs
 
-    out = os.path.abspath(out)
-    prepare_output(out, force)
-    if out == os.path.abspath(item.source):
-        raise OutputError(f"{out}: output would overwrite the input graph; choose another path")
+    out = outputs.check_output(out, [item.source], force)
     src = item.meta_graph.graph_def
     lib = item.library
     fdef = lib[GRAPH_FUNCTION]
@@ -139,15 +146,9 @@ def save_graph_def(item: GraphItem, out: str, force: bool = False) -> str:
     data = (text_format.MessageToString(gd).encode() if out.endswith(".pbtxt")
             else gd.SerializeToString(deterministic=True))
     fd, tmp = tempfile.mkstemp(prefix=".vfgraph-", dir=os.path.dirname(out))
-    try:
+    with outputs.writing(out, tmp):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~outputs.umask())
         os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
     return out

@@ -5,14 +5,13 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from typing import Dict, List, Optional, Set, Tuple
 
 from google.protobuf.message import DecodeError
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
-from vfgraph.errors import InputError, OutputError
+from vfgraph.errors import InputError
 from vfgraph.io import tf1
 from vfgraph.ir.graph import parse_input
 from vfgraph.item import GraphItem, SignatureInfo, TensorSpecInfo, VariableInfo
@@ -231,25 +230,14 @@ def source_fingerprint(path: str, variables_prefix: str = "") -> str:
     return h.hexdigest()
 
 
-def prepare_output(out: str, force: bool) -> None:
-    """Refuse an existing output unless ``force``; fail early when the parent is missing."""
-    out = os.path.abspath(out)
-    if os.path.exists(out) and not force:
-        raise OutputError(f"{out}: output path exists; choose another path or pass --force to replace it")
-    parent = os.path.dirname(out)
-    if not os.path.isdir(parent):
-        raise OutputError(f"{parent}: output directory's parent does not exist; create it first")
-
-
 def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
     """Write ``item`` as a SavedModel at ``out`` atomically (temp dir, then rename)."""
-    out = os.path.abspath(out)
-    prepare_output(out, force)
-    if os.path.abspath(item.source) == out:
-        raise OutputError(f"{out}: output would overwrite the input model; choose another path")
-    parent = os.path.dirname(out)
-    tmp = tempfile.mkdtemp(prefix=".vfgraph-", dir=parent)
-    try:
+    from vfgraph.io import outputs
+
+    inputs = input_paths(item)
+    out = outputs.check_output(out, inputs, force, need_bytes=outputs.tree_bytes(*inputs))
+    tmp = outputs.temp_dir(os.path.dirname(out), ".vfgraph-")
+    with outputs.writing(out, tmp):
         proto = tf1.emit(item) if item.kind == "tf1_saved_model" else item.saved_model
         prefix = os.path.join("variables", "variables")
         extended = False  # the checkpoint written again with the object graph's new variables
@@ -280,23 +268,18 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
                 json.dump(item.metadata, f, indent=2, sort_keys=True)
                 f.write("\n")
         _write_fingerprint(tmp, proto)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        outputs.publish(tmp, out)
     return out
 
 
-def replace_dir(tmp: str, out: str) -> None:
-    """Move the finished directory ``tmp`` to ``out`` (in the same parent), replacing an
-    existing ``out`` only once ``tmp`` is complete."""
-    if os.path.exists(out):
-        old = tempfile.mkdtemp(prefix=".vfgraph-old-", dir=os.path.dirname(out) or ".")
-        os.rename(out, os.path.join(old, "x"))
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+def input_paths(item: GraphItem) -> List[str]:
+    """The files and directories ``item`` was read from (the model, a TF1 checkpoint's files)."""
+    paths = [item.source]
+    if item.variables_prefix:
+        from vfgraph.io.metagraph import checkpoint_files
+
+        paths += checkpoint_files(item.variables_prefix)
+    return paths
 
 
 def _write_fingerprint(path: str, proto: saved_model_pb2.SavedModel) -> None:

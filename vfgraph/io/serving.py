@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -61,57 +59,56 @@ def target_dir(out: str, version: int) -> str:
     return os.path.join(os.path.abspath(out), str(version))
 
 
-def prepare_target(out: str, version: int, force: bool, source: str = "") -> str:
-    """Check that ``out/<version>`` may be written: refuses an existing version without
-    ``force``, a missing parent, a file where the base directory goes, and a path inside the
-    input model. Returns the version directory's path."""
+def prepare_target(out: str, version: int, force: bool, sources=()) -> str:
+    """Check that ``out/<version>`` may be written (vfgraph.io.outputs' rule: not the input,
+    nor containing it, nor inside it; an existing version only with ``force`` and only when
+    vfgraph wrote it; a writable base, or a base that can be made in a writable directory).
+    Returns the version directory's path."""
+    from vfgraph.io import outputs
+
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise InputError(f"--version {version}: give a non-negative integer (TF Serving's version directories)")
     base = os.path.abspath(out)
-    if os.path.exists(base) and not os.path.isdir(base):
+    if os.path.lexists(base) and not os.path.isdir(base):
         raise OutputError(f"{base}: exists and is not a directory; choose another output path")
-    if source:
-        src = os.path.abspath(source)
-        if base == src or base.startswith(src.rstrip(os.sep) + os.sep):
-            raise OutputError(f"{base}: inside the input model {src}; choose an output outside it")
-    path = target_dir(out, version)
-    if os.path.exists(path) and not force:
-        raise OutputError(f"{path}: version {version} exists; choose another --version or pass --force to replace it")
-    parent = os.path.dirname(base)
-    if not os.path.isdir(parent):
-        raise OutputError(f"{parent}: output directory's parent does not exist; create it first")
-    return path
+    if not os.path.isdir(base):  # made whole by the export, holding the version: the base is what is checked
+        outputs.check_output(base, sources, force=False)
+        return target_dir(out, version)
+    return outputs.check_output(target_dir(out, version), sources, force, what=f"version {version}")
 
 
 def save_serving_model(item: GraphItem, out: str, version: int = 1, force: bool = False) -> str:
     """Write the serving-only SavedModel of ``item`` at ``out/<version>/`` atomically (temp dir
     in ``out``, then rename); returns that directory. The input is only read."""
-    path = prepare_target(out, version, force, item.source)
+    from vfgraph.io import outputs
+
+    path = prepare_target(out, version, force, savedmodel.input_paths(item))
     if item.kind != "saved_model":
         what = {"tf1_saved_model": "a TF1 model", "graph_def": "a frozen GraphDef"}.get(item.kind, item.kind)
         raise InputError(f"{item.source}: a serving export is made from a TF2 SavedModel (this is {what}); "
                          "save the model with tf.saved_model.save first")
     proto, variables = build_serving_proto(item)
     base = os.path.dirname(path)
-    os.makedirs(base, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".vfgraph-serving-", dir=base)
-    try:
+    if os.path.isdir(base):  # the version is written beside the others
+        tmp = outputs.temp_dir(base, ".vfgraph-serving-")
+        dst, final = tmp, path
+    else:  # the base directory is written whole, holding the version
+        tmp = outputs.temp_dir(os.path.dirname(base), ".vfgraph-serving-")
+        dst, final = os.path.join(tmp, str(version)), base
+        os.mkdir(dst)
+    with outputs.writing(path, tmp):
         if variables:
-            _write_checkpoint(item, os.path.join(tmp, "variables", "variables"), variables,
+            _write_checkpoint(item, os.path.join(dst, "variables", "variables"), variables,
                               proto.meta_graphs[0].object_graph_def)
-        with open(os.path.join(tmp, savedmodel.SAVED_MODEL_PB), "wb") as f:
+        with open(os.path.join(dst, savedmodel.SAVED_MODEL_PB), "wb") as f:
             f.write(proto.SerializeToString(deterministic=True))
         meta = _metadata(item, proto)
-        os.makedirs(os.path.join(tmp, "assets.extra"))
-        with open(os.path.join(tmp, savedmodel.METADATA_FILE), "w") as f:
+        os.makedirs(os.path.join(dst, "assets.extra"))
+        with open(os.path.join(dst, savedmodel.METADATA_FILE), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
             f.write("\n")
-        savedmodel._write_fingerprint(tmp, proto)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a server often runs as another user
-        savedmodel.replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        savedmodel._write_fingerprint(dst, proto)
+        outputs.publish(tmp, final)
     return path
 
 
