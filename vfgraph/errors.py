@@ -5,10 +5,14 @@ from __future__ import annotations
 class VfgraphError(Exception):
     """A problem vfgraph can explain: what went wrong, where, and what to do.
 
-    ``exit_code`` is what the command line returns for it (2 for a user error).
+    ``exit_code`` is what the command line returns for it: 2 for a user error (the command
+    line's codes: 0 ok, 1 the models differ (diff, verify), 2 a user error, 3 an internal
+    error, 130 interrupted). ``rank`` names the ``mpiexec`` rank that failed, when it matters.
     """
 
     exit_code = 2
+    rank = None
+    label = "error"  # how the command line introduces it
 
 
 class InputError(VfgraphError):
@@ -26,11 +30,19 @@ class PipelineError(VfgraphError):
 class VerifyError(VfgraphError):
     """A graph is structurally invalid."""
 
-    exit_code = 1
-
 
 class OutputError(VfgraphError):
     """The output location cannot be written."""
+
+
+class Quiet(VfgraphError):
+    """This process stops because another rank of an ``mpiexec`` job failed and reports why:
+    the command line prints nothing for it (the error is printed once, by the rank that knows)
+    and exits with that rank's ``exit_code``."""
+
+    def __init__(self, exit_code: int = 2):
+        super().__init__("")
+        self.exit_code = exit_code
 
 
 class InternalError(VfgraphError):

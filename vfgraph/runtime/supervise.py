@@ -54,7 +54,7 @@ def supervise(argv: List[str]) -> int:
     code = child.wait()
     if code < 0:
         name = signal.Signals(-code).name
-        print(f"vfgraph train: rank {launcher_rank()} ({socket.gethostname()} pid {child.pid}) was killed by "
+        print(f"\nvfgraph train: rank {launcher_rank()} ({socket.gethostname()} pid {child.pid}) was killed by "
               f"{name}; the job stops (resume from the last checkpoint with --resume)", file=sys.stderr, flush=True)
         return 128 - code
     return code

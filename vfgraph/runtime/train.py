@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import logging
+import math
 import os
 import shutil
-import tempfile
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from vfgraph.errors import InputError, VfgraphError
+from vfgraph.errors import InputError, Quiet, VfgraphError
 from vfgraph.io import savedmodel
 from vfgraph.runtime.world import place_threads, shares, world
 
@@ -94,26 +98,191 @@ def vnode_layout(model: str, signature: str) -> Tuple[int, bool]:
     return (rec["vnode_batch"] if rec else 0), signature in rewrites.get("insert-allreduce", {})
 
 
+def check_batch(model: str, signature: str, batch_size: int) -> None:
+    """A batch the rewritten step of ``model`` can take: a multiple of its virtual-node batch
+    b, or of its V virtual nodes when it divides the fed batch itself."""
+    rec = (savedmodel.read_metadata(model) or {}).get("rewrites", {}).get("split-vnodes", {}).get(signature)
+    if not rec:
+        return
+    b, v = int(rec.get("vnode_batch") or 0), int(rec.get("vnodes") or 1)
+    if b and batch_size % b:
+        raise InputError(f"--batch-size {batch_size}: not a multiple of the virtual-node batch b={b} of {model}; "
+                         f"give a multiple of {b}")
+    if not b and batch_size % v:
+        raise InputError(f"--batch-size {batch_size}: not divisible by the {v} virtual nodes of {model}; give a "
+                         f"multiple of {v}")
+
+
+def check_data(data: Dict[str, np.ndarray], specs, data_path: str, signature: str) -> Dict[str, np.ndarray]:
+    """The arrays the signature takes (``specs``: name -> TensorSpec), cast to its dtypes; one
+    line naming the array for a missing input, a wrong example shape or dtype, or arrays of
+    different lengths."""
+    missing = [k for k in specs if k not in data]
+    if missing:
+        raise InputError(f"{data_path}: arrays {missing} are missing; the {signature!r} signature takes "
+                         f"{sorted(specs)} (have {sorted(data)})")
+    out = {}
+    for k in sorted(specs):
+        arr, want = data[k], specs[k].shape[1:]
+        if want.rank is not None and (arr.ndim != want.rank + 1 or not want.is_compatible_with(arr.shape[1:])):
+            raise InputError(f"{data_path}: array {k!r} holds examples of shape {list(arr.shape[1:])}, the "
+                             f"{signature!r} signature takes {[d if d is not None else -1 for d in want.as_list()]} "
+                             f"(the array's shape is {list(arr.shape)}, examples first)")
+        try:
+            out[k] = arr.astype(specs[k].dtype.as_numpy_dtype, copy=False)
+        except (TypeError, ValueError):
+            raise InputError(f"{data_path}: array {k!r} has dtype {arr.dtype}, the {signature!r} signature takes "
+                             f"{specs[k].dtype.name}") from None
+    lengths = {k: len(v) for k, v in out.items()}
+    if len(set(lengths.values())) > 1:
+        raise InputError(f"{data_path}: arrays have different lengths {lengths}")
+    return out
+
+
+def data_fingerprint(data: Dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(data):
+        a = np.ascontiguousarray(data[k])
+        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
+
+STOP, NONFINITE = 1, 2  # what a rank saw in a step (bits)
+
+
+class NonFiniteLoss(TrainingError):
+    """The loss of a step was NaN or infinite (``--allow-nonfinite`` trains on)."""
+
+
+class Interrupted(TrainingError):
+    """Stopped by SIGINT or SIGTERM after a whole step, with a checkpoint of it."""
+
+    exit_code = 130
+    label = "interrupted"
+
+
+class _StopRequests:
+    """While training: SIGINT and SIGTERM ask the run to stop after the step in progress (with
+    a checkpoint) instead of killing it mid-step. A second signal, a second or more after the
+    first (one Ctrl-C can reach a process twice, directly and through a launcher), stops at
+    once."""
+
+    def __init__(self):
+        self.first: Optional[float] = None
+        self._old: Dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.first is not None
+
+    def _handle(self, signum, frame):
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        elif now - self.first > 1.0:
+            self.__exit__()
+            raise KeyboardInterrupt
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+
+def _plan(out: str, ckpt_dir: str, inputs: List[str], force: bool, resume: bool,
+          need_bytes: int) -> Optional[dict]:
+    """Check what the run will write (vfgraph.io.outputs' rule) before any work; returns the
+    progress record to resume from, if any. An unfinished run's checkpoint is never deleted
+    without ``force``; a finished output is never taken for one to resume."""
+    from vfgraph.io import outputs, serving
+
+    state = _read_progress(ckpt_dir)
+    if resume and state is None and os.path.exists(out):
+        done = ((savedmodel.read_metadata(out) or {}).get("training") or {}).get("steps")
+        raise InputError(f"{out}: a finished run{f' of {done} steps' if done else ''} with no checkpoint to resume "
+                         f"({ckpt_dir} does not exist); train it further with 'vfgraph train {out} ... -o NEW', or "
+                         "pass --force instead of --resume to train again from the start")
+    if not resume and state is not None and not force:
+        raise InputError(f"{ckpt_dir}: holds the checkpoint of an unfinished run (step {state['step']}); continue "
+                         "it with --resume, or pass --force to discard it and train from the start")
+    outputs.check_output(ckpt_dir, inputs, force=True, what="checkpoint")
+    outputs.check_output(out, inputs, force, need_bytes=need_bytes)
+    serve = serving.sibling_dir(out)
+    if os.path.exists(serve):
+        serving.prepare_target(serve, 1, force=True, sources=inputs)
+    else:
+        outputs.check_output(serve, inputs)
+    return state if resume else None
+
+
+def _read_progress(ckpt_dir: str) -> Optional[dict]:
+    path = os.path.join(ckpt_dir, "progress.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        state["step"], state["checkpoint"]  # noqa: B018 (what a record must hold)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: not a readable progress record ({e}); move {ckpt_dir} away to train from the "
+                         "start") from None
+    return state
+
+
+def _changed(saved: dict, now: dict) -> List[str]:
+    """What differs between the configuration a checkpoint was written with and this run's."""
+    names = {"batch_size": "--batch-size", "seed": "--seed", "signature": "--train-signature",
+             "vnodes": "virtual nodes (V, b)", "model": "model fingerprint", "data": "data fingerprint"}
+    out = []
+    for key, label in names.items():
+        if key in saved and saved[key] != now[key]:
+            a, b = saved[key], now[key]
+            if key in ("model", "data"):
+                a, b = str(a)[:12], str(b)[:12]
+            out.append(f"{label} {a} -> {b}")
+    return out
+
+
 def train(model: str, data_path: str, steps: int, batch_size: int, out: str, resume: bool = False,
           force: bool = False, signature: str = "train", checkpoint_every: int = 100, seed: int = 0,
           progress: bool = True, vnodes_per_rank: Optional[List[int]] = None,
-          threads: Optional[int] = None) -> Optional[TrainResult]:
+          threads: Optional[int] = None, allow_nonfinite: bool = False) -> Optional[TrainResult]:
     """Train ``model`` for ``steps`` global batches of ``batch_size`` examples. Under ``mpiexec``
     every rank feeds its share of each global batch (whole virtual nodes, from the same global
     order), the step all-reduces, and rank 0 writes checkpoints and the result; other ranks
     return None. ``threads``: TensorFlow intra-op threads per rank (default: this host's CPUs shared
-    by the ranks on it)."""
+    by the ranks on it).
+
+    Safe to interrupt and to repeat: SIGINT or SIGTERM stops after a whole step with a
+    checkpoint in ``OUT.ckpt`` that ``resume`` continues from, refusing a changed configuration
+    (batch size, seed, data, model); a checkpoint is never deleted without ``force``; a step
+    whose loss is not finite stops the run (keeping the last checkpoint, writing no model)
+    unless ``allow_nonfinite``."""
+    for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1),
+                               ("--checkpoint-every", checkpoint_every, 0), ("--seed", seed, 0)):
+        if not isinstance(value, int) or value < least:
+            raise InputError(f"{name} {value}: give an integer of at least {least}")
+    if resume and force:
+        raise InputError("--resume and --force: give one (--resume continues a checkpoint, --force starts over)")
     if not savedmodel.is_saved_model_dir(model):
         raise InputError(f"{model}: not a SavedModel directory")
     b, reduces = vnode_layout(model, signature)
     w = world(need_mpi=reduces)
     threads = w.agree(lambda: place_threads(w, threads))
+    out = os.path.abspath(out)
+    ckpt_dir = out + ".ckpt"
+    data_files = sorted(glob.glob(data_path)) if glob.has_magic(data_path) else [data_path]
+    from vfgraph.io.outputs import tree_bytes
 
-    def prepare():
-        if w.is_root:
-            savedmodel.prepare_output(out, force or resume)
-
-    w.agree(prepare)
+    state = w.agree(lambda: _plan(out, ckpt_dir, [model, *data_files], force, resume, tree_bytes(model))
+                    if w.is_root else None)
     import tensorflow as tf
     from tqdm import tqdm
 
@@ -124,20 +293,12 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                              "pass --train-signature NAME")
         fn = loaded.signatures[signature]
         _, specs = fn.structured_input_signature
-        data = load_data(data_path, specs)
-        missing = [k for k in specs if k not in data]
-        if missing:
-            raise InputError(f"{data_path}: arrays {missing} are missing; the {signature!r} signature takes "
-                             f"{sorted(specs)} (have {sorted(data)})")
+        data = check_data(load_data(data_path, specs), specs, data_path, signature)
         keys = sorted(specs)
-        lengths = {k: len(data[k]) for k in keys}
-        if len(set(lengths.values())) != 1:
-            raise InputError(f"{data_path}: arrays have different lengths {lengths}")
-        n = next(iter(lengths.values()))
-        if batch_size < 1 or batch_size > n:
+        n = len(data[keys[0]])
+        if batch_size > n:
             raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {data_path}")
-        for k in keys:
-            data[k] = data[k].astype(specs[k].dtype.as_numpy_dtype, copy=False)
+        check_batch(model, signature, batch_size)
         rows = (0, batch_size)
         if w.size > 1 and f"{signature}_broadcast" not in loaded.signatures:
             raise InputError(f"{model}: no {signature}_broadcast signature to start the ranks from the same "
@@ -146,26 +307,58 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             if not b:
                 raise InputError(f"{model}: its virtual-node batch is derived from the fed batch, so ranks cannot "
                                  "share a global batch; rewrite it with --vnode-batch B")
-            if batch_size % b:
-                raise InputError(f"--batch-size {batch_size}: not a multiple of the virtual-node batch b={b} "
-                                 f"of {model}")
             per = shares(batch_size // b, w.size, vnodes_per_rank)
             rows = (sum(per[:w.rank]) * b, sum(per[:w.rank + 1]) * b)
         return loaded, fn, data, keys, rows
 
     loaded, fn, data, keys, (lo, hi) = w.agree(open_model)
-    ckpt_dir = os.path.abspath(out) + ".ckpt"
+    config = None
+    if w.is_root:
+        rec = (savedmodel.read_metadata(model) or {}).get("rewrites", {}).get("split-vnodes", {}).get(signature, {})
+        config = {"batch_size": batch_size, "seed": seed, "signature": signature,
+                  "vnodes": [rec.get("vnodes", 1), rec.get("vnode_batch", 0)],
+                  "model": savedmodel.source_fingerprint(model, None), "data": data_fingerprint(data)}
     ckpt = tf.train.Checkpoint(variables=list(fn.variables))
-    state_file = os.path.join(ckpt_dir, "progress.json")
-    start, losses = 0, []
-    if w.is_root and resume and os.path.isfile(state_file):
-        with open(state_file) as f:
-            state = json.load(f)
-        ckpt.read(state["checkpoint"]).assert_consumed()
-        start, losses = state["step"], state["losses"]
+    start, losses, last_ckpt = 0, [], None
+
+    def restore():
+        nonlocal start, losses, last_ckpt
+        if state is None:
+            if resume:
+                log.warning("no checkpoint in %s: training from step 0", ckpt_dir)
+            elif os.path.isdir(ckpt_dir):  # --force: the unfinished run's checkpoint is discarded
+                shutil.rmtree(ckpt_dir)
+            return
+        changed = _changed(state.get("config", {}), config)
+        if changed:
+            raise InputError(f"--resume: {ckpt_dir} was written by a run with another configuration "
+                             f"({'; '.join(changed)}); resume with the same options and data, or pass --force "
+                             "(without --resume) to train from the start")
+        try:
+            ckpt.read(state["checkpoint"]).assert_consumed()
+        except (tf.errors.OpError, AssertionError, ValueError) as e:
+            raise InputError(f"{state['checkpoint']}: cannot restore the checkpoint ({str(e).splitlines()[0]}); "
+                             f"move {ckpt_dir} away to train from the start") from None
+        start, losses, last_ckpt = state["step"], list(state["losses"]), state["step"]
         log.info("resuming at step %d", start)
+
+    w.agree(lambda: restore() if w.is_root else None)
     start, losses = w.bcast((start, losses))
+    if start > steps:
+        raise InputError(f"--steps {steps}: the checkpoint in {ckpt_dir} is at step {start} already; give more steps")
     where = "start"
+    variables = [v for v in fn.variables if v.dtype.is_floating]
+
+    def finite() -> bool:  # the same on every rank: all hold the same parameters
+        return allow_nonfinite or all(bool(tf.reduce_all(tf.math.is_finite(v))) for v in variables)
+
+    def save_checkpoint(done: int) -> None:
+        nonlocal last_ckpt
+        if w.is_root:
+            _checkpoint(ckpt, ckpt_dir, done, losses, config)
+        last_ckpt = done
+
+    bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
     try:
         if w.size > 1:
             table = w.describe()
@@ -173,37 +366,93 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                 log.info("%d ranks, %d TensorFlow threads each (intra-op; one inter-op): %s", w.size, threads,
                          "; ".join(table))
             loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
-        bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root),
-                   unit="step")
-        for step in bar:
-            where = f"step {step}"
-            batch = batches_for(data, keys, batch_size, step, seed)
-            result = fn(**{k: v[lo:hi] for k, v in batch.items()})
-            loss = float(result["loss"]) if "loss" in result else float("nan")
-            losses.append(loss)
-            bar.set_postfix(loss=f"{loss:.4f}")
-            if w.is_root and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-                _checkpoint(ckpt, ckpt_dir, step + 1, losses)
+        with _StopRequests() as stop:
+            for step in bar:
+                where = f"step {step}"
+                batch = batches_for(data, keys, batch_size, step, seed)
+                feed = {k: v[lo:hi] for k, v in batch.items()}
+                result = fn(**feed)
+                loss = float(result["loss"]) if "loss" in result else float("nan")
+                bad = "loss" in result and not math.isfinite(loss) and not allow_nonfinite
+                seen = w.gather((NONFINITE if bad else 0) | (STOP if stop.requested else 0))
+                if any(f & NONFINITE for f in seen):
+                    first = next(r for r, f in enumerate(seen) if f & NONFINITE)
+                    if w.rank != first:
+                        raise Quiet(NonFiniteLoss.exit_code)
+                    raise NonFiniteLoss(_nonfinite_message(step, loss, feed, ckpt_dir, last_ckpt, checkpoint_every,
+                                                           w))
+                losses.append(loss)
+                bar.set_postfix(loss=f"{loss:.4f}")
+                done = step + 1
+                interrupted = any(f & STOP for f in seen) and done < steps
+                if interrupted or (checkpoint_every and done % checkpoint_every == 0 and done < steps):
+                    if not finite():
+                        if not w.is_root:
+                            raise Quiet(NonFiniteLoss.exit_code)
+                        raise NonFiniteLoss(f"step {step}: parameters are not finite after it; training stopped and "
+                                            f"no model was written{_kept(ckpt_dir, last_ckpt, checkpoint_every)}; "
+                                            "check the data and the learning rate, or pass --allow-nonfinite to "
+                                            "train on")
+                    save_checkpoint(done)
+                if interrupted:
+                    if not w.is_root:
+                        raise Quiet(Interrupted.exit_code)
+                    raise Interrupted(f"stopped after {done} of {steps} steps; {ckpt_dir} holds them: run the "
+                                      "same command with --resume to continue")
     except tf.errors.OpError as e:
-        ours = [x.strip() for x in e.message.splitlines() if x.strip().startswith("Vf")]
-        if not ours:
-            raise
-        # A failed collective (different graphs on the ranks, an MPI error): one line naming the rank.
-        raise TrainingError(f"rank {w.rank}, {where}: {ours[0]}") from None
+        lines = [x.strip() for x in e.message.splitlines() if x.strip()]
+        ours = [x for x in lines if x.startswith("Vf")]
+        if ours:  # a failed collective (different graphs on the ranks, an MPI error): one line naming the rank
+            raise TrainingError(f"rank {w.rank}, {where}: {ours[0]}") from None
+        mine = [x for x in lines if x.startswith("vfgraph: ")]
+        if mine:  # the rewritten graph's own check of what it was fed
+            raise InputError(f"{where}: {mine[0][len('vfgraph: '):]}") from None
+        raise
+    finally:
+        bar.close()
     if not w.is_root:
         return None
     _save_trained(loaded, model, out, losses)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
-    return TrainResult(os.path.abspath(out), steps, losses)
+    return TrainResult(out, steps, losses)
 
 
-def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float]) -> None:
+def _kept(ckpt_dir: str, last: Optional[int], every: int) -> str:
+    if last is None:
+        return f"; no checkpoint was written before it (one every {every} steps, --checkpoint-every)"
+    return f"; the last good checkpoint (step {last}) is kept in {ckpt_dir}, --resume continues from it"
+
+
+def _nonfinite_message(step: int, loss: float, feed: Dict[str, np.ndarray], ckpt_dir: str, last: Optional[int],
+                       every: int, w) -> str:
+    counts = {k: int(np.count_nonzero(~np.isfinite(v))) for k, v in feed.items() if v.dtype.kind == "f"}
+    bad = [f"{k!r} has {n} non-finite values" for k, n in sorted(counts.items()) if n]
+    where = f"rank {w.rank}, " if w.size > 1 else ""
+    hint = (f"the batch's input {', '.join(bad)}: check the data" if bad
+            else "the batch's inputs are finite: lower the learning rate or check the model")
+    return (f"{where}step {step}: the loss is {loss} (not finite); training stopped and no model was written"
+            f"{_kept(ckpt_dir, last, every)}; {hint}, or pass --allow-nonfinite to train on")
+
+
+def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Optional[dict]) -> None:
+    """Write the checkpoint of ``step`` steps, then (atomically) the record that names it, then
+    remove older ones: a run stopped at any moment keeps a complete checkpoint."""
+    from vfgraph.io import outputs
+
     os.makedirs(ckpt_dir, exist_ok=True)
-    path = ckpt.write(os.path.join(ckpt_dir, f"step-{step}"))
+    prefix = os.path.join(ckpt_dir, f"step-{step}")
     tmp = os.path.join(ckpt_dir, "progress.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"step": step, "checkpoint": path, "losses": losses}, f)
-    os.replace(tmp, os.path.join(ckpt_dir, "progress.json"))
+    try:
+        with outputs.writing(ckpt_dir):
+            path = ckpt.write(prefix)
+            with open(tmp, "w") as f:
+                json.dump({"step": step, "checkpoint": path, "losses": losses, "config": config}, f)
+            os.replace(tmp, os.path.join(ckpt_dir, "progress.json"))
+    except BaseException:  # the last complete checkpoint stays the one progress.json names
+        for f in os.listdir(ckpt_dir):
+            if f.startswith(os.path.basename(prefix) + ".") or f == os.path.basename(tmp):
+                os.remove(os.path.join(ckpt_dir, f))
+        raise
     keep = os.path.basename(path)
     for f in os.listdir(ckpt_dir):  # keep only the checkpoint progress.json names
         if f.startswith("step-") and not f.startswith(keep + "."):
@@ -214,21 +463,18 @@ def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float]) -> None:
 def _save_trained(loaded, model: str, out: str, losses: List[float]) -> None:
     import tensorflow as tf
 
+    from vfgraph.io import outputs
+
     out = os.path.abspath(out)
-    tmp = tempfile.mkdtemp(prefix=".vfgraph-train-", dir=os.path.dirname(out))
-    try:
-        target = os.path.join(tmp, "model")
-        tf.saved_model.save(loaded, target, signatures=dict(loaded.signatures))
+    tmp = outputs.temp_dir(os.path.dirname(out), ".vfgraph-train-")
+    with outputs.writing(out, tmp):
+        tf.saved_model.save(loaded, tmp, signatures=dict(loaded.signatures))
         meta = savedmodel.read_metadata(model) or {}
         meta["training"] = {"steps": len(losses), "losses": losses}
-        os.makedirs(os.path.join(target, "assets.extra"), exist_ok=True)
-        with open(os.path.join(target, savedmodel.METADATA_FILE), "w") as f:
+        os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
+        with open(os.path.join(tmp, savedmodel.METADATA_FILE), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.rename(target, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        outputs.publish(tmp, out)
     # Beside it, what a server loads: OUT.serving/1/ (serving signatures and their variables only,
     # no training functions, none of vfgraph's ops), replacing the one an earlier run wrote.
     from vfgraph.io import serving

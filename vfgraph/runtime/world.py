@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, TypeVar
 
-from vfgraph.errors import InputError, VfgraphError
+from vfgraph.errors import InputError, InternalError, Quiet, VfgraphError
 
 T = TypeVar("T")
 
@@ -32,25 +32,37 @@ class World:
         return self.rank == 0
 
     def agree(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on every rank; if it fails on any rank, raise the first failure on all
-        of them (so no rank waits forever in a collective its peers never reach)."""
+        """Run ``fn`` on every rank; if it fails on any rank, every rank stops (so none waits
+        forever in a collective its peers never reach). The lowest failing rank raises its
+        error, named by rank unless every rank failed alike; the others raise :class:`Quiet`,
+        so the error is printed once."""
         err: Optional[VfgraphError] = None
         result = None
         try:
             result = fn()
         except VfgraphError as e:
             err = e
+        except Exception as e:  # noqa: BLE001 - a crash on one rank must not leave the others waiting
+            if self.comm is None:
+                raise
+            err = InternalError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         if self.comm is None:
             if err is not None:
                 raise err
             return result
-        errors = self.comm.allgather(None if err is None else (type(err).__name__, str(err)))
-        for r, e in enumerate(errors):
-            if e is not None:
-                if err is not None:
-                    raise err
-                raise VfgraphError(f"rank {r} failed: {e[1]}")
-        return result
+        errors = self.comm.allgather(None if err is None else (str(err), err.exit_code))
+        failed = [r for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return result
+        if self.rank != failed[0]:
+            raise Quiet(errors[failed[0]][1])
+        if len(failed) < self.size or len({e[0] for e in errors}) > 1:
+            err.rank = self.rank
+        raise err
+
+    def gather(self, value: T) -> List[T]:
+        """``value`` of every rank, in rank order."""
+        return [value] if self.comm is None else self.comm.allgather(value)
 
     def bcast(self, value: T) -> T:
         return value if self.comm is None else self.comm.bcast(value, root=0)
@@ -58,7 +70,7 @@ class World:
     def describe(self) -> List[str]:
         """One line per rank: host and process id (to match a launcher's report of a lost process)."""
         me = f"{socket.gethostname()} pid {os.getpid()}"
-        table = [me] if self.comm is None else self.comm.allgather(me)
+        table = self.gather(me)
         return [f"rank {r}: {t}" for r, t in enumerate(table)]
 
 
