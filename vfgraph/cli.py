@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import difflib
 import json
 import logging
 import os
 import sys
+import textwrap
+import traceback
 from typing import List, Optional
 
 from vfgraph import __version__
@@ -20,88 +21,138 @@ def _quiet_tf() -> None:
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Help text wrapped at spaces only: pipeline specs and option names stay whole."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+
+EXIT_CODES = "exit codes: 0 ok, 1 the models differ (diff, verify), 2 a user error (one line says what to do), " \
+             "3 an internal error (please report it), 130 interrupted"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vfgraph", description=(
+    p = argparse.ArgumentParser(prog="vfgraph", formatter_class=_Help, epilog=textwrap.fill(EXIT_CODES, 88),
+                                description=(
         "Rewrite exported TensorFlow models: virtual nodes (large batches on small hardware, the same "
         "training on any hardware) and micro-batched serving."))
     p.add_argument("--version", action="version", version=f"vfgraph {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="log each pass")
+    p.add_argument("-v", "--verbose", action="store_true", help="log each step (also accepted after the command)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("rewrite", help="rewrite a model with virtual nodes")
+    def command(name: str, help: str, description: str = "") -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, description=description or help, formatter_class=_Help,
+                           epilog=textwrap.fill(EXIT_CODES, 88))
+        c.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="log each step; on an internal error, print the traceback")
+        return c
+
+    r = command("rewrite", "rewrite a model with virtual nodes",
+                "Rewrite MODEL so each training step runs as V virtual nodes of b examples (gradients "
+                "accumulated, one update), with the all-reduce over MPI ranks, and serving micro-batched. The "
+                "input is only read; the output is written whole or not at all.")
     r.add_argument("model", help="SavedModel directory, frozen GraphDef (.pb, .pbtxt), or TF1 MetaGraphDef (.meta, "
                                  "or a checkpoint directory) with its checkpoint")
-    r.add_argument("--vnodes", type=int, default=1, help="virtual nodes per training step (V)")
-    r.add_argument("--vnode-batch", type=int, default=0,
-                   help="examples per virtual node (b); default: static batch / V, or fed batch / V")
-    r.add_argument("-o", "--output", help="output SavedModel directory (default: MODEL_vnodesV)")
-    r.add_argument("--pipeline", help="pass pipeline, e.g. 'split-vnodes{vnodes=8},microbatch-inference'")
-    r.add_argument("--train-signature", default="", help="name of the training signature (default: 'train')")
+    r.add_argument("--vnodes", type=int, metavar="V",
+                   help="virtual nodes per training step (default 1: the same step, ready to be split later)")
+    r.add_argument("--vnode-batch", type=int, metavar="B",
+                   help="examples per virtual node; default (or 0): the static batch / V, or, for a model whose "
+                        "batch is not fixed, the fed batch / V at each step")
+    r.add_argument("-o", "--output", help="output SavedModel directory (a .pb/.pbtxt file for a GraphDef input); "
+                                          "default: MODEL_vnodesV beside MODEL")
+    r.add_argument("--pipeline", help="pass pipeline instead of the default one, e.g. "
+                                      "'split-vnodes{vnodes=8},microbatch-inference' (then give V and b there, "
+                                      "not with --vnodes and --vnode-batch)")
+    r.add_argument("--train-signature", default="", metavar="NAME",
+                   help="the training signature (default: 'train', or the one found to update variables)")
     r.add_argument("--print-after-all", action="store_true", help="print the canonical graph after each pass")
-    r.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
-    r.add_argument("--outputs", help="frozen GraphDefs: comma-separated output tensors (default: unconsumed nodes)")
+    r.add_argument("--force", action="store_true",
+                   help="replace OUTPUT if it exists and vfgraph wrote it (anything else is never replaced)")
+    r.add_argument("--outputs", metavar="T1,T2",
+                   help="frozen GraphDefs: comma-separated output tensors (default: the nodes nothing consumes)")
     r.add_argument("--allreduce", choices=("mpi", "none"), default="mpi",
                    help="data-parallel all-reduce over MPI ranks in a TF2 training step (default mpi: the same "
                         "output on every machine; loading it needs vfgraph's ops, so serve a 'vfgraph export' of it; "
                         "none: no collectives)")
-    r.add_argument("--fusion-mb", type=float, default=4, help="largest fused all-reduce buffer, MiB (default 4)")
+    r.add_argument("--fusion-mb", type=float, default=4, metavar="MIB",
+                   help="largest fused all-reduce buffer, MiB (default 4)")
     _tf1_options(r)
 
-    i = sub.add_parser("inspect", help="show what vfgraph detects in a model")
-    i.add_argument("model")
-    i.add_argument("--train-signature", default="")
+    i = command("inspect", "show what vfgraph detects in a model")
+    i.add_argument("model", help="a model, as for 'rewrite'")
+    i.add_argument("--train-signature", default="", metavar="NAME", help="the training signature (default: found)")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     _tf1_options(i)
 
-    d = sub.add_parser("diff", help="canonical unified diff of two models (exit 1 when they differ)")
-    d.add_argument("a")
-    d.add_argument("b")
+    d = command("diff", "canonical unified diff of two models, variables included (exit 1 when they differ)")
+    d.add_argument("a", help="a model, as for 'rewrite'")
+    d.add_argument("b", help="the model to compare it with")
+    d.add_argument("--graphs-only", action="store_true", help="compare the graphs only, not the variables' values")
 
-    v = sub.add_parser("verify", help="run original and rewritten models on the same inputs and compare")
-    v.add_argument("original")
-    v.add_argument("rewritten")
-    v.add_argument("--steps", type=int, default=3)
-    v.add_argument("--batch-size", type=int, default=32)
+    v = command("verify", "run original and rewritten models on the same inputs and compare (exit 1 on a mismatch)")
+    v.add_argument("original", help="the original SavedModel")
+    v.add_argument("rewritten", help="its rewrite")
+    v.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
+    v.add_argument("--batch-size", type=int, default=32,
+                   help="examples per step (default 32; a multiple of the rewrite's virtual-node batch)")
     v.add_argument("--data", help=".npz with the signature's inputs (default: random inputs)")
-    v.add_argument("--train-signature", default="train")
-    v.add_argument("--rtol", type=float, default=1e-5, help="largest relative parameter difference accepted")
+    v.add_argument("--train-signature", default="train", metavar="NAME", help="the training signature (default train)")
+    v.add_argument("--rtol", type=float, default=1e-5,
+                   help="largest relative parameter difference accepted (default 1e-5)")
 
-    t = sub.add_parser("train", help="train a SavedModel on arrays from an .npz file")
-    t.add_argument("model")
+    t = command("train", "train a SavedModel on arrays from an .npz file or TFRecord files",
+                "Train MODEL for --steps global batches and write the trained model to OUTPUT (and, to serve, "
+                "OUTPUT.serving/1/). Checkpoints go to OUTPUT.ckpt; Ctrl-C (or SIGTERM) stops after the step in "
+                "progress with a checkpoint, and --resume continues from it. Under mpiexec every rank trains its "
+                "share of each global batch.")
+    t.add_argument("model", help="SavedModel directory with a training signature (rewritten or not)")
     t.add_argument("--data", required=True, help=".npz whose array names match the training signature's inputs, "
                    "or TFRecord files (.tfrecord, or a glob) of tf.train.Example records with those features")
-    t.add_argument("--steps", type=int, required=True)
-    t.add_argument("--batch-size", type=int, required=True, help="global batch per step")
-    t.add_argument("-o", "--output", required=True)
-    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint of OUTPUT")
-    t.add_argument("--force", action="store_true")
-    t.add_argument("--train-signature", default="train")
-    t.add_argument("--checkpoint-every", type=int, default=100)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--no-progress", action="store_true")
-    t.add_argument("--vnodes-per-rank", help="under mpiexec: virtual nodes of each rank, e.g. 5,3 "
-                   "(default: the global batch's virtual nodes split evenly)")
-    t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: the "
-                   "CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
+    t.add_argument("--steps", type=int, required=True, help="training steps (global batches) in all, at least 1")
+    t.add_argument("--batch-size", type=int, required=True,
+                   help="global batch per step: a multiple of the model's virtual-node batch b")
+    t.add_argument("-o", "--output", required=True, help="directory for the trained SavedModel")
+    mode = t.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue from the checkpoint in OUTPUT.ckpt (refused if the options, data or model "
+                           "changed); with no checkpoint, start at step 0")
+    mode.add_argument("--force", action="store_true",
+                      help="replace OUTPUT (and discard an unfinished run's checkpoint) if vfgraph wrote them")
+    t.add_argument("--train-signature", default="train", metavar="NAME", help="the training signature (default train)")
+    t.add_argument("--checkpoint-every", type=int, default=100, metavar="N",
+                   help="write a checkpoint every N steps (default 100; 0: only when stopped)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the data order (default 0)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--allow-nonfinite", action="store_true",
+                   help="train on when the loss or the parameters are NaN or infinite (default: stop, keeping the "
+                        "last checkpoint and writing no model)")
+    t.add_argument("--vnodes-per-rank", metavar="V1,V2,...", help="under mpiexec: virtual nodes of each rank, "
+                   "e.g. 5,3 (default: the global batch's virtual nodes split evenly)")
+    t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: "
+                   "the CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
 
-    e = sub.add_parser("export", help="write a serving-only SavedModel (TF Serving's OUTPUT/VERSION/ layout) that "
-                                      "TensorFlow serves without vfgraph")
+    e = command("export", "write a serving-only SavedModel (TF Serving's OUTPUT/VERSION/ layout) that TensorFlow "
+                          "serves without vfgraph")
     e.add_argument("model", help="SavedModel directory (an original model or a rewritten one)")
     e.add_argument("-o", "--output", required=True, help="base directory; the model is written to OUTPUT/VERSION/")
     e.add_argument("--version", type=int, default=1, help="version directory under OUTPUT (default 1)")
-    e.add_argument("--vnode-batch", type=int, default=0,
-                   help="serve in slices of at most this many examples (default: the model's own b, if it has one)")
-    e.add_argument("--force", action="store_true", help="replace OUTPUT/VERSION if it exists")
+    e.add_argument("--vnode-batch", type=int, default=0, metavar="B",
+                   help="serve in slices of at most B examples (default 0: the model's own b, if it has one)")
+    e.add_argument("--force", action="store_true",
+                   help="replace OUTPUT/VERSION if it exists and vfgraph wrote it")
 
-    bo = sub.add_parser("build-ops", help="build (or find) vfgraph's MPI ops for this TensorFlow and MPI")
+    bo = command("build-ops", "build (or find) vfgraph's MPI ops for this TensorFlow and MPI")
     bo.add_argument("--force", action="store_true", help="build again even if the cache holds them")
     return p
 
 
 def _tf1_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", help="TF1 .meta input: checkpoint prefix (default: the .meta path without .meta)")
-    p.add_argument("--loss", default="", help="TF1 .meta input without a 'train' signature: the loss tensor "
-                                              "(default: found from the gradient computation)")
+    p.add_argument("--checkpoint", metavar="PREFIX",
+                   help="TF1 .meta input: checkpoint prefix (default: the .meta path without .meta)")
+    p.add_argument("--loss", default="", metavar="TENSOR",
+                   help="TF1 .meta input without a 'train' signature: the loss tensor (default: found from the "
+                        "gradient computation)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -115,41 +166,80 @@ def main(argv: Optional[List[str]] = None) -> int:
             return supervise(sys.argv[1:] if argv is None else list(argv))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("vfgraph: %(message)s"))
-    log.addHandler(handler)
+    log.handlers = [handler]
     log.setLevel(logging.INFO if args.verbose else logging.WARNING)
     log.propagate = False
-    from vfgraph.errors import VfgraphError
+    from vfgraph.errors import Quiet, VfgraphError
 
     try:
         return {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
                 "verify": cmd_verify, "train": cmd_train, "export": cmd_export,
                 "build-ops": cmd_build_ops}[args.command](args)
+    except Quiet as e:  # another rank reports it
+        return e.exit_code
     except VfgraphError as e:
-        print(f"vfgraph {args.command}: error: {e}", file=sys.stderr)
+        where = f" (rank {e.rank})" if e.rank is not None else ""
+        _error(f"vfgraph {args.command}{where}: {e.label}: {e}")
         return e.exit_code
     except KeyboardInterrupt:
-        print("vfgraph: interrupted", file=sys.stderr)
+        _error("vfgraph: interrupted" + (f"; the last checkpoint in {os.path.abspath(args.output)}.ckpt (if any) "
+                                         "is kept: run the same command with --resume to continue"
+                                         if args.command == "train" else "; nothing was written"))
         return 130
+    except Exception as e:  # noqa: BLE001 - not a user's mistake: one line, and the traceback with -v
+        if args.verbose:
+            traceback.print_exc()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        _error(f"vfgraph {args.command}: internal error: {type(e).__name__}: {first[:300]}; this is a bug in vfgraph "
+               "(or TensorFlow): please report it with the command line" + ("" if args.verbose else
+                                                                            " (-v prints the traceback)"))
+        return 3
+
+
+def _error(line: str) -> None:
+    """One line on stderr, on a line of its own (a progress bar or another rank may have left
+    the cursor mid-line)."""
+    from vfgraph.runtime.world import launched_by_mpi
+
+    sys.stderr.write(("\n" if launched_by_mpi() else "") + line + "\n")
+    sys.stderr.flush()
 
 
 def cmd_rewrite(args) -> int:
     import vfgraph
     from vfgraph.errors import InputError
-    from vfgraph.io.savedmodel import prepare_output
-    from vfgraph.ir.canonical import canonical_text
+    from vfgraph.io import outputs
 
-    if args.vnodes < 1:
-        raise InputError(f"--vnodes {args.vnodes}: needs at least 1 virtual node")
+    if args.pipeline is not None:
+        given = [f for f, v in (("--vnodes", args.vnodes), ("--vnode-batch", args.vnode_batch)) if v is not None]
+        if given:
+            raise InputError(f"{' and '.join(given)} with --pipeline: give the virtual nodes in the pipeline "
+                             "instead, e.g. 'split-vnodes{vnodes=8,vnode-batch=4},microbatch-inference'")
+        from vfgraph.passes.base import parse_pipeline
+
+        parse_pipeline(args.pipeline)  # a malformed spec is reported before any work
+    vnodes = 1 if args.vnodes is None else args.vnodes
+    vnode_batch = args.vnode_batch or 0
+    if vnodes < 1:
+        raise InputError(f"--vnodes {vnodes}: needs at least 1 virtual node")
+    if vnode_batch < 0:
+        raise InputError(f"--vnode-batch {vnode_batch}: give the examples per virtual node (0: derived)")
+    if args.fusion_mb <= 0:
+        raise InputError(f"--fusion-mb {args.fusion_mb:g}: give a positive buffer size in MiB")
+    if not os.path.exists(args.model):
+        raise InputError(f"{args.model}: no such file or directory")
     stem, ext = os.path.splitext(os.path.normpath(args.model))
     out = args.output or (stem + f"_vf{ext}" if ext in (".pb", ".pbtxt") else
-                          stem + ("" if ext == ".meta" else ext) + f"_vnodes{args.vnodes}")
-    prepare_output(out, args.force)
+                          stem + ("" if ext == ".meta" else ext) + f"_vnodes{vnodes}")
+    outputs.check_output(out, [args.model, args.checkpoint], args.force, need_bytes=outputs.tree_bytes(args.model))
     after = None
     if args.print_after_all:
+        from vfgraph.ir.canonical import canonical_text
+
         def after(p, item):
             print(f"// ----- after {p.spec()}")
             print(canonical_text(item))
-    item = vfgraph.rewrite(args.model, vnodes=args.vnodes, vnode_batch=args.vnode_batch,
+    item = vfgraph.rewrite(args.model, vnodes=vnodes, vnode_batch=vnode_batch,
                            pipeline=args.pipeline, train_signature=args.train_signature, after_each=after,
                            outputs=args.outputs.split(",") if args.outputs else None,
                            allreduce=args.allreduce, fusion_mb=args.fusion_mb, checkpoint=args.checkpoint,
@@ -232,17 +322,19 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    import vfgraph
-    from vfgraph.ir.canonical import canonical_text
+    from vfgraph.diff import diff_models
 
-    a, b = (canonical_text(vfgraph.load(p)).splitlines(keepends=True) for p in (args.a, args.b))
-    lines = list(difflib.unified_diff(a, b, fromfile=args.a, tofile=args.b))
-    sys.stdout.writelines(lines)
-    return 1 if lines else 0
+    d = diff_models(args.a, args.b, graphs_only=args.graphs_only, fromfile=args.a, tofile=args.b)
+    sys.stdout.writelines(d.lines)
+    return 1 if d.differs else 0
 
 
 def cmd_verify(args) -> int:
+    from vfgraph.errors import InputError
     from vfgraph.testing.compare import compare_models
+
+    if not args.rtol >= 0:
+        raise InputError(f"--rtol {args.rtol:g}: give a non-negative tolerance")
 
     data = None
     if args.data:
@@ -275,7 +367,8 @@ def cmd_train(args) -> int:
             raise InputError(f"--vnodes-per-rank {args.vnodes_per_rank}: give comma-separated integers, e.g. 5,3")
     res = train(args.model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
                 force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
-                seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank, threads=args.threads)
+                seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank, threads=args.threads,
+                allow_nonfinite=args.allow_nonfinite)
     if res is not None:  # rank 0 (or the only process)
         from vfgraph.io.serving import sibling_dir, target_dir
 
