@@ -189,6 +189,19 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(workdir, capsys, rewritten, 
     assert not leftovers(tmp_path)
 
 
+def test_a_full_disk_at_the_end_of_training_keeps_the_checkpoint(rewritten, digits, capsys, tmp_path):
+    model = rewritten("mlp:sgd", 2, 16)
+    need = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(model) for f in fs)
+    small = tmp_path / "small"
+    with mount(small, "-t", "tmpfs", "-o", f"size={(need // 4096 + 4) * 4096}", "tmpfs"):
+        cmd = ["train", model, "--data", digits["train"], "--steps", 4, "--batch-size", 32, "-o", small / "t",
+               "--checkpoint-every", 2, "--no-progress"]
+        one_error(*run(capsys, *cmd), "writing failed")
+        assert sorted(os.listdir(small)) == ["t.ckpt"] and not leftovers(small)
+        with open(small / "t.ckpt" / "progress.json") as f:
+            assert json.load(f)["step"] == 2  # --resume continues from it once there is room
+
+
 def nan_at_step(digits, tmp_path, step, batch):
     """The training data with NaN in exactly the examples of ``step``'s batch."""
     from vfgraph.runtime.train import batches_for, load_npz

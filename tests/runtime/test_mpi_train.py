@@ -139,7 +139,13 @@ def test_bad_vnodes_per_rank_is_a_clear_error_on_every_rank(v8, digits, tmp_path
     res = subprocess.run(train_cmd(2, v8("mlp:momentum"), digits["train"], str(tmp_path / "o"), 2,
                                    "--vnodes-per-rank", "6,3"), capture_output=True, text=True, env=ENV, timeout=120)
     assert res.returncode == 2
-    assert "--vnodes-per-rank 6,3" in res.stderr and "Traceback" not in res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("vfgraph train")]
+    assert len(errors) == 1 and "--vnodes-per-rank 6,3" in errors[0] and "Traceback" not in res.stderr, res.stderr
+    # a mistake only one rank can see is reported by that rank, once
+    res = subprocess.run(train_cmd(2, v8("mlp:momentum"), digits["train"], str(tmp_path / "o"), 2,
+                                   "--batch-size", "60"), capture_output=True, text=True, env=ENV, timeout=120)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("vfgraph train")]
+    assert res.returncode == 2 and len(errors) == 1 and "--batch-size 60" in errors[0], res.stderr
 
 
 def test_ranks_share_the_host_cpus_and_threads_is_checked(v8, digits, tmp_path):

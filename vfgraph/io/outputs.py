@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Optional
 from vfgraph.errors import OutputError
 
 MARKER = os.path.join("assets.extra", "vfgraph.json")
-PROGRESS = "progress.json"  # what marks a training checkpoint directory
+PROGRESS = "progress.json"  # a training checkpoint directory holds it and step-N.* files
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -45,7 +45,7 @@ def written_by_vfgraph(path: str) -> bool:
     empty directory."""
     if os.path.isdir(path):
         entries = os.listdir(path)
-        if not entries or os.path.isfile(os.path.join(path, PROGRESS)):
+        if all(e.startswith(("step-", PROGRESS)) for e in entries):  # empty, or a training checkpoint
             return True
         try:
             with open(os.path.join(path, MARKER)) as f:
