@@ -129,6 +129,10 @@ def test_force_replaces_only_what_vfgraph_wrote(workdir, capsys, tmp_path):
     assert run(capsys, "export", m, "-o", base, "--version", 2)[0] == 0
     assert run(capsys, "export", m, "-o", base, "--version", 2, "--force")[0] == 0
     assert (base / "1" / "mine").read_text() == "x" and not leftovers(tmp_path)
+    # a serving base holds versions only; one of its versions may be exported beside itself
+    one_error(*run(capsys, "export", m, "-o", workdir), "not a serving base directory")
+    assert run(capsys, "export", base / "2", "-o", base, "--version", 3)[0] == 0
+    one_error(*run(capsys, "export", base / "2", "-o", base, "--version", 2, "--force"), "this is the input")
 
 
 def test_outputs_are_readable_as_the_umask_says(workdir, capsys, tmp_path):

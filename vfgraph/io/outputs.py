@@ -67,6 +67,22 @@ def check_output(out: str, inputs: Iterable[Optional[str]] = (), force: bool = F
     Refuses an output that is one of ``inputs``, contains one or lies inside one; an existing
     output without ``force``, or with it when vfgraph did not write it; a symbolic link; a
     parent that is missing, a file or not writable; less free space than ``need_bytes``."""
+    out_abs = check_apart(out, inputs)
+    if os.path.islink(out_abs):
+        raise OutputError(f"{out_abs}: is a symbolic link; give the path it points to, or another output path")
+    if os.path.exists(out_abs):
+        if not written_by_vfgraph(out_abs):
+            raise OutputError(f"{out_abs}: exists and was not written by vfgraph, so it is never replaced; choose "
+                              "another output path")
+        if not force:
+            raise OutputError(f"{out_abs}: {what} exists; choose another path, or pass --force to replace it")
+    check_parent(os.path.dirname(out_abs), need_bytes)
+    return out_abs
+
+
+def check_apart(out: str, inputs: Iterable[Optional[str]]) -> str:
+    """Refuse an output that is one of ``inputs``, contains one or lies inside one (paths
+    resolved, links followed); returns its absolute path."""
     out_abs = os.path.abspath(os.fspath(out))
     out_real = real(out_abs)
     for inp in inputs:
@@ -74,20 +90,11 @@ def check_output(out: str, inputs: Iterable[Optional[str]] = (), force: bool = F
             continue
         src = real(inp)
         if out_real == src:
-            raise OutputError(f"{out_abs}: this is the input {inp}; choose another {what} path")
+            raise OutputError(f"{out_abs}: this is the input {inp}; choose another output path")
         if _inside(src, out_real):
-            raise OutputError(f"{out_abs}: contains the input {inp}; choose an {what} path outside it")
+            raise OutputError(f"{out_abs}: contains the input {inp}; choose an output path outside it")
         if _inside(out_real, src):
-            raise OutputError(f"{out_abs}: lies inside the input {inp}; choose an {what} path outside it")
-    if os.path.islink(out_abs):
-        raise OutputError(f"{out_abs}: is a symbolic link; give the path it points to, or another {what} path")
-    if os.path.exists(out_abs):
-        if not written_by_vfgraph(out_abs):
-            raise OutputError(f"{out_abs}: exists and was not written by vfgraph, so it is never replaced; choose "
-                              f"another {what} path")
-        if not force:
-            raise OutputError(f"{out_abs}: {what} exists; choose another path, or pass --force to replace it")
-    check_parent(os.path.dirname(out_abs), need_bytes)
+            raise OutputError(f"{out_abs}: lies inside the input {inp}; choose an output path outside it")
     return out_abs
 
 

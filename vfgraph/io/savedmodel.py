@@ -200,8 +200,12 @@ def read_metadata(path: str) -> Optional[dict]:
     p = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(p):
         return None
-    with open(p) as f:
-        return json.load(f)
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise InputError(f"{p}: vfgraph's record cannot be read ({e}); restore the model directory from where it "
+                         "came") from None
 
 
 def source_fingerprint(path: str, variables_prefix: str = "") -> str:

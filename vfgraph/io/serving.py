@@ -60,10 +60,10 @@ def target_dir(out: str, version: int) -> str:
 
 
 def prepare_target(out: str, version: int, force: bool, sources=()) -> str:
-    """Check that ``out/<version>`` may be written (vfgraph.io.outputs' rule: not the input,
-    nor containing it, nor inside it; an existing version only with ``force`` and only when
-    vfgraph wrote it; a writable base, or a base that can be made in a writable directory).
-    Returns the version directory's path."""
+    """Check that ``out/<version>`` may be written, by vfgraph.io.outputs' rule: the base
+    ``out`` is new, or a serving base (version directories only) that contains no input but
+    a version of its own (exporting ``base/1`` as ``base/2``); an existing version is replaced
+    only with ``force`` and only when vfgraph wrote it. Returns the version directory's path."""
     from vfgraph.io import outputs
 
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
@@ -74,6 +74,14 @@ def prepare_target(out: str, version: int, force: bool, sources=()) -> str:
     if not os.path.isdir(base):  # made whole by the export, holding the version: the base is what is checked
         outputs.check_output(base, sources, force=False)
         return target_dir(out, version)
+    others = sorted(e for e in os.listdir(base) if not e.isdigit() and not e.startswith("."))
+    if others:
+        raise OutputError(f"{base}: not a serving base directory (it holds {', '.join(others[:3])}"
+                          f"{' ...' if others[3:] else ''}, not only version directories); choose a new or empty "
+                          "directory for the export")
+    real_base = outputs.real(base)
+    versions = [s for s in sources if s and os.path.dirname(outputs.real(s)) == real_base]
+    outputs.check_apart(base, [s for s in sources if s not in versions])
     return outputs.check_output(target_dir(out, version), sources, force, what=f"version {version}")
 
 

@@ -204,8 +204,9 @@ def _plan(out: str, ckpt_dir: str, inputs: List[str], force: bool, resume: bool,
     from vfgraph.io import outputs, serving
 
     state = _read_progress(ckpt_dir)
-    if resume and state is None and os.path.exists(out):
-        done = ((savedmodel.read_metadata(out) or {}).get("training") or {}).get("steps")
+    finished = os.path.isdir(out) and (savedmodel.read_metadata(out) or {}).get("training")
+    if resume and state is None and finished:
+        done = finished.get("steps")
         raise InputError(f"{out}: a finished run{f' of {done} steps' if done else ''} with no checkpoint to resume "
                          f"({ckpt_dir} does not exist); train it further with 'vfgraph train {out} ... -o NEW', or "
                          "pass --force instead of --resume to train again from the start")
