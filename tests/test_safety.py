@@ -341,3 +341,17 @@ def test_help_is_complete():
     assert parser.parse_args(["inspect", "m", "-v"]).verbose is True
     assert parser.parse_args(["-v", "inspect", "m"]).verbose is True
     assert parser.parse_args(["inspect", "m"]).verbose is False
+
+
+def test_a_damaged_model_is_one_line_for_every_command(workdir, digits, capsys, tmp_path):
+    """A truncated checkpoint (an interrupted copy) is the user's input, not a bug: exit 2."""
+    broken = tmp_path / "broken"
+    shutil.copytree(workdir / "m", broken)
+    data = next(p for p in (broken / "variables").iterdir() if ".data-" in p.name)
+    data.write_bytes(data.read_bytes()[:100])
+    before = tree(broken)
+    for argv in (["verify", workdir / "m", broken], ["rewrite", broken, "-o", tmp_path / "r"],
+                 ["export", broken, "-o", tmp_path / "e"], ["diff", workdir / "m", broken],
+                 ["train", broken, "--data", digits["train"], "--steps", 1, "--batch-size", 32, "-o", tmp_path / "t"]):
+        one_error(*run(capsys, *argv), str(broken))
+    assert tree(broken) == before and sorted(os.listdir(tmp_path)) == ["broken", "in"]

@@ -175,36 +175,21 @@ class _Checkpoint:
     """Names, dtypes and shapes of a checkpoint's entries, and one entry's value on request."""
 
     def __init__(self, prefix: str):
-        import tensorflow as tf
+        from vfgraph.io.checkpoint import CheckpointReader
 
         self.prefix = prefix
         self.reader = None
         self.entries: Dict[str, Tuple[str, List[int]]] = {}
         if not prefix:
             return
-        try:
-            self.reader = tf.train.load_checkpoint(prefix)
-            shapes, dtypes = self.reader.get_variable_to_shape_map(), self.reader.get_variable_to_dtype_map()
-        except (tf.errors.OpError, ValueError) as e:
-            raise InputError(f"{prefix}: cannot read the checkpoint ({_first_line(e)}); check that its .index and "
-                             ".data-* files are complete and readable") from None
+        self.reader = CheckpointReader(prefix)
+        shapes, dtypes = self.reader.get_variable_to_shape_map(), self.reader.get_variable_to_dtype_map()
         for key in shapes:
             if key not in SKIPPED_KEYS:
                 self.entries[key] = (dtypes[key].name, [int(d) for d in shapes[key]])
 
     def value(self, key: str) -> np.ndarray:
-        import tensorflow as tf
-
-        try:
-            return np.asarray(self.reader.get_tensor(key))
-        except (tf.errors.OpError, ValueError) as e:
-            raise InputError(f"{self.prefix}: cannot read {key} from the checkpoint ({_first_line(e)}); check that "
-                             "its .data-* files are complete and readable") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
+        return np.asarray(self.reader.get_tensor(key))
 
 
 def _describe(entry: Tuple[str, List[int]]) -> str:

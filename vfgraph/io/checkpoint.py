@@ -8,7 +8,47 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 from tensorflow.core.protobuf import saved_object_graph_pb2, trackable_object_graph_pb2
 
+from vfgraph.errors import InputError
+
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+def _damaged(prefix: str, e: BaseException, key: str = "") -> InputError:
+    first = (str(getattr(e, "message", "") or e).strip().splitlines() or [type(e).__name__])[0]
+    what = f"{key} from the checkpoint" if key else "the checkpoint"
+    return InputError(f"{prefix}: cannot read {what} ({first}); its .index and .data-* files are incomplete or "
+                      "damaged: copy the model again from where it came")
+
+
+class CheckpointReader:
+    """``tf.train.load_checkpoint`` whose failures (a truncated or damaged file) are one line
+    naming the checkpoint, not TensorFlow's IndexError or DataLossError."""
+
+    def __init__(self, prefix: str):
+        import tensorflow as tf
+
+        self.prefix = prefix
+        try:
+            self._reader = tf.train.load_checkpoint(prefix)
+        except (tf.errors.OpError, ValueError, IndexError) as e:
+            raise _damaged(prefix, e) from None
+
+    def has_tensor(self, key: str) -> bool:
+        return self._reader.has_tensor(key)
+
+    def get_variable_to_shape_map(self):
+        return self._reader.get_variable_to_shape_map()
+
+    def get_variable_to_dtype_map(self):
+        return self._reader.get_variable_to_dtype_map()
+
+    def get_tensor(self, key: str):
+        import tensorflow as tf
+
+        try:
+            return self._reader.get_tensor(key)
+        except (tf.errors.OpError, ValueError, IndexError) as e:
+            raise _damaged(self.prefix, e, key) from None
 
 
 def _paths(og: saved_object_graph_pb2.SavedObjectGraph) -> Dict[int, str]:
@@ -37,7 +77,7 @@ def extend_checkpoint(src_prefix: str, dst_prefix: str, og: saved_object_graph_p
     GROUP_BYTES). Returns False (and writes nothing) when nothing needed adding."""
     import tensorflow as tf
 
-    reader = tf.train.load_checkpoint(src_prefix)
+    reader = CheckpointReader(src_prefix)
     if not og.nodes or not reader.has_tensor(OBJECT_GRAPH_KEY):
         return False  # a TF1 checkpoint: nothing is added to it
     ckpt_graph = trackable_object_graph_pb2.TrackableObjectGraph()

@@ -196,6 +196,19 @@ def _single_call(fdef, library):
     return node, callee
 
 
+def load_to_run(path: str, tags=None):
+    """``tf.saved_model.load`` for running a model (training, comparing): a model TensorFlow
+    cannot load (a truncated checkpoint, an op this TensorFlow lacks) is one line naming it."""
+    import tensorflow as tf
+
+    try:
+        return tf.saved_model.load(path, tags=tags) if tags else tf.saved_model.load(path)
+    except (tf.errors.OpError, IndexError, ValueError, KeyError) as e:
+        first = (str(getattr(e, "message", "") or e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise InputError(f"{path}: TensorFlow cannot load this SavedModel ({first}); if its files were copied, copy "
+                         "the whole directory again") from None
+
+
 def read_metadata(path: str) -> Optional[dict]:
     p = os.path.join(path, METADATA_FILE)
     if not os.path.isfile(p):

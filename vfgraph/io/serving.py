@@ -31,7 +31,7 @@ from tensorflow.core.protobuf import saved_model_pb2, saved_object_graph_pb2, sa
 
 from vfgraph.errors import InputError, OutputError
 from vfgraph.io import checkpoint, savedmodel
-from vfgraph.io.checkpoint import OBJECT_GRAPH_KEY
+from vfgraph.io.checkpoint import OBJECT_GRAPH_KEY, CheckpointReader
 from vfgraph.ir.graph import function_dependencies, iter_func_attrs, verify_function_def
 from vfgraph.item import GraphItem
 
@@ -384,7 +384,7 @@ def _source_keys(item: GraphItem, variables: List[_Var]) -> Tuple[str, List[str]
     prefix = os.path.join(item.source, "variables", "variables")
     if not os.path.isfile(prefix + ".index"):
         raise InputError(f"{prefix}.index: variables are missing; copy the whole SavedModel directory")
-    reader = tf.train.load_checkpoint(prefix)
+    reader = CheckpointReader(prefix)
     if not reader.has_tensor(OBJECT_GRAPH_KEY):
         raise InputError(f"{prefix}: checkpoint without an object graph (a TF1 checkpoint?); a serving export is "
                          "made from a TF2 SavedModel")
@@ -411,7 +411,7 @@ def _write_checkpoint(item: GraphItem, dst_prefix: str, variables: List[_Var], o
     import tensorflow as tf
 
     src_prefix, src_keys = _source_keys(item, variables)
-    reader = tf.train.load_checkpoint(src_prefix)
+    reader = CheckpointReader(src_prefix)
     shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
     entries = [(_key(index), int(np.prod(shapes[key])) * dtypes[key].size, key)
                for (index, _, _, _), key in zip(variables, src_keys)]

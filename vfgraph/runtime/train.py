@@ -288,7 +288,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     from tqdm import tqdm
 
     def open_model():
-        loaded = tf.saved_model.load(model)
+        loaded = savedmodel.load_to_run(model)
         if signature not in loaded.signatures:
             raise InputError(f"{model}: no signature {signature!r} (has: {', '.join(sorted(loaded.signatures))}); "
                              "pass --train-signature NAME")

@@ -99,13 +99,11 @@ def _check_counts(steps: int, batch: int) -> None:
 
 
 def _load(path: str):
-    import tensorflow as tf
-
-    from vfgraph.io.savedmodel import is_saved_model_dir
+    from vfgraph.io.savedmodel import is_saved_model_dir, load_to_run
 
     if not is_saved_model_dir(path):
         raise InputError(f"{path}: not a SavedModel directory")
-    return tf.saved_model.load(path)
+    return load_to_run(path)
 
 
 def _compared_signatures(a, b, original: str, rewritten: str, train_signature: str) -> Tuple[List[str], bool]:
