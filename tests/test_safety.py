@@ -355,3 +355,12 @@ def test_a_damaged_model_is_one_line_for_every_command(workdir, digits, capsys, 
                  ["train", broken, "--data", digits["train"], "--steps", 1, "--batch-size", 32, "-o", tmp_path / "t"]):
         one_error(*run(capsys, *argv), str(broken))
     assert tree(broken) == before and sorted(os.listdir(tmp_path)) == ["broken", "in"]
+
+
+def test_a_tf1_checkpoint_is_an_input_too(models, capsys):
+    meta = models("tf1ckpt:sgd")  # the export other tests share
+    prefix = meta[:-len(".meta")]
+    before = tree(os.path.dirname(meta))
+    for out in (prefix + ".index", os.path.dirname(meta)):
+        one_error(*run(capsys, "rewrite", meta, "-o", out, "--force"), "the input")
+    assert tree(os.path.dirname(meta)) == before

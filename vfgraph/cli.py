@@ -231,7 +231,12 @@ def cmd_rewrite(args) -> int:
     stem, ext = os.path.splitext(os.path.normpath(args.model))
     out = args.output or (stem + f"_vf{ext}" if ext in (".pb", ".pbtxt") else
                           stem + ("" if ext == ".meta" else ext) + f"_vnodes{vnodes}")
-    outputs.check_output(out, [args.model, args.checkpoint], args.force, need_bytes=outputs.tree_bytes(args.model))
+    inputs = [args.model]
+    if args.model.endswith(".meta") or args.checkpoint:  # and the checkpoint's files
+        from vfgraph.io.metagraph import checkpoint_files
+
+        inputs += [f for f in checkpoint_files(args.checkpoint or args.model[:-len(".meta")]) if os.path.exists(f)]
+    outputs.check_output(out, inputs, args.force, need_bytes=outputs.tree_bytes(*inputs))
     after = None
     if args.print_after_all:
         from vfgraph.ir.canonical import canonical_text
