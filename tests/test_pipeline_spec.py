@@ -87,3 +87,31 @@ def test_a_malformed_spec_names_the_column_and_what_was_expected(text, column, p
 def test_unknown_names_and_bad_values_are_named(text, message):
     with pytest.raises(PipelineError, match=re.escape(message)):
         parse_pipeline(text)
+
+
+def test_every_pass_round_trips_through_its_spec():
+    """parse(spec(p)) == p for generated option values of every registered pass."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from vfgraph.passes.base import REGISTRY, get_pass_class, option_types
+
+    values = {bool: st.booleans(), int: st.integers(0, 10 ** 6),
+              float: st.floats(1e-6, 1e6, allow_nan=False, allow_infinity=False),
+              str: st.from_regex(r"[A-Za-z_][A-Za-z0-9_.=:/-]{0,12}", fullmatch=True)}
+    classes = [get_pass_class(n) for n in sorted(REGISTRY)]
+    passes = st.one_of(*[st.builds(c, **{k: values[t] for k, t in option_types(c).items()}) for c in classes])
+
+    @settings(max_examples=300, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(passes, min_size=1, max_size=4))
+    def check(ps):
+        assert parse_pipeline(spec_of(ps)) == ps
+
+    check()
+
+
+def test_a_spec_that_cannot_be_read_back_is_refused():
+    from vfgraph.rewrites.split_vnodes import SplitVnodesPass
+
+    with pytest.raises(PipelineError, match="cannot be written in a pipeline"):
+        SplitVnodesPass(signature="a,b").spec()

@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 import logging
 import re
+import typing
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
@@ -36,12 +37,17 @@ class Pass:
         raise NotImplementedError
 
     def spec(self) -> str:
-        """This pass as pipeline text (options at their non-default values, kebab-case)."""
+        """This pass as pipeline text (options at their non-default values, kebab-case) that
+        :func:`parse_pipeline` reads back as an equal pass."""
         opts = []
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v != f.default:
-                opts.append(f"{f.name.replace('_', '-')}={_fmt(v)}")
+                text = _fmt(v)
+                if not text or text != text.strip() or any(c in text for c in ",{}"):
+                    raise PipelineError(f"pass {self.name!r}: option {f.name.replace('_', '-')}={v!r} cannot be "
+                                        "written in a pipeline (empty, spaces around it, or one of , { })")
+                opts.append(f"{f.name.replace('_', '-')}={text}")
         return self.name + ("{" + ",".join(opts) + "}" if opts else "")
 
     def __call__(self, item: GraphItem) -> PassResult:
@@ -114,7 +120,7 @@ def parse_pipeline(text: str) -> List[Pass]:
             hint = "pass names are words joined by '-', e.g. split-vnodes"
         raise fail(pos, f"expected a pass name{after}, {found(c)}; {hint}")
 
-    def options(name: str, fields) -> Dict[str, object]:
+    def options(name: str, fields, types: Dict[str, type]) -> Dict[str, object]:
         nonlocal pos
         brace = pos
         close = next((i for i in range(brace + 1, n) if text[i] in "{}"), n)
@@ -160,7 +166,7 @@ def parse_pipeline(text: str) -> List[Pass]:
             if key in given:
                 raise PipelineError(f"pass {name!r}: option {k!r} given twice ({given[key]} and {v}); give it once")
             given[key] = v
-            kwargs[key] = _convert(name, k, v, fields[key])
+            kwargs[key] = _convert(name, k, v, fields[key], types[key])
             if pos == close:
                 pos += 1
                 return kwargs
@@ -173,8 +179,9 @@ def parse_pipeline(text: str) -> List[Pass]:
         name = pass_name(comma)
         cls = get_pass_class(name)
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        types = option_types(cls)
         braced = skip() == "{"
-        passes.append(cls(**(options(name, fields) if braced else {})))
+        passes.append(cls(**(options(name, fields, types) if braced else {})))
         c = skip()
         if not c:
             return passes
@@ -190,24 +197,37 @@ def parse_pipeline(text: str) -> List[Pass]:
         pos += 1
 
 
-def _convert(pass_name: str, key: str, value: str, field):
-    """An option's text as the type of its field (bool, int, float; anything else stays text)."""
-    typ = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "str")
-    kinds = [("bool", "true or false"), ("int", "a whole number"), ("float", "a number")]
-    kind, want = next(((k, w) for k, w in kinds if k in typ), ("str", ""))
+_OPTION_TYPES = {bool: "true or false", int: "a whole number", float: "a number", str: "a name"}
+
+
+def option_types(cls) -> Dict[str, type]:
+    """Each option field of pass class ``cls`` and its type (bool, int, float or str), from its
+    resolved annotation, not its text."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if t not in _OPTION_TYPES:
+            raise TypeError(f"{cls.__name__}.{f.name}: pass options are bool, int, float or str, not {t}")
+        out[f.name] = t
+    return out
+
+
+def _convert(pass_name: str, key: str, value: str, field, typ: type):
+    """An option's text as ``typ``, its field's type (bool, int, float; str stays text)."""
     try:
-        if kind == "bool":
+        if typ is bool:
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(value)
             return value.lower() in ("true", "1")
-        if kind == "int":
+        if typ is int:
             return int(value)
-        if kind == "float":
+        if typ is float:
             return float(value)
     except ValueError:
         example = "" if field.default is dataclasses.MISSING else f", e.g. {key}={_fmt(field.default)}"
-        raise PipelineError(f"pass {pass_name!r}: option {key}={value!r} is not a valid {typ}; "
-                            f"give {want}{example}") from None
+        raise PipelineError(f"pass {pass_name!r}: option {key}={value!r} is not a valid {typ.__name__}; "
+                            f"give {_OPTION_TYPES[typ]}{example}") from None
     return value
 
 
