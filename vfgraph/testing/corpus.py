@@ -115,13 +115,38 @@ def _per_slice_reference(fn, inputs: Dict[str, np.ndarray], vnodes: int) -> Dict
     return {n: np.mean([f[n] for f in finals], axis=0) if start[n].dtype.kind == "f" else finals[-1][n] for n in start}
 
 
+class _Fresh:
+    """A check running in a new Python process while this one goes on; ``result()`` waits."""
+
+    def __init__(self, argv: List[str], workdir: str, dst: str = ""):
+        self.dst = dst
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir,
+                                     env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+
+    def output(self) -> str:
+        try:
+            out, err = self.proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise
+        if self.proc.returncode:
+            raise RuntimeError((err.strip().splitlines() or ["no output"])[-1])
+        return out
+
+    def result(self) -> Dict[str, np.ndarray]:
+        self.output()
+        return dict(np.load(self.dst))
+
+
 def _fresh_serve(path: str, key: str, inputs: Dict[str, np.ndarray], workdir: str, tags=None,
-                 vfgraph: bool = True) -> Dict[str, np.ndarray]:
-    """Load ``path`` in a new Python process and serve ``inputs``: stock TensorFlow, with
+                 vfgraph: bool = True) -> _Fresh:
+    """Start loading ``path`` in a new Python process to serve ``inputs``: stock TensorFlow, with
     vfgraph imported only for its ops (which a training model with the all-reduce needs, as the
     README says), or (``vfgraph=False``) in an isolated interpreter that never imports it."""
-    src = os.path.join(workdir, "fresh_in.npz")
-    dst = os.path.join(workdir, "fresh_out.npz")
+    tag = "vf" if vfgraph else "stock"
+    src = os.path.join(workdir, f"fresh_in_{tag}.npz")
+    dst = os.path.join(workdir, f"fresh_out_{tag}.npz")
     np.savez(src, **inputs)
     code = (
         f"import sys, numpy as np, tensorflow as tf{', vfgraph' if vfgraph else ''}\n"
@@ -131,18 +156,13 @@ def _fresh_serve(path: str, key: str, inputs: Dict[str, np.ndarray], workdir: st
         "assert any(n.startswith('vfgraph') for n in sys.modules) or not " + repr(vfgraph) + "\n"
         "assert not any(n.startswith('vfgraph') for n in sys.modules) or " + repr(vfgraph) + "\n"
         f"np.savez({dst!r}, **{{k: v.numpy() for k, v in out.items()}})\n")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     flags = [] if vfgraph else ["-I"]  # isolated: neither the working directory nor PYTHON* variables
-    r = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=600, cwd=workdir)
-    if r.returncode:
-        raise RuntimeError((r.stderr.strip().splitlines() or ["no output"])[-1])
-    return dict(np.load(dst))
+    return _Fresh([sys.executable, *flags, "-c", code], workdir, dst)
 
 
-def _v1_fresh(original: str, v1: str, batches: List[Dict[str, np.ndarray]], workdir: str) -> bool:
-    """Whether training ``original`` and ``v1`` on ``batches`` leaves bit-identical variables in
-    a process whose Grappler runs without its arithmetic optimizer."""
+def _v1_fresh(original: str, v1: str, batches: List[Dict[str, np.ndarray]], workdir: str) -> _Fresh:
+    """Start training ``original`` and ``v1`` on ``batches`` in a process whose Grappler runs
+    without its arithmetic optimizer; its output says whether the variables are bit-identical."""
     files = []
     for k, batch in enumerate(batches):
         files.append(os.path.join(workdir, f"v1_batch_{k}.npz"))
@@ -156,9 +176,7 @@ def _v1_fresh(original: str, v1: str, batches: List[Dict[str, np.ndarray]], work
         f"    [fn(**dict(np.load(f))) for f in {files!r}]\n"
         "    vals.append({v.name: v.numpy() for v in fn.variables})\n"
         "print('SAME' if all(np.array_equal(vals[0][n], vals[1].get(n)) for n in vals[0]) else 'DIFFERENT')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    return "SAME" in r.stdout
+    return _Fresh([sys.executable, "-c", code], workdir)
 
 
 def check_model(name: str, original: str, workdir: str, sample: Sample, *, optimizer: str = "",
@@ -199,20 +217,22 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
         want = _serve(orig.signatures[key], inputs)
         got = _serve(new.signatures[key], inputs)
         res.serving_error = _output_error(want, got)
-        try:
-            res.fresh_load = _output_error(got, _fresh_serve(v4, key, inputs, workdir, tags)) < 1e-6
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            res.fresh_load, res.fresh_error = False, str(e)
+        fresh = _fresh_serve(v4, key, inputs, workdir, tags)  # runs while the export is written
         if not tags:  # the serving export of the rewritten model, served without vfgraph
             exported = vfgraph.export(v4, os.path.join(workdir, "serving"), force=True)
+            stock = _fresh_serve(exported, key, inputs, workdir, vfgraph=False)
             try:
-                res.export_error = _output_error(want, _fresh_serve(exported, key, inputs, workdir, vfgraph=False))
                 if c_api_client:
                     from vfgraph.testing import c_api
 
                     res.export_c_api_error = _output_error(want, c_api.serve(c_api_client, exported, inputs, key))
+                res.export_error = _output_error(want, stock.result())
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 res.export_problem = str(e)
+        try:
+            res.fresh_load = _output_error(got, fresh.result()) < 1e-6
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            res.fresh_load, res.fresh_error = False, str(e)
     if not training:
         return res
     res.params = _param_count(orig.signatures["train"])
@@ -225,12 +245,29 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
     va, vb = variable_values(a), variable_values(b)
     res.v1_differing = sorted(n for n in va if n not in vb or not np.array_equal(va[n], vb[n]))
     res.v1_identical = not res.v1_differing and la == lb
+    exact = None  # without Grappler's arithmetic optimizer, in a process of its own while V=4 runs here
     if not res.v1_identical:
         res.v1_error = max(rel_diff(va[n], vb[n]) for n in res.v1_differing if n in vb)
-        res.v1_identical_without_arithmetic = _v1_fresh(original, v1, [sample(a, BATCH, s) for s in range(2)],
-                                                        workdir)
+        exact = _v1_fresh(original, v1, [sample(a, BATCH, s) for s in range(2)], workdir)
+    try:
+        _check_v4(res, original, v4, new, workdir, sample, optimizer, batch_stats, dropout, sgd_variant)
+    finally:
+        if exact is not None:
+            try:
+                res.v1_identical_without_arithmetic = "SAME" in exact.output()
+            except (RuntimeError, subprocess.TimeoutExpired):
+                res.v1_identical_without_arithmetic = False
+    return res
 
-    # V=4
+
+def _check_v4(res: CorpusResult, original: str, v4: str, new, workdir: str, sample: Sample, optimizer: str,
+              batch_stats: bool, dropout: bool, sgd_variant: Optional[Callable[[], str]]) -> None:
+    """V=4 against the full-batch step (SGD), or a per-slice reference (batch norm); with
+    dropout, that the step trains."""
+    import tensorflow as tf
+
+    import vfgraph
+
     if dropout:  # per-virtual-node masks: the step differs from the full batch by design
         fn = new.signatures["train"]
         before = variable_values(fn)
@@ -239,7 +276,7 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
         moved = any(not np.array_equal(before[n], after[n]) for n in before if before[n].dtype.kind == "f")
         res.v4_error = 0.0 if moved and all(np.isfinite(losses)) else float("inf")
         res.v4_reference = "trains, finite loss"
-        return res
+        return
     if optimizer in ("sgd", "momentum"):
         ref_model, ref_v4 = original, v4
     elif sgd_variant is not None:
@@ -247,7 +284,7 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
         ref_v4 = vfgraph.save(vfgraph.rewrite(ref_model, vnodes=VNODES, vnode_batch=VNODE_BATCH),
                               os.path.join(workdir, "v4_sgd"), force=True)
     else:
-        return res
+        return
     held = [tf.saved_model.load(ref_model), tf.saved_model.load(ref_v4)]
     fa, fb = (m.signatures["train"] for m in held)
     if batch_stats:
@@ -262,7 +299,6 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
         ref, got = variable_values(fa), variable_values(fb)
         res.v4_reference = "full batch" + ("" if ref_model == original else ", SGD")
     res.v4_error = max((rel_diff(ref[n], got[n]) for n in ref if n in got and ref[n].dtype.kind == "f"), default=0.0)
-    return res
 
 
 def write_json(results: List[CorpusResult], path: str) -> None:
