@@ -615,7 +615,9 @@ class _FlowGraph:
             g = nx.DiGraph()
             g.add_nodes_from(range(n))
             g.add_edges_from((u, v) for u in range(n) for v in self.succ[u])
-            return nx.immediate_dominators(g, 0)
+            found = nx.immediate_dominators(g, 0)
+            found[0] = 0  # networkx 3.5 and later leave the start out
+            return found
         return {u: idom[u] for u in range(n) if seen[u]}
 
     def hoist(self, cuttable: Callable[[TensorRef], bool], cut: List[TensorRef]) -> List[TensorRef]:
