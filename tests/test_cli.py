@@ -1,5 +1,4 @@
 """The command line, run as users run it (subprocesses), bad input included."""
-import hashlib
 import os
 import re
 import shutil
@@ -9,27 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
-
-
-def vf(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "vfgraph.cli", *map(str, args)], capture_output=True,
-                          text=True, env=ENV, cwd=cwd, timeout=300)
-
-
-def tree_digest(path):
-    h = hashlib.sha256()
-    for root, _, files in sorted(os.walk(path)):
-        for f in sorted(files):
-            with open(os.path.join(root, f), "rb") as fh:
-                h.update(os.path.relpath(os.path.join(root, f), path).encode() + fh.read())
-    return h.hexdigest()
-
-
-def error_line(res):
-    lines = [l for l in res.stderr.splitlines() if l.startswith("vfgraph")]
-    assert lines, res.stderr
-    return lines[-1]
+from vfgraph.testing.cli import ENV, error_line, tree_digest, vf  # noqa: F401
 
 
 def test_version_and_help():

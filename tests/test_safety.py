@@ -3,7 +3,6 @@ stop and repeat, and every user mistake is one line with exit 2 (the command lin
 in-process where one TensorFlow import can serve many cases, as a real process where the
 process matters: signals, the umask, file-size limits)."""
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -16,54 +15,24 @@ import numpy as np
 import pytest
 
 from vfgraph import cli
+from vfgraph.testing.cli import ENV, error_line, run_in_process, tree_digest, vf
 
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
-
-
-def tree(path):
-    """Digest of a tree: every file's relative path and bytes, every directory, every link."""
-    h = hashlib.sha256()
-    for root, dirs, files in sorted(os.walk(path)):
-        dirs.sort()
-        h.update(b"d:" + os.path.relpath(root, path).encode())
-        for f in sorted(files):
-            p = os.path.join(root, f)
-            h.update(b"f:" + os.path.relpath(p, path).encode())
-            if os.path.islink(p):
-                h.update(b"->" + os.readlink(p).encode())
-            else:
-                with open(p, "rb") as fh:
-                    h.update(fh.read())
-    return h.hexdigest()
+tree = tree_digest
 
 
 def leftovers(path):
     return [os.path.join(r, n) for r, ds, fs in os.walk(path) for n in ds + fs if n.startswith(".vfgraph-")]
 
 
-def run(capsys, *argv):
-    """The command in this process: (exit code, stderr lines)."""
-    capsys.readouterr()
-    try:
-        code = cli.main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        code = e.code
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    return code, err
-
-
-def vf(*args, preexec_fn=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "vfgraph.cli", *map(str, args)], capture_output=True, text=True,
-                          env=ENV, timeout=timeout, preexec_fn=preexec_fn)
+run = run_in_process
 
 
 def one_error(code, err, *needles):
     assert code == 2, err
-    lines = [line for line in err if line.startswith("vfgraph")]
-    assert len(lines) == 1 and not any("Traceback" in line for line in err), err
+    line = error_line(err)
     for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
+        assert n in line, line
+    return line
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 model): loaded and run by stock TensorFlow in processes that never import vfgraph, through
 Python's `tf.saved_model.load` and through the C API's `TF_LoadSessionFromSavedModel` (the C++
 loader TF Serving uses), equal to the source model's serving output on a real batch."""
-import hashlib
 import json
 import os
 import re
@@ -18,7 +17,8 @@ from tensorflow.python.framework import op_def_registry
 
 import vfgraph
 from vfgraph.io import checkpoint
-from vfgraph.testing import c_api
+from vfgraph.testing import c_api, cli
+from vfgraph.testing.cli import error_line, tree_digest
 from vfgraph.ir.graph import function_dependencies, iter_func_attrs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,16 +29,6 @@ BATCH = 37  # not a multiple of any slice size used here
 # exported from: an original tf.Module holding a Keras 3 model, the same sliced by the export, rewritten
 # models with and without the all-reduce, a batch-norm CNN, a Keras model.export(), a trained model
 CASES = ["mlp", "mlp-sliced", "mlp-allreduce", "mlp-no-allreduce", "cnn-allreduce", "keras-export", "trained"]
-
-
-def tree_digest(path):
-    h = hashlib.sha256()
-    for root, dirs, files in os.walk(path):
-        dirs.sort()
-        for f in sorted(files):
-            with open(os.path.join(root, f), "rb") as fh:
-                h.update(os.path.relpath(os.path.join(root, f), path).encode() + b"\0" + fh.read())
-    return h.hexdigest()
 
 
 def read_proto(path):
@@ -249,14 +239,7 @@ def test_saved_model_cli_shows_export(exports):
 
 
 def vf(*args):
-    return subprocess.run([sys.executable, "-m", "vfgraph.cli", *map(str, args)], capture_output=True, text=True,
-                          env=ENV, timeout=300)
-
-
-def error_line(res):
-    lines = [line for line in res.stderr.splitlines() if line.startswith("vfgraph")]
-    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
-    return lines[0]
+    return cli.vf(*args, env=ENV)
 
 
 def test_cli_export_and_its_errors(models, tmp_path):
