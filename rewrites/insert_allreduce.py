@@ -22,12 +22,14 @@ from typing import ClassVar, Dict, List
 import numpy as np
 from tensorflow.core.framework import function_pb2, types_pb2
 
+from vfgraph import records
 from vfgraph.builder import FunctionBuilder, func_attr, shapes_attr, type_attr, types_attr
 from vfgraph.errors import PipelineError
 from vfgraph.ir.graph import FunctionGraph, arg_shapes, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult
+from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.rewrites.split_vnodes import _header, _signature_wrapper, add_signature
 
 DEFAULT_FUSION_MB = 4.0  # MiB; ResNet-50 gradients sum fastest in 1-4 MiB buffers (tools/bench_scaling.py)
@@ -52,7 +54,7 @@ class InsertAllreducePass(Pass):
 
         if self.fusion_mb <= 0:
             raise PipelineError(f"fusion-mb={self.fusion_mb}: must be positive")
-        split = item.metadata.get("rewrites", {}).get("split-vnodes", {})
+        split = records.get(item, VirtualNodes)
         keys = [self.signature] if self.signature else sorted(split)
         missing = [k for k in keys if k not in split]
         if not keys or missing:
@@ -60,16 +62,15 @@ class InsertAllreducePass(Pass):
                                 "signature; run split-vnodes first, e.g. "
                                 "'split-vnodes{vnodes=8},insert-allreduce'")
         ops.load()  # a clear error when the MPI ops cannot be built
-        done = item.metadata.get("rewrites", {}).get(self.name, {})
+        done = records.get(item, Allreduce)
         todo = [k for k in keys if k not in done]
         if not todo:
             return PassResult(item, False, ["all-reduce already inserted"])
         item = item.for_edit()
         notes: List[str] = []
-        record = item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})
         for key in todo:
             buffers = []
-            for fn in split[key]["reduce_functions"]:
+            for fn in split[key].reduce_functions:
                 functions, groups = reduce_functions(item.function(fn), int(self.fusion_mb * (1 << 20)), item.library,
                                                      item.new_function)
                 for f in functions:
@@ -83,8 +84,8 @@ class InsertAllreducePass(Pass):
             elif left_out:
                 notes.append(f"broadcast signature {bcast!r}: {len(left_out)} variable(s) of a type MPI cannot "
                              f"broadcast left out, each rank keeps its own ({', '.join(left_out[:3])})")
-            record[key] = {"fusion_mb": self.fusion_mb, "buffers": buffers, "fingerprint": fingerprint,
-                           "broadcast_signature": bcast}
+            records.put(item, key, Allreduce(self.fusion_mb, tuple(tuple(map(tuple, groups)) for groups in buffers),
+                                             fingerprint, bcast))
         return PassResult(item, True, notes)
 
 

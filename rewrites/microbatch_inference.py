@@ -24,6 +24,7 @@ from typing import ClassVar, List, Tuple
 
 from tensorflow.core.framework import types_pb2
 
+from vfgraph import records
 from vfgraph.builder import (I32, FunctionBuilder, batch_size, check, func_attr, list_concat, shape_proto, shapes_attr,
                              slice_rows, type_attr, types_attr)
 from vfgraph.errors import PipelineError
@@ -31,6 +32,7 @@ from vfgraph.ir.graph import FunctionGraph, arg_shapes, copy_header, function_de
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem, SignatureInfo
 from vfgraph.passes.base import Pass, PassResult
+from vfgraph.records import Microbatch, VirtualNodes
 
 SINGLE_THREADED = "SINGLE_THREADED_EXECUTOR"
 # what TensorFlow's single-threaded executor refuses (TF1 control flow, partitioned graphs,
@@ -55,8 +57,8 @@ class MicrobatchInferencePass(Pass):
         b = self.vnode_batch or _training_b(item)
         if not b:
             return PassResult(item, False, ["microbatch-inference: no slice size (give vnode-batch); serving unchanged"])
-        done = item.metadata.get("rewrites", {}).get(self.name, {})
-        train = {r["function"] for r in item.metadata.get("rewrites", {}).get("split-vnodes", {}).values()}
+        done = records.get(item, Microbatch)
+        train = {r.function for r in records.get(item, VirtualNodes).values()}
         item = item.for_edit()
         notes: List[str] = []
         modified = False
@@ -82,18 +84,17 @@ class MicrobatchInferencePass(Pass):
                 item.set_function(f)
             verify_function_def(item.function(sig.function), item.library)
             item.preserve.add(sig.function)
-            item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})[sig.key] = {
-                "function": sig.function, "loop_function": new[1].signature.name,
-                "body_function": serving_fn.signature.name, "vnode_batch": b,
-                "executor": SINGLE_THREADED if single else "default"}
+            records.put(item, sig.key, Microbatch(
+                function=sig.function, vnode_batch=b, loop_function=new[1].signature.name,
+                body_function=serving_fn.signature.name, executor=SINGLE_THREADED if single else "default"))
             modified = True
         return PassResult(item, modified, notes)
 
 
 def _training_b(item: GraphItem) -> int:
-    for rec in item.metadata.get("rewrites", {}).get("split-vnodes", {}).values():
-        if rec.get("vnode_batch"):
-            return int(rec["vnode_batch"])
+    for rec in records.get(item, VirtualNodes).values():
+        if rec.vnode_batch:
+            return int(rec.vnode_batch)
     return 0
 
 

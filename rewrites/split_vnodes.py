@@ -15,6 +15,7 @@ from tensorflow.core.framework import node_def_pb2, types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 from typing import ClassVar, List, Tuple
 
+from vfgraph import records
 from vfgraph.analysis.train_step import (TrainStep, analyze_train_step, check_batch_inputs, static_batch,
                                          with_dynamic_batch)
 from vfgraph.builder import (I32, FunctionBuilder, Node, batch_size, check, extract_function, func_attr, list_concat,
@@ -24,6 +25,7 @@ from vfgraph.ir.graph import FunctionGraph, TensorRef, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult
+from vfgraph.records import Gradient, VirtualNodes
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,7 @@ class SplitVnodesPass(Pass):
             want = repr(self.signature) if self.signature else "'train'"
             raise DetectionError(f"{item.source}: no training signature {want} (signatures: {known}); "
                                  "export one named 'train' or pass --train-signature NAME")
-        done = item.metadata.get("rewrites", {}).get(self.name, {})
-        if sig.key in done:
+        if sig.key in records.get(item, VirtualNodes):
             return PassResult(item, False, [f"signature {sig.key!r} already has virtual nodes"])
         item = item.for_edit()
         # Read in place (no copy): the function is replaced last, once nothing reads it.
@@ -78,22 +79,15 @@ class SplitVnodesPass(Pass):
         loop = _Loop(g, step, vdef, self.vnodes, b, item.library, item.new_function)
         stepped = _step_function(item, g, step, loop, udef, reduce_fn)
         verify_function_def(stepped, item.library)
-        notes = add_stepwise(item, g, step, loop, udef, reduce_fn) if self.stepwise else []
+        stepwise, notes = add_stepwise(item, g, step, loop, udef, reduce_fn) if self.stepwise else (False, [])
         item.set_function(stepped)
         item.preserve.add(sig.function)
-        record = item.metadata.setdefault("rewrites", {}).setdefault(self.name, {})
-        record[sig.key] = {
-            "function": sig.function,
-            "vnodes": self.vnodes,
-            "vnode_batch": b,
-            "vnode_function": vnode_fn,
-            "update_function": update_fn,
-            "per_vnode_seeds": seeded,
-            "stepwise": not notes and self.stepwise,
-            "reduce_functions": [reduce_fn],
-            "gradients": [{"tensor": str(c.ref), "variable": sig.variables[c.variable].name if c.variable else None,
-                           "role": c.role, "shape": c.shape} for c in step.cut],
-        }
+        gradients = tuple(Gradient(str(c.ref), sig.variables[c.variable].name if c.variable else None, c.role,
+                                   None if c.shape is None else tuple(c.shape)) for c in step.cut)
+        records.put(item, sig.key, VirtualNodes(
+            function=sig.function, vnodes=self.vnodes, vnode_batch=b, vnode_function=vnode_fn,
+            update_function=update_fn, per_vnode_seeds=tuple(seeded), stepwise=stepwise,
+            reduce_functions=(reduce_fn,), gradients=gradients))
         return PassResult(item, True, notes)
 
     def _vnode_batch(self, g: FunctionGraph, sig) -> int:
@@ -429,27 +423,29 @@ def reduce_function(name: str, specs: List[Tuple[str, int, list]]):
 ACCUMULATORS = "vf_accumulators"
 
 
-def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop, udef, reduce_fn: str) -> List[str]:
+def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop, udef,
+                 reduce_fn: str) -> Tuple[bool, List[str]]:
     """Add ``<train>_accumulate`` (run the fed batch's virtual nodes, add their gradient sums
     and count into accumulator variables, return their mean loss) and ``<train>_apply``
     (average the accumulators, apply the original update once, reset them): the step-wise
-    mode for runtimes that feed virtual nodes one call at a time. Returns notes."""
+    mode for runtimes that feed virtual nodes one call at a time. Returns (whether they were
+    added, notes: why not)."""
     sig = step.signature
     og = item.meta_graph.object_graph_def
     tf1 = item.kind == "tf1_saved_model"
     if not tf1 and (item.kind != "saved_model" or not og.nodes):
-        return [f"step-wise signatures: not added to {item.kind} models"]
+        return False, [f"step-wise signatures: not added to {item.kind} models"]
     if any(c.combine != "mean" and (not c.shape or any(d < 0 for d in c.shape[1:])) for c in step.cut):
-        return ["step-wise signatures: not added (sparse gradient rows of unknown shape)"]
+        return False, ["step-wise signatures: not added (sparse gradient rows of unknown shape)"]
     if any(o.side != "vnode" for o in step.outputs):
-        return ["step-wise signatures: not added (an output is computed by the update)"]
+        return False, ["step-wise signatures: not added (an output is computed by the update)"]
     if tf1:  # the signature function is called from the graph: its own arguments and outputs
         inner, n_inputs = list(g.arg_names), len(sig.batch_args)
         out_names = [a.name for a in g.header.signature.output_arg]
     else:
         found = _signature_wrapper(item, sig.key)
         if found is None:
-            return [f"step-wise signatures: signature {sig.key!r} has no wrapper vfgraph can extend"]
+            return False, [f"step-wise signatures: signature {sig.key!r} has no wrapper vfgraph can extend"]
         wrapper, forward, bare_id = found
         cf = og.concrete_functions[wrapper.signature.name]
         # the wrapper's argument order: inputs, then bound variables
@@ -515,13 +511,13 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
         vnodes.tensor_shape.SetInParent()
         _graph_signature(item, f"{sig.key}_apply", apply_fn, sig.call_inputs[n_inputs:] + handles, None,
                          [("vnodes", vnodes)])
-        return []
+        return True, []
     acc_ids = _object_graph_accumulators(og, specs)
     add_signature(item, f"{sig.key}_accumulate", acc_fn, cf, bare_id, acc_ids, takes_inputs=True, like=sig.key,
                   extra_handles=handles)
     add_signature(item, f"{sig.key}_apply", apply_fn, cf, bare_id, acc_ids, takes_inputs=False, like=sig.key,
                   extra_handles=handles)
-    return []
+    return True, []
 
 
 def _object_graph_accumulators(og, specs) -> List[int]:

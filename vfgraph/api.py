@@ -184,20 +184,20 @@ def _sliced_for_serving(item: GraphItem, vnode_batch: int, in_place: bool) -> Gr
     is known and they are not already."""
     import logging
 
+    from vfgraph import records
     from vfgraph.io.serving import serving_keys
+    from vfgraph.records import Microbatch, VirtualNodes
 
-    rewrites = item.metadata.get("rewrites", {})
-    done = rewrites.get("microbatch-inference", {})
+    done = records.get(item, Microbatch)
     keys = serving_keys(item)
-    sliced = {done[k]["vnode_batch"] for k in keys if k in done}
+    sliced = {done[k].vnode_batch for k in keys if k in done}
     if sliced:
         if vnode_batch and sliced != {vnode_batch}:
             raise InputError(f"{item.source}: serving is already micro-batched in slices of "
                              f"{', '.join(map(str, sorted(sliced)))}; export it without --vnode-batch, or export the "
                              f"original model with --vnode-batch {vnode_batch}")
         return item
-    b = vnode_batch or next((int(r["vnode_batch"]) for r in rewrites.get("split-vnodes", {}).values()
-                             if r.get("vnode_batch")), 0)
+    b = vnode_batch or next((int(r.vnode_batch) for r in records.get(item, VirtualNodes).values() if r.vnode_batch), 0)
     if not b or not keys:
         return item
     item = rewrite(item, pipeline=f"microbatch-inference{{vnode-batch={b}}}", in_place=in_place)

@@ -207,8 +207,10 @@ def _error(line: str) -> None:
 
 def cmd_rewrite(args) -> int:
     import vfgraph
+    from vfgraph import records
     from vfgraph.errors import InputError
     from vfgraph.io import outputs
+    from vfgraph.records import Allreduce
 
     if args.pipeline is not None:
         given = [f for f, v in (("--vnodes", args.vnodes), ("--vnode-batch", args.vnode_batch)) if v is not None]
@@ -252,20 +254,23 @@ def cmd_rewrite(args) -> int:
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
-    reduced = bool(item.metadata.get("rewrites", {}).get("insert-allreduce"))
+    reduced = bool(records.get(item, Allreduce))
     print(f"wrote {path} (all-reduce: {'mpi' if reduced else 'none'}; {item.metadata['history'][-1]['pipeline']})")
     return 0
 
 
 def cmd_inspect(args) -> int:
     import vfgraph
+    from vfgraph import records
     from vfgraph.analysis.train_step import analyze_train_step
     from vfgraph.ir.graph import FunctionGraph, function_dependencies
+    from vfgraph.records import Allreduce, VirtualNodes
 
     item = vfgraph.load(args.model, checkpoint=args.checkpoint, loss=args.loss)
     lib = item.library
-    report = {"model": item.source, "signatures": {}, "rewrites": item.metadata.get("rewrites", {}),
+    report = {"model": item.source, "signatures": {}, "rewrites": records.rewrites(item),
               "history": item.metadata.get("history", [])}
+    split, reduced = records.get(item, VirtualNodes), records.get(item, Allreduce)
     train = item.training_signature(args.train_signature or None)
     for key, sig in sorted(item.signatures.items()):
         g = FunctionGraph(lib[sig.function], lib)
@@ -277,7 +282,7 @@ def cmd_inspect(args) -> int:
             "variables": [sig.variables[r].name for r in sig.resource_args],
             "ops": dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))),
         }
-        if train is not None and key == train.key and key not in item.metadata.get("rewrites", {}).get("split-vnodes", {}):
+        if train is not None and key == train.key and key not in split:
             step = analyze_train_step(g, sig)
             name = lambda r: sig.variables[r].name  # noqa: E731
             entry["training"] = {
@@ -296,22 +301,22 @@ def cmd_inspect(args) -> int:
     for r in report["history"]:
         print(f"rewritten by vfgraph {r.get('vfgraph_version')}: {r['pipeline']} (source {str(r.get('source_fingerprint'))[:16]})")
     for key, e in report["signatures"].items():
-        kind = "training" if "training" in e or key in report["rewrites"].get("split-vnodes", {}) else "inference"
+        kind = "training" if "training" in e or key in split else "inference"
         print(f"\nsignature {key!r} ({kind}) -> {e['function']}")
         print(f"  inputs:  {', '.join(f'{k}{v}' for k, v in e['inputs'].items())}")
         print(f"  outputs: {', '.join(f'{k}{v if v is not None else [-1]}' for k, v in e['outputs'].items())}")
         print(f"  variables: {len(e['variables'])}")
-        rw = report["rewrites"].get("split-vnodes", {}).get(key)
+        rw = split.get(key)
         if rw:
-            print(f"  virtual nodes: V={rw['vnodes']} b={rw['vnode_batch'] or 'fed batch / V'}")
-            if rw.get("stepwise"):
+            print(f"  virtual nodes: V={rw.vnodes} b={rw.vnode_batch or 'fed batch / V'}")
+            if rw.stepwise:
                 print(f"  step-wise: signatures {key + '_accumulate'!r} (repeat) and {key + '_apply'!r}")
-        ar = report["rewrites"].get("insert-allreduce", {}).get(key)
+        ar = reduced.get(key)
         if ar:
-            fused = [b for b in ar["buffers"][0] if b[0].startswith("sum_")]
-            print(f"  all-reduce over MPI ranks: {len(fused)} fused buffer(s) of at most {ar['fusion_mb']:g} MiB "
-                  f"({sum(map(len, fused))} tensors), {len(ar['buffers'][0]) - len(fused)} gathered; "
-                  f"start with signature {ar['broadcast_signature']!r}; graph fingerprint {ar['fingerprint'][:16]}")
+            fused = [b for b in ar.buffers[0] if b[0].startswith("sum_")]
+            print(f"  all-reduce over MPI ranks: {len(fused)} fused buffer(s) of at most {ar.fusion_mb:g} MiB "
+                  f"({sum(map(len, fused))} tensors), {len(ar.buffers[0]) - len(fused)} gathered; "
+                  f"start with signature {ar.broadcast_signature!r}; graph fingerprint {ar.fingerprint[:16]}")
         elif rw:
             print("  all-reduce: none (each process trains alone; rewrite with --allreduce mpi for mpiexec)")
         if "training" in e:

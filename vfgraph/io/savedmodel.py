@@ -11,10 +11,12 @@ from google.protobuf.message import DecodeError
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
+from vfgraph import records
 from vfgraph.errors import InputError
 from vfgraph.io import tf1
 from vfgraph.ir.graph import parse_input
 from vfgraph.item import GraphItem, SignatureInfo, TensorSpecInfo, VariableInfo
+from vfgraph.records import Allreduce, VirtualNodes
 
 SAVED_MODEL_PB = "saved_model.pb"
 METADATA_FILE = os.path.join("assets.extra", "vfgraph.json")
@@ -73,14 +75,13 @@ def added_signatures(metadata: dict) -> Set[str]:
     """Keys of the signatures vfgraph added to a model it rewrote (step-wise pairs,
     broadcasts): runtime entry points, not the model's own signatures, so passes leave them
     alone."""
-    rewrites = metadata.get("rewrites", {})
     keys = set()
-    for key, rec in rewrites.get("split-vnodes", {}).items():
-        if rec.get("stepwise"):
+    for key, rec in records.get(metadata, VirtualNodes).items():
+        if rec.stepwise:
             keys |= {f"{key}_accumulate", f"{key}_apply"}
-    for rec in rewrites.get("insert-allreduce", {}).values():
-        if rec.get("broadcast_signature"):
-            keys.add(rec["broadcast_signature"])
+    for rec in records.get(metadata, Allreduce).values():
+        if rec.broadcast_signature:
+            keys.add(rec.broadcast_signature)
     return keys
 
 

@@ -29,11 +29,13 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, op_def_pb2, tensor_shape_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2, saved_object_graph_pb2, saver_pb2, trackable_object_graph_pb2
 
+from vfgraph import records
 from vfgraph.errors import InputError, OutputError
 from vfgraph.io import checkpoint, savedmodel
 from vfgraph.io.checkpoint import OBJECT_GRAPH_KEY, CheckpointReader
 from vfgraph.ir.graph import function_dependencies, iter_func_attrs, verify_function_def
 from vfgraph.item import GraphItem
+from vfgraph.records import Microbatch, VirtualNodes
 
 SERVE_TAG = "serve"
 INIT_OP_KEY = "__saved_model_init_op"
@@ -46,7 +48,7 @@ def serving_keys(item: GraphItem) -> List[str]:
     """The signatures a serving export keeps: every signature that is not a training step
     (``train`` and ``train*``, the training signatures a rewrite recorded, and the runtime
     entry points vfgraph added, which the loader already leaves out of ``item.signatures``)."""
-    training = set(item.metadata.get("rewrites", {}).get("split-vnodes", {}))
+    training = set(records.get(item, VirtualNodes))
     return [k for k, s in sorted(item.signatures.items()) if not s.is_training and k not in training]
 
 
@@ -471,12 +473,13 @@ def _metadata(item: GraphItem, proto: saved_model_pb2.SavedModel) -> dict:
 
     mg = proto.meta_graphs[0]
     keys = sorted(k for k in mg.signature_def if k != INIT_OP_KEY)
-    sliced = item.metadata.get("rewrites", {}).get("microbatch-inference", {})
+    sliced = records.get(item, Microbatch)
     meta = {"serving_export": {"signatures": keys, "vfgraph_version": __version__,
                                "source_fingerprint": savedmodel.source_fingerprint(item.source, item.variables_prefix),
-                               "vnode_batch": {k: sliced[k]["vnode_batch"] for k in keys if k in sliced}}}
+                               "vnode_batch": {k: sliced[k].vnode_batch for k in keys if k in sliced}}}
     if item.metadata.get("history"):
         meta["history"] = item.metadata["history"]
-    if any(k in sliced for k in keys):
-        meta["rewrites"] = {"microbatch-inference": {k: sliced[k] for k in keys if k in sliced}}
+    for k in keys:
+        if k in sliced:
+            records.put(meta, k, sliced[k])
     return meta

@@ -17,8 +17,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from vfgraph import records
 from vfgraph.errors import InputError, Quiet, VfgraphError
 from vfgraph.io import savedmodel
+from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.runtime.world import place_threads, shares, world
 
 log = logging.getLogger("vfgraph.train")
@@ -93,18 +95,17 @@ def vnode_layout(model: str, signature: str) -> Tuple[int, bool]:
     """(examples per virtual node b, or 0 when the graph divides the fed batch itself;
     whether the step all-reduces over ranks), from the rewrite record of ``model``."""
     meta = savedmodel.read_metadata(model) or {}
-    rewrites = meta.get("rewrites", {})
-    rec = rewrites.get("split-vnodes", {}).get(signature)
-    return (rec["vnode_batch"] if rec else 0), signature in rewrites.get("insert-allreduce", {})
+    rec = records.get(meta, VirtualNodes).get(signature)
+    return (rec.vnode_batch if rec else 0), signature in records.get(meta, Allreduce)
 
 
 def check_batch(model: str, signature: str, batch_size: int) -> None:
     """A batch the rewritten step of ``model`` can take: a multiple of its virtual-node batch
     b, or of its V virtual nodes when it divides the fed batch itself."""
-    rec = (savedmodel.read_metadata(model) or {}).get("rewrites", {}).get("split-vnodes", {}).get(signature)
+    rec = records.read(model, VirtualNodes).get(signature)
     if not rec:
         return
-    b, v = int(rec.get("vnode_batch") or 0), int(rec.get("vnodes") or 1)
+    b, v = int(rec.vnode_batch or 0), int(rec.vnodes or 1)
     if b and batch_size % b:
         raise InputError(f"--batch-size {batch_size}: not a multiple of the virtual-node batch b={b} of {model}; "
                          f"give a multiple of {b}")
@@ -315,9 +316,9 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     loaded, fn, data, keys, (lo, hi) = w.agree(open_model)
     config = None
     if w.is_root:
-        rec = (savedmodel.read_metadata(model) or {}).get("rewrites", {}).get("split-vnodes", {}).get(signature, {})
+        rec = records.read(model, VirtualNodes).get(signature)
         config = {"batch_size": batch_size, "seed": seed, "signature": signature,
-                  "vnodes": [rec.get("vnodes", 1), rec.get("vnode_batch", 0)],
+                  "vnodes": [rec.vnodes, rec.vnode_batch] if rec else [1, 0],
                   "model": savedmodel.source_fingerprint(model, None), "data": data_fingerprint(data)}
     ckpt = tf.train.Checkpoint(variables=list(fn.variables))
     start, losses, last_ckpt = 0, [], None

@@ -1,0 +1,157 @@
+"""Typed records of what the passes did to a model.
+
+A pass that rewrites a signature publishes a record of it, which later passes, the runtime
+and the command line read: the virtual-node layout of a training step, the all-reduce
+inserted into it, the micro-batching of a serving function. The records are kept where they
+always were, as plain JSON in ``item.metadata["rewrites"][PASS][signature key]``, which
+:func:`vfgraph.save` writes to ``assets.extra/vfgraph.json``; this module gives them a type,
+so a reader names the record it wants (``records.get(item, VirtualNodes)``) instead of
+spelling pass names and keys. ``to_json()`` gives exactly the dict a record is stored as;
+``from_json()`` also reads the records older versions wrote (keys they did not write get
+defaults).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Mapping, MutableMapping, Optional, Tuple, Type, TypeVar, Union
+
+if TYPE_CHECKING:
+    from vfgraph.item import GraphItem
+
+REWRITES = "rewrites"  # the metadata key the records are stored under
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """One tensor at the cut of a training step that the virtual-node loop sums: a variable's
+    gradient, a statistic, or the row indices of a sparse gradient."""
+
+    tensor: str                # the tensor in the original training function
+    variable: Optional[str]    # the variable it updates, if any
+    role: str                  # "gradient" | "statistic" | "indices"
+    shape: Optional[Tuple[int, ...]]
+
+    def to_json(self) -> dict:
+        return {"tensor": self.tensor, "variable": self.variable, "role": self.role,
+                "shape": None if self.shape is None else list(self.shape)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Gradient":
+        shape = d.get("shape")
+        return cls(d["tensor"], d.get("variable"), d.get("role", "gradient"),
+                   None if shape is None else tuple(shape))
+
+
+@dataclass(frozen=True)
+class VirtualNodes:
+    """split-vnodes: training signature ``function`` runs ``vnodes`` virtual nodes of
+    ``vnode_batch`` examples each (0: the fed batch / V) in a loop over
+    ``vnode_function``, sums their gradients through ``reduce_functions`` and runs
+    ``update_function`` once. ``stepwise``: the ``<key>_accumulate`` / ``<key>_apply``
+    signatures were added; ``per_vnode_seeds``: the seed reads offset per virtual node."""
+
+    PASS: ClassVar[str] = "split-vnodes"
+    function: str
+    vnodes: int = 1
+    vnode_batch: int = 0
+    vnode_function: str = ""
+    update_function: str = ""
+    per_vnode_seeds: Tuple[str, ...] = ()
+    stepwise: bool = False
+    reduce_functions: Tuple[str, ...] = ()
+    gradients: Tuple[Gradient, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"function": self.function, "vnodes": self.vnodes, "vnode_batch": self.vnode_batch,
+                "vnode_function": self.vnode_function, "update_function": self.update_function,
+                "per_vnode_seeds": list(self.per_vnode_seeds), "stepwise": self.stepwise,
+                "reduce_functions": list(self.reduce_functions), "gradients": [g.to_json() for g in self.gradients]}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "VirtualNodes":
+        return cls(d["function"], d.get("vnodes", 1), d.get("vnode_batch", 0), d.get("vnode_function", ""),
+                   d.get("update_function", ""), tuple(d.get("per_vnode_seeds", ())), d.get("stepwise", False),
+                   tuple(d.get("reduce_functions", ())), tuple(Gradient.from_json(g) for g in d.get("gradients", ())))
+
+
+@dataclass(frozen=True)
+class Allreduce:
+    """insert-allreduce: the reduce functions of a training signature sum over MPI ranks in
+    ``buffers`` (per reduce function, the argument names of each fused buffer, then one per
+    gathered sparse tensor) of at most ``fusion_mb`` MiB; ``broadcast_signature`` (None when
+    not added) starts the ranks from the same variables and checks every rank loaded the
+    graph with ``fingerprint``."""
+
+    PASS: ClassVar[str] = "insert-allreduce"
+    fusion_mb: float
+    buffers: Tuple[Tuple[Tuple[str, ...], ...], ...] = ()
+    fingerprint: str = ""
+    broadcast_signature: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return {"fusion_mb": self.fusion_mb, "buffers": [[list(b) for b in groups] for groups in self.buffers],
+                "fingerprint": self.fingerprint, "broadcast_signature": self.broadcast_signature}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Allreduce":
+        buffers = tuple(tuple(tuple(b) for b in groups) for groups in d.get("buffers", ()))
+        return cls(d["fusion_mb"], buffers, d.get("fingerprint", ""), d.get("broadcast_signature"))
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """microbatch-inference: serving function ``function`` runs requests in slices of at most
+    ``vnode_batch`` examples, a ``While`` in ``loop_function`` over ``body_function``, on
+    TensorFlow's ``executor`` ("default", or the single-threaded executor's name)."""
+
+    PASS: ClassVar[str] = "microbatch-inference"
+    function: str
+    vnode_batch: int
+    loop_function: str = ""
+    body_function: str = ""
+    executor: str = "default"  # records written before the single-threaded loop have none
+
+    def to_json(self) -> dict:
+        return {"function": self.function, "loop_function": self.loop_function, "body_function": self.body_function,
+                "vnode_batch": self.vnode_batch, "executor": self.executor}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Microbatch":
+        return cls(d["function"], d["vnode_batch"], d.get("loop_function", ""), d.get("body_function", ""),
+                   d.get("executor", "default"))
+
+
+Record = Union[VirtualNodes, Allreduce, Microbatch]
+R = TypeVar("R", VirtualNodes, Allreduce, Microbatch)
+
+
+def _metadata(source: Union["GraphItem", Mapping[str, Any], None]) -> Mapping[str, Any]:
+    if source is None:
+        return {}
+    return source if isinstance(source, Mapping) else source.metadata
+
+
+def rewrites(source: Union["GraphItem", Mapping[str, Any], None]) -> Mapping[str, Any]:
+    """Every pass's records as stored (pass name -> signature key -> JSON), for a report that
+    shows them whole; empty for a model no pass rewrote."""
+    return _metadata(source).get(REWRITES, {})
+
+
+def get(source: Union["GraphItem", Mapping[str, Any], None], kind: Type[R]) -> Dict[str, R]:
+    """The records of type ``kind`` in an item or its metadata: signature key -> record
+    (empty when that pass rewrote no signature)."""
+    return {key: kind.from_json(d) for key, d in rewrites(source).get(kind.PASS, {}).items()}
+
+
+def put(target: Union["GraphItem", MutableMapping[str, Any]], key: str, record: Record) -> None:
+    """Store ``record`` for signature ``key`` in an item's metadata (or in a metadata dict)."""
+    meta = target if isinstance(target, MutableMapping) else target.metadata
+    meta.setdefault(REWRITES, {}).setdefault(record.PASS, {})[key] = record.to_json()
+
+
+def read(path: str, kind: Type[R]) -> Dict[str, R]:
+    """The records of type ``kind`` of the SavedModel directory ``path`` (from its
+    ``assets.extra/vfgraph.json``; empty when vfgraph did not write it)."""
+    from vfgraph.io.savedmodel import read_metadata
+
+    return get(read_metadata(path) or {}, kind)
