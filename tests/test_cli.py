@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from vfgraph.testing.cli import ENV, error_line, tree_digest, vf  # noqa: F401
+from vfgraph.testing.cli import ENV, error_line, run_in_process, tree_digest, vf
 
 
 def test_version_and_help():
@@ -49,13 +49,20 @@ def test_rewrite_inspect_diff_verify(models, tmp_path):
     assert ver.returncode == 0 and "OK" in ver.stdout, ver.stdout + ver.stderr
 
 
-def test_output_exists_needs_force(models, tmp_path):
+def run(capsys, *argv):
+    """The command in this process, for mistakes whose answer does not depend on the process:
+    (exit code, the one error line)."""
+    code, err = run_in_process(capsys, *argv)
+    return code, (error_line(err) if code else "")
+
+
+def test_output_exists_needs_force(models, tmp_path, capsys):
     out = tmp_path / "o"
     out.mkdir()
-    res = vf("rewrite", models("mlp:sgd"), "--vnodes", 2, "-o", out)
-    assert res.returncode == 2 and "--force" in error_line(res)
+    code, line = run(capsys, "rewrite", models("mlp:sgd"), "--vnodes", 2, "-o", out)
+    assert code == 2 and "--force" in line
     assert list(out.iterdir()) == []
-    assert vf("rewrite", models("mlp:sgd"), "--vnodes", 2, "-o", out, "--force").returncode == 0
+    assert run(capsys, "rewrite", models("mlp:sgd"), "--vnodes", 2, "-o", out, "--force")[0] == 0
 
 
 @pytest.fixture
@@ -75,39 +82,41 @@ def broken(models, tmp_path):
     return make
 
 
-@pytest.mark.parametrize("kind,needle", [("truncated", "saved_model.pb"), ("corrupt", "saved_model.pb"),
-                                         ("novars", "variables")])
-def test_bad_models_fail_cleanly(broken, tmp_path, kind, needle):
-    d = broken(kind)
-    before = tree_digest(d)
-    out = tmp_path / "out"
-    res = vf("rewrite", d, "--vnodes", 2, "-o", out)
-    assert res.returncode == 2
-    assert needle in error_line(res) and "Traceback" not in res.stderr
-    assert not out.exists() and tree_digest(d) == before
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".vfgraph")]
+def test_bad_models_fail_cleanly(broken, tmp_path, capsys):
+    made = {}
+    for kind, needle in [("truncated", "saved_model.pb"), ("corrupt", "saved_model.pb"), ("novars", "variables")]:
+        d = made[kind] = broken(kind)
+        before = tree_digest(d)
+        out = tmp_path / "out"
+        code, line = run(capsys, "rewrite", d, "--vnodes", 2, "-o", out)
+        assert code == 2 and needle in line, (kind, line)
+        assert not out.exists() and tree_digest(d) == before
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".vfgraph")]
+    res = vf("rewrite", made["truncated"], "--vnodes", 2, "-o", out)  # and in a process of its own
+    assert res.returncode == 2 and "saved_model.pb" in error_line(res) and not out.exists()
 
 
-def test_not_a_model(tmp_path):
+def test_not_a_model(tmp_path, capsys):
     (tmp_path / "x.txt").write_text("hello")
     for target in (tmp_path, tmp_path / "x.txt", tmp_path / "missing"):
-        res = vf("rewrite", target, "--vnodes", 2, "-o", tmp_path / "out")
-        assert res.returncode == 2 and str(target) in error_line(res)
+        code, line = run(capsys, "rewrite", target, "--vnodes", 2, "-o", tmp_path / "out")
+        assert code == 2 and str(target) in line
 
 
-def test_no_training_signature_when_asked(models, tmp_path):
-    res = vf("rewrite", models("keras-export"), "--vnodes", 2, "--train-signature", "train", "-o", tmp_path / "o")
-    assert res.returncode == 2 and "no training signature" in error_line(res)
+def test_no_training_signature_when_asked(models, tmp_path, capsys):
+    code, line = run(capsys, "rewrite", models("keras-export"), "--vnodes", 2, "--train-signature", "train", "-o",
+                     tmp_path / "o")
+    assert code == 2 and "no training signature" in line
     assert not (tmp_path / "o").exists()
 
 
-def test_bad_pipeline_and_vnodes(models, tmp_path):
-    res = vf("rewrite", models("mlp:sgd"), "--pipeline", "split-vnodes{vnodez=2}", "-o", tmp_path / "o")
-    assert res.returncode == 2 and "no option 'vnodez'" in error_line(res)
-    res = vf("rewrite", models("mlp:sgd"), "--pipeline", "nonsense", "-o", tmp_path / "o")
-    assert res.returncode == 2 and "unknown pass" in error_line(res)
-    res = vf("rewrite", models("mlp:sgd"), "--vnodes", 0, "-o", tmp_path / "o")
-    assert res.returncode == 2 and "--vnodes" in error_line(res)
+def test_bad_pipeline_and_vnodes(models, tmp_path, capsys):
+    code, line = run(capsys, "rewrite", models("mlp:sgd"), "--pipeline", "split-vnodes{vnodez=2}", "-o", tmp_path / "o")
+    assert code == 2 and "no option 'vnodez'" in line
+    code, line = run(capsys, "rewrite", models("mlp:sgd"), "--pipeline", "nonsense", "-o", tmp_path / "o")
+    assert code == 2 and "unknown pass" in line
+    code, line = run(capsys, "rewrite", models("mlp:sgd"), "--vnodes", 0, "-o", tmp_path / "o")
+    assert code == 2 and "--vnodes" in line
 
 
 def test_saved_model_cli_shows_rewritten_model(rewritten):
@@ -141,19 +150,20 @@ def test_fresh_process_loads_rewritten_model(rewritten):
     assert abs(float(res.stdout.split()[-1]) - np.log(10)) < 1e-5
 
 
-def test_train_resume_and_result(rewritten, digits, tmp_path):
+def test_train_resume_and_result(rewritten, digits, tmp_path, capsys):
     out = rewritten("mlp:sgd", 4, 8)
     full = vf("train", out, "--data", digits["train"], "--steps", 6, "--batch-size", 32, "-o", tmp_path / "full",
               "--no-progress")
     assert full.returncode == 0, full.stderr
-    part = vf("train", out, "--data", digits["train"], "--steps", 6, "--batch-size", 32, "-o", tmp_path / "part",
-              "--no-progress", "--checkpoint-every", 3)
-    assert part.returncode == 0, part.stderr
-    bad = vf("train", out, "--data", digits["train"], "--steps", 2, "--batch-size", 30, "-o", tmp_path / "bad",
-             "--no-progress")
-    assert bad.returncode != 0 and not (tmp_path / "bad").exists()
-    missing = vf("train", out, "--data", tmp_path / "nope.npz", "--steps", 2, "--batch-size", 32, "-o", tmp_path / "m")
-    assert missing.returncode == 2 and "nope.npz" in error_line(missing)
+    code, _ = run(capsys, "train", out, "--data", digits["train"], "--steps", 6, "--batch-size", 32, "-o",
+                  tmp_path / "part", "--no-progress", "--checkpoint-every", 3)
+    assert code == 0
+    code, line = run(capsys, "train", out, "--data", digits["train"], "--steps", 2, "--batch-size", 30, "-o",
+                     tmp_path / "bad", "--no-progress")
+    assert code == 2 and "b=8" in line and not (tmp_path / "bad").exists()
+    code, line = run(capsys, "train", out, "--data", tmp_path / "nope.npz", "--steps", 2, "--batch-size", 32, "-o",
+                     tmp_path / "m")
+    assert code == 2 and "nope.npz" in line
 
 
 def test_killed_training_resumes_to_the_same_parameters(rewritten, digits, tmp_path):
