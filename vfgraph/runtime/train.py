@@ -99,19 +99,20 @@ def vnode_layout(model: str, signature: str) -> Tuple[int, bool]:
     return (rec.vnode_batch if rec else 0), signature in records.get(meta, Allreduce)
 
 
-def check_batch(model: str, signature: str, batch_size: int) -> None:
+def check_batch(model: str, signature: str, batch_size: int, what: str = "") -> None:
     """A batch the rewritten step of ``model`` can take: a multiple of its virtual-node batch
-    b, or of its V virtual nodes when it divides the fed batch itself."""
+    b, or of its V virtual nodes when it divides the fed batch itself. ``what`` names the batch
+    in the message (default: the --batch-size option)."""
     rec = records.read(model, VirtualNodes).get(signature)
     if not rec:
         return
+    what = what or f"--batch-size {batch_size}"
     b, v = int(rec.vnode_batch or 0), int(rec.vnodes or 1)
     if b and batch_size % b:
-        raise InputError(f"--batch-size {batch_size}: not a multiple of the virtual-node batch b={b} of {model}; "
-                         f"give a multiple of {b}")
+        raise InputError(f"{what}: not a multiple of the virtual-node batch b={b} of {model}; give a multiple of {b}")
     if not b and batch_size % v:
-        raise InputError(f"--batch-size {batch_size}: not divisible by the {v} virtual nodes of {model}; give a "
-                         f"multiple of {v}")
+        raise InputError(f"{what}: not a multiple of the vnodes={v} virtual nodes of {model} (each step splits the "
+                         f"batch into {v} equal slices); give a multiple of {v}")
 
 
 def check_data(data: Dict[str, np.ndarray], specs, data_path: str, signature: str) -> Dict[str, np.ndarray]:

@@ -181,22 +181,10 @@ def _fed_batch(fn, batch: int) -> int:
 def _check_vnode_batch(path: str, signature: str, fed: int, batch: int) -> None:
     """The fed batch splits into whole virtual nodes of ``path``'s ``signature`` (a rewrite
     checks it at run time, deep inside TensorFlow; this names the option to change instead)."""
-    from vfgraph import records
-    from vfgraph.records import VirtualNodes
-    from vfgraph.runtime.train import vnode_layout
+    from vfgraph.runtime.train import check_batch
 
-    b, _ = vnode_layout(path, signature)
     what = f"--batch-size {fed}" if fed == batch else f"the static batch {fed} of signature {signature!r}"
-    if b:
-        if fed % b:
-            raise InputError(f"{what}: not a multiple of the virtual-node batch b={b} of {path}; "
-                             f"give a multiple of {b}")
-        return
-    record = records.read(path, VirtualNodes).get(signature)
-    vnodes = record.vnodes if record else 1
-    if fed % vnodes:
-        raise InputError(f"{what}: not a multiple of the vnodes={vnodes} virtual nodes of {path} (each step splits "
-                         f"the batch into {vnodes} equal slices); give a multiple of {vnodes}")
+    check_batch(path, signature, fed, what)
 
 
 def _check_data(data: Dict[str, np.ndarray], key: str, fn, batch: int) -> None:
