@@ -31,11 +31,12 @@ from tensorflow.core.protobuf import saved_model_pb2, saved_object_graph_pb2, sa
 
 from vfgraph import records
 from vfgraph.errors import InputError, OutputError
-from vfgraph.io import checkpoint, savedmodel
+from vfgraph.io import checkpoint, outputs, savedmodel
 from vfgraph.io.checkpoint import OBJECT_GRAPH_KEY, CheckpointReader
 from vfgraph.ir.graph import function_dependencies, iter_func_attrs, verify_function_def
 from vfgraph.item import GraphItem
 from vfgraph.records import Microbatch, VirtualNodes
+from vfgraph.version import __version__
 
 SERVE_TAG = "serve"
 INIT_OP_KEY = "__saved_model_init_op"
@@ -66,8 +67,6 @@ def prepare_target(out: str, version: int, force: bool, sources=()) -> str:
     ``out`` is new, or a serving base (version directories only) that contains no input but
     a version of its own (exporting ``base/1`` as ``base/2``); an existing version is replaced
     only with ``force`` and only when vfgraph wrote it. Returns the version directory's path."""
-    from vfgraph.io import outputs
-
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise InputError(f"--version {version}: give a non-negative integer (TF Serving's version directories)")
     base = os.path.abspath(out)
@@ -90,8 +89,6 @@ def prepare_target(out: str, version: int, force: bool, sources=()) -> str:
 def save_serving_model(item: GraphItem, out: str, version: int = 1, force: bool = False) -> str:
     """Write the serving-only SavedModel of ``item`` at ``out/<version>/`` atomically (temp dir
     in ``out``, then rename); returns that directory. The input is only read."""
-    from vfgraph.io import outputs
-
     path = prepare_target(out, version, force, savedmodel.input_paths(item))
     if item.kind != "saved_model":
         what = {"tf1_saved_model": "a TF1 model", "graph_def": "a frozen GraphDef"}.get(item.kind, item.kind)
@@ -469,8 +466,6 @@ def _op_list(graph: graph_pb2.GraphDef) -> op_def_pb2.OpList:
 def _metadata(item: GraphItem, proto: saved_model_pb2.SavedModel) -> dict:
     """What the export records in assets.extra/vfgraph.json: how its serving functions were
     made (the source's history and micro-batching), its signatures, and its source."""
-    from vfgraph import __version__
-
     mg = proto.meta_graphs[0]
     keys = sorted(k for k in mg.signature_def if k != INIT_OP_KEY)
     sliced = records.get(item, Microbatch)
