@@ -28,7 +28,7 @@ from vfgraph.errors import PipelineError
 from vfgraph.ir.graph import FunctionGraph, arg_shapes, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
-from vfgraph.passes.base import Pass, PassResult
+from vfgraph.passes.base import Pass, PassResult, option, register
 from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.rewrites.split_vnodes import _header, _signature_wrapper, add_signature
 
@@ -40,14 +40,17 @@ _BYTES = {types_pb2.DT_HALF: 2, types_pb2.DT_BFLOAT16: 2, types_pb2.DT_FLOAT: 4,
 _BROADCAST_TYPES = frozenset(_BYTES) | {types_pb2.DT_UINT8, types_pb2.DT_INT8, types_pb2.DT_BOOL}
 
 
+@register
 @dataclass(frozen=True)
 class InsertAllreducePass(Pass):
-    """``fusion_mb``: largest fused buffer in MiB; ``signature``: training signature (default: all
-    signatures split into virtual nodes)."""
+    """Sum the virtual-node gradients of a training step over MPI ranks (fused all-reduce
+    buffers), and add a broadcast signature that starts every rank from rank 0's variables."""
 
     name: ClassVar[str] = "insert-allreduce"
-    fusion_mb: float = DEFAULT_FUSION_MB
-    signature: str = ""
+    requires: ClassVar[tuple] = (VirtualNodes,)
+    produces: ClassVar[tuple] = (Allreduce,)
+    fusion_mb: float = option(DEFAULT_FUSION_MB, "largest fused all-reduce buffer, MiB")
+    signature: str = option("", "the training signature (default: every signature split into virtual nodes)")
 
     def call(self, item: GraphItem) -> PassResult:
         from vfgraph import ops
@@ -66,7 +69,6 @@ class InsertAllreducePass(Pass):
         todo = [k for k in keys if k not in done]
         if not todo:
             return PassResult(item, False, ["all-reduce already inserted"])
-        item = item.for_edit()
         notes: List[str] = []
         for key in todo:
             buffers = []

@@ -31,7 +31,7 @@ from vfgraph.errors import PipelineError
 from vfgraph.ir.graph import FunctionGraph, arg_shapes, copy_header, function_dependencies, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem, SignatureInfo
-from vfgraph.passes.base import Pass, PassResult
+from vfgraph.passes.base import Pass, PassResult, option, register
 from vfgraph.records import Microbatch, VirtualNodes
 
 SINGLE_THREADED = "SINGLE_THREADED_EXECUTOR"
@@ -43,13 +43,16 @@ _NOT_SINGLE_THREADED = frozenset((
     "VariableV2", "Variable", "TemporaryVariable"))
 
 
+@register
 @dataclass(frozen=True)
 class MicrobatchInferencePass(Pass):
-    """``vnode_batch``: the most examples one slice holds (0: the training rewrite's b, else 1
-    slice per request, i.e. no change)."""
+    """Run each serving signature over a request in slices of at most b examples, one after
+    another, so serving memory follows b rather than the request's size."""
 
     name: ClassVar[str] = "microbatch-inference"
-    vnode_batch: int = 0
+    produces: ClassVar[tuple] = (Microbatch,)
+    vnode_batch: int = option(0, "the most examples one slice holds (0: the training rewrite's b; with none, "
+                                 "serving is left as it is)")
 
     def call(self, item: GraphItem) -> PassResult:
         if self.vnode_batch < 0:
@@ -59,7 +62,6 @@ class MicrobatchInferencePass(Pass):
             return PassResult(item, False, ["microbatch-inference: no slice size (give vnode-batch); serving unchanged"])
         done = records.get(item, Microbatch)
         train = {r.function for r in records.get(item, VirtualNodes).values()}
-        item = item.for_edit()
         notes: List[str] = []
         modified = False
         seen_functions = set()

@@ -24,20 +24,24 @@ from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.ir.graph import FunctionGraph, TensorRef, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
-from vfgraph.passes.base import Pass, PassResult
+from vfgraph.passes.base import Pass, PassResult, option, register
 from vfgraph.records import Gradient, VirtualNodes
 
 
+@register
 @dataclass(frozen=True)
 class SplitVnodesPass(Pass):
-    """``vnodes``: virtual nodes per step (V); ``vnode_batch``: examples per virtual node (b),
-    0 to derive it (static batch / V, or the fed batch / V at run time)."""
+    """Run the training step as V virtual nodes of b examples in an in-graph loop: gradients
+    summed over the virtual nodes, the optimizer's update applied once."""
 
     name: ClassVar[str] = "split-vnodes"
-    vnodes: int = 1
-    vnode_batch: int = 0
-    signature: str = ""
-    stepwise: bool = True
+    produces: ClassVar[tuple] = (VirtualNodes,)
+    vnodes: int = option(1, "virtual nodes per step (V)")
+    vnode_batch: int = option(0, "examples per virtual node (b); 0: the static batch / V, or the fed batch / V "
+                                 "at run time")
+    signature: str = option("", "the training signature (default: 'train', or the one found)")
+    stepwise: bool = option(True, "also add <key>_accumulate and <key>_apply signatures (one virtual node at a "
+                                  "time, for a trainer that feeds them)")
 
     def call(self, item: GraphItem) -> PassResult:
         if self.vnodes < 1:
@@ -52,7 +56,6 @@ class SplitVnodesPass(Pass):
                                  "export one named 'train' or pass --train-signature NAME")
         if sig.key in records.get(item, VirtualNodes):
             return PassResult(item, False, [f"signature {sig.key!r} already has virtual nodes"])
-        item = item.for_edit()
         # Read in place (no copy): the function is replaced last, once nothing reads it.
         original = FunctionGraph._over(item.function(sig.function), item.library)
         original.verify()

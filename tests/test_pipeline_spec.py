@@ -94,12 +94,12 @@ def test_every_pass_round_trips_through_its_spec():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from vfgraph.passes.base import REGISTRY, get_pass_class, option_types
+    from vfgraph.passes.base import option_types, registered
 
     values = {bool: st.booleans(), int: st.integers(0, 10 ** 6),
               float: st.floats(1e-6, 1e6, allow_nan=False, allow_infinity=False),
               str: st.from_regex(r"[A-Za-z_][A-Za-z0-9_.=:/-]{0,12}", fullmatch=True)}
-    classes = [get_pass_class(n) for n in sorted(REGISTRY)]
+    classes = list(registered().values())
     passes = st.one_of(*[st.builds(c, **{k: values[t] for k, t in option_types(c).items()}) for c in classes])
 
     @settings(max_examples=300, derandomize=True, database=None, suppress_health_check=list(HealthCheck))

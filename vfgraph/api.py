@@ -4,14 +4,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from vfgraph import __version__
-from vfgraph.errors import InputError, InternalError, VerifyError, VfgraphError
+from vfgraph.errors import InputError, InternalError, VfgraphError
 from vfgraph.io import graphdef, metagraph, objectgraph, savedmodel
-from vfgraph.ir.graph import function_dependencies, verify_function_def
 from vfgraph.item import GraphItem
-from vfgraph.passes.base import Pass, Sequential, parse_pipeline
+from vfgraph.passes.base import parse_pipeline
+from vfgraph.passes.manager import AfterEach, PassManager
+from vfgraph.verification import verify
 
 ModelLike = Union[str, os.PathLike, GraphItem]
 
@@ -65,9 +66,10 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
 
 
 def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: Optional[str] = None,
-            train_signature: str = "", after_each: Optional[Callable[[Pass, GraphItem], None]] = None,
+            train_signature: str = "", after_each: Optional[AfterEach] = None,
             outputs: Optional[Sequence[str]] = None, allreduce: str = "mpi", fusion_mb: float = 4,
-            checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False) -> GraphItem:
+            checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False,
+            verify_each: bool = False) -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
     With ``in_place``, a loaded item is rewritten itself and returned, without the copy (a
     model's size in memory and the time to copy it): for an item loaded only to be rewritten
@@ -77,12 +79,14 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     of a TF2 SavedModel (on one process it is skipped at run time; loading the model then needs
     vfgraph's ops, see :func:`export` for serving), "none" leaves it out. The output depends
     only on the input and the options: where the ops cannot be built, "mpi" is an error. ``after_each(pass, item)``
-    sees each pass's result before the next pass edits it in place (``item.copy()`` keeps one)."""
+    sees each pass's result before the next pass edits it in place (``item.copy()`` keeps one).
+    ``verify_each``: verify after every pass, not only at the end (names the pass that broke
+    the graph; costs a verify per pass)."""
     if allreduce not in ("mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi' or 'none'")
     with _gc_paused():
         return _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce,
-                        fusion_mb, checkpoint, loss, in_place)
+                        fusion_mb, checkpoint, loss, in_place, verify_each)
 
 
 @contextlib.contextmanager
@@ -100,20 +104,17 @@ def _gc_paused():
 
 
 def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce, fusion_mb,
-             checkpoint, loss, in_place) -> GraphItem:
-    if isinstance(model, GraphItem):
-        item = model
-        item._pipeline_owned = in_place
-    else:  # loaded here and held by nothing else: the passes may edit it in place
-        item = load(model, outputs, checkpoint, loss)
-        item._pipeline_owned = True
+             checkpoint, loss, in_place, verify_each) -> GraphItem:
+    owned = in_place or not isinstance(model, GraphItem)  # loaded here: held by nothing else
+    item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
     if pipeline is None:
         has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
         if item.kind != "saved_model":  # TF1 and GraphDef outputs train on one process
             allreduce = "none"
         pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, allreduce == "mpi", fusion_mb)
-    seq = Sequential(parse_pipeline(pipeline), after_each=after_each)
-    out, notes = seq(item)
+    source_fingerprint = savedmodel.source_fingerprint(item.source, item.variables_prefix)
+    seq = PassManager(parse_pipeline(pipeline), verify_each=verify_each, after_each=after_each)
+    out, notes = seq.run(item, owned=owned)
     objectgraph.relink_captured_tensors(out.meta_graph.object_graph_def, out.library)
     try:
         verify(out)
@@ -121,32 +122,11 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
         raise InternalError(f"the rewritten model would not load ({seq.spec()}): {e}") from e
     history = list(out.metadata.get("history", []))
     history.append({"pipeline": seq.spec(),
-                    "source_fingerprint": savedmodel.source_fingerprint(item.source, item.variables_prefix),
+                    "source_fingerprint": source_fingerprint,
                     "vfgraph_version": __version__})
     out.metadata["history"] = history
     out.metadata["notes"] = notes
     return out
-
-
-def verify(item: GraphItem) -> None:
-    """Check what TensorFlow's loader reads: every library function reachable from a signature
-    or from the object graph (concrete functions, the objects they are bound to, captured
-    tensors), and each function those call."""
-    lib = item.library
-    og = item.meta_graph.object_graph_def
-    problems = objectgraph.loader_problems(og, lib)
-    if problems:
-        raise VerifyError(f"{item.source}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if problems[1:] else ""))
-    roots = {sig.function for sig in item.signatures.values()} | item.preserve | objectgraph.object_graph_functions(og)
-    missing = sorted(r for r in roots if r not in lib)
-    if missing:
-        raise VerifyError(f"{item.source}: function {missing[0]!r} is used but not in the library")
-    seen = set()
-    for root in sorted(roots):
-        for name in function_dependencies(root, lib):
-            if name not in seen:
-                seen.add(name)
-                verify_function_def(lib[name], lib)
 
 
 def save(item: GraphItem, out: Union[str, os.PathLike], force: bool = False) -> str:

@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--train-signature", default="", metavar="NAME",
                    help="the training signature (default: 'train', or the one found to update variables)")
     r.add_argument("--print-after-all", action="store_true", help="print the canonical graph after each pass")
+    r.add_argument("--verify-each", action="store_true",
+                   help="verify the model after every pass, not only at the end (names the pass that broke it)")
     r.add_argument("--force", action="store_true",
                    help="replace OUTPUT if it exists and vfgraph wrote it (anything else is never replaced)")
     r.add_argument("--outputs", metavar="T1,T2",
@@ -142,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true",
                    help="replace OUTPUT/VERSION if it exists and vfgraph wrote it")
 
+    ps = command("passes", "list the passes a --pipeline can name, with their options")
+    ps.add_argument("--json", action="store_true", help="machine-readable output")
+
     bo = command("build-ops", "build (or find) vfgraph's MPI ops for this TensorFlow and MPI")
     bo.add_argument("--force", action="store_true", help="build again even if the cache holds them")
     return p
@@ -174,7 +179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
                 "verify": cmd_verify, "train": cmd_train, "export": cmd_export,
-                "build-ops": cmd_build_ops}[args.command](args)
+                "passes": cmd_passes, "build-ops": cmd_build_ops}[args.command](args)
     except Quiet as e:  # another rank reports it
         return e.exit_code
     except VfgraphError as e:
@@ -250,7 +255,7 @@ def cmd_rewrite(args) -> int:
                            pipeline=args.pipeline, train_signature=args.train_signature, after_each=after,
                            outputs=args.outputs.split(",") if args.outputs else None,
                            allreduce=args.allreduce, fusion_mb=args.fusion_mb, checkpoint=args.checkpoint,
-                           loss=args.loss)
+                           loss=args.loss, verify_each=args.verify_each)
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
@@ -399,6 +404,28 @@ def cmd_export(args) -> int:
     sigs = ", ".join(f"{k} (slices of {sliced[k]})" if k in sliced else k for k in rec.get("signatures", []))
     print(f"wrote {path} (serving only: {sigs})")
     return 0
+
+
+def cmd_passes(args) -> int:
+    from vfgraph.passes.base import describe, registered
+
+    passes = [describe(cls) for cls in registered().values()]
+    if args.json:
+        print(json.dumps(passes, indent=2, sort_keys=True))
+        return 0
+    for i, d in enumerate(passes):
+        contract = [f"{k} {', '.join(d[k])}" for k in ("requires", "produces") if d[k]]
+        print(("\n" if i else "") + d["name"] + (f"  ({'; '.join(contract)})" if contract else ""))
+        print(textwrap.fill(d["summary"], 88, initial_indent="  ", subsequent_indent="  "))
+        for o in d["options"]:
+            head = f"    {o['name']}={_option_text(o['default'])} ({o['type']})"
+            print(textwrap.fill(o["help"], 88, initial_indent=head.ljust(34) + " ", subsequent_indent=" " * 35,
+                                break_on_hyphens=False) if o["help"] else head)
+    return 0
+
+
+def _option_text(v) -> str:
+    return (str(v).lower() if isinstance(v, bool) else str(v)) if v != "" else "''"
 
 
 def cmd_build_ops(args) -> int:

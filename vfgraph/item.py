@@ -67,8 +67,6 @@ class GraphItem:
     preserve: set = field(default_factory=set)
     metadata: Dict[str, object] = field(default_factory=dict)
     variables_prefix: str = ""  # checkpoint holding the variables when not source/variables (TF1 .meta)
-    # an intermediate result of a pipeline, edited in place by the next pass (see for_edit)
-    _pipeline_owned: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def meta_graph(self):
@@ -101,13 +99,6 @@ class GraphItem:
 
     def has_function(self, name: str) -> bool:
         return any(f.signature.name == name for f in self.meta_graph.graph_def.library.function)
-
-    def for_edit(self) -> "GraphItem":
-        """The item a pass may change: a copy, except for an intermediate result a pipeline
-        owns (nothing else holds it, so it is edited in place)."""
-        if self._pipeline_owned:
-            return self
-        return self.copy()
 
     def copy(self) -> "GraphItem":
         sm = saved_model_pb2.SavedModel()

@@ -1,27 +1,30 @@
-"""Passes, pipelines and the registry.
+"""Passes, the registry and the pipeline grammar.
 
-A pass is a frozen dataclass with a kebab-case ``name`` and its options as fields;
-``call(item)`` returns a :class:`PassResult`. A pipeline is a string users can paste:
-``split-vnodes{vnodes=8},microbatch-inference{vnode-batch=16}``.
+A pass is a frozen dataclass with a kebab-case ``name`` and its options as fields, made
+known by :func:`register`; ``call(item)`` returns a :class:`PassResult`. A pipeline is a
+string users can paste: ``split-vnodes{vnodes=8},microbatch-inference{vnode-batch=16}``;
+:class:`vfgraph.passes.manager.PassManager` runs one.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import logging
+import importlib.metadata
+import pkgutil
 import re
 import typing
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Optional, Tuple, TypeVar
 
-from vfgraph.errors import PipelineError, VfgraphError
+from vfgraph.errors import PipelineError
 from vfgraph.item import GraphItem
-
-log = logging.getLogger("vfgraph.passes")
 
 
 @dataclass
 class PassResult:
+    """What a pass returns: the item (the one it was given, edited or not), whether it
+    changed, and notes for the user."""
+
     item: GraphItem
     modified: bool
     notes: List[str] = dataclasses.field(default_factory=list)
@@ -29,9 +32,23 @@ class PassResult:
 
 @dataclass(frozen=True)
 class Pass:
-    """Base class: subclasses set ``name`` and implement :meth:`call`."""
+    """Base class of passes: a frozen dataclass whose fields are its options.
+
+    Subclasses set ``name`` (kebab-case, the pipeline name), implement :meth:`call` and are
+    registered with :func:`register`. The contract, checked by :class:`PassManager`:
+
+    - ``requires``: record types (:mod:`vfgraph.records`) the item must hold before the pass
+      runs, from an earlier pass or from the model it was loaded from;
+    - ``produces``: record types the pass publishes when it changes the item;
+    - ``edits``: whether the pass may change the item. The item :meth:`call` gets is then the
+      manager's own (a copy of the caller's, made once per pipeline), edited in place and
+      returned; a pass with ``edits = False`` only reads it.
+    """
 
     name: ClassVar[str] = ""
+    requires: ClassVar[Tuple[type, ...]] = ()
+    produces: ClassVar[Tuple[type, ...]] = ()
+    edits: ClassVar[bool] = True
 
     def call(self, item: GraphItem) -> PassResult:  # pragma: no cover - interface
         raise NotImplementedError
@@ -50,8 +67,23 @@ class Pass:
                 opts.append(f"{f.name.replace('_', '-')}={text}")
         return self.name + ("{" + ",".join(opts) + "}" if opts else "")
 
-    def __call__(self, item: GraphItem) -> PassResult:
-        return self.call(item)
+
+def option(default, help: str):
+    """A pass option: its default and a line of help (``vfgraph passes`` shows it)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def describe(cls: type) -> dict:
+    """What ``vfgraph passes`` shows of pass class ``cls``: its name, a summary (the first
+    paragraph of its docstring), its options (type, default, help), the records it requires
+    and produces, and whether it edits the model."""
+    doc = (cls.__doc__ or "").strip().split("\n\n")[0]
+    types = option_types(cls)
+    return {"name": cls.name, "summary": " ".join(doc.split()),
+            "options": [{"name": f.name.replace("_", "-"), "type": types[f.name].__name__, "default": f.default,
+                         "help": f.metadata.get("help", "")} for f in dataclasses.fields(cls)],
+            "requires": [r.__name__ for r in cls.requires], "produces": [r.__name__ for r in cls.produces],
+            "edits": cls.edits}
 
 
 def _fmt(v) -> str:
@@ -59,22 +91,72 @@ def _fmt(v) -> str:
 
 
 # ------------------------------------------------------------------- registry
-# name -> module under vfgraph.rewrites; imported on first use.
-REGISTRY: Dict[str, str] = {
-    "split-vnodes": "split_vnodes",
-    "microbatch-inference": "microbatch_inference",
-    "insert-allreduce": "insert_allreduce",
-}
+_PASSES: Dict[str, type] = {}
+_BUILTIN = "vfgraph.rewrites"  # the package of vfgraph's own passes, one module each
+ENTRY_POINTS = "vfgraph.passes"  # the entry-point group other packages register passes under
+_discovered = False
+
+P = TypeVar("P", bound=type)
 
 
-def get_pass_class(name: str):
-    if name not in REGISTRY:
-        raise PipelineError(f"unknown pass {name!r}; known passes: {', '.join(sorted(REGISTRY))}")
-    module = importlib.import_module(f"vfgraph.rewrites.{REGISTRY[name]}")
-    cls_name = "".join(p.capitalize() for p in name.split("-")) + "Pass"
-    return getattr(module, cls_name)
+def register(cls: P) -> P:
+    """Class decorator: make pass ``cls`` known to pipelines and ``vfgraph passes`` by its
+    ``name``. Checks what a pipeline relies on: a frozen dataclass subclass of :class:`Pass`,
+    a kebab-case name no other pass has, options of bool, int, float or str with defaults,
+    and record types in ``requires`` / ``produces``."""
+    if not (isinstance(cls, type) and issubclass(cls, Pass) and dataclasses.is_dataclass(cls)
+            and cls.__dataclass_params__.frozen):
+        raise TypeError(f"{cls!r}: a pass is a @dataclass(frozen=True) subclass of vfgraph.passes.base.Pass")
+    if not _PASS_NAME.fullmatch(cls.name or ""):
+        raise TypeError(f"{cls.__name__}.name = {cls.name!r}: give a kebab-case name, e.g. 'strip-identity'")
+    other = _PASSES.get(cls.name)
+    if other is not None and other.__qualname__ != cls.__qualname__:
+        raise TypeError(f"{cls.__name__}: pass name {cls.name!r} is taken by {other.__module__}.{other.__qualname__}")
+    option_types(cls)
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise TypeError(f"{cls.__name__}: options {', '.join(missing)} need defaults (a pipeline may omit them)")
+    for attr in ("requires", "produces"):
+        bad = [r for r in getattr(cls, attr) if not (isinstance(r, type) and isinstance(getattr(r, "PASS", None), str))]
+        if bad:
+            raise TypeError(f"{cls.__name__}.{attr}: {bad!r} are not record types of vfgraph.records")
+    _PASSES[cls.name] = cls
+    return cls
 
 
+def unregister(name: str) -> None:
+    """Forget the pass registered as ``name`` (a pass defined for a test)."""
+    _PASSES.pop(name, None)
+
+
+def registered() -> Dict[str, type]:
+    """Every pass a pipeline can name, by name: vfgraph's own (each module of
+    ``vfgraph.rewrites``), those other installed packages declare under the
+    ``vfgraph.passes`` entry-point group, and any registered since."""
+    global _discovered
+    if not _discovered:
+        _discovered = True
+        package = importlib.import_module(_BUILTIN)
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+            importlib.import_module(f"{_BUILTIN}.{info.name}")
+        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda e: e.name):
+            try:
+                ep.load()
+            except Exception as e:  # another package's broken plug-in: say which
+                raise PipelineError(f"pass plug-in {ep.name!r} ({ep.value}) of entry-point group {ENTRY_POINTS!r} "
+                                    f"failed to load: {type(e).__name__}: {e}") from e
+    return dict(sorted(_PASSES.items()))
+
+
+def get_pass_class(name: str) -> type:
+    passes = registered()
+    if name not in passes:
+        raise PipelineError(f"unknown pass {name!r}; known passes: {', '.join(passes)}")
+    return passes[name]
+
+
+_PASS_NAME = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
@@ -229,38 +311,3 @@ def _convert(pass_name: str, key: str, value: str, field, typ: type):
         raise PipelineError(f"pass {pass_name!r}: option {key}={value!r} is not a valid {typ.__name__}; "
                             f"give {_OPTION_TYPES[typ]}{example}") from None
     return value
-
-
-class Sequential:
-    """Runs passes in order; a failure names the pass and the passes that ran before it."""
-
-    def __init__(self, passes: Sequence[Pass], after_each: Optional[Callable[[Pass, GraphItem], None]] = None):
-        self.passes = list(passes)
-        self.after_each = after_each
-
-    def spec(self) -> str:
-        return ",".join(p.spec() for p in self.passes)
-
-    def __call__(self, item: GraphItem) -> Tuple[GraphItem, List[str]]:
-        """Run the passes. A pass's new item is handed to the next pass to edit in place
-        (only the first copy is made); ``after_each`` sees each one before the next pass runs."""
-        done: List[str] = []
-        notes: List[str] = []
-        try:
-            for p in self.passes:
-                try:
-                    result = p.call(item)
-                except VfgraphError as e:
-                    before = f" (after {', '.join(done)})" if done else ""
-                    raise type(e)(f"pass {p.name}{before}: {e}") from None
-                if result.item is not item:
-                    result.item._pipeline_owned = True
-                item = result.item
-                notes.extend(result.notes)
-                done.append(p.name)
-                log.info("pass %s: %s", p.name, "modified" if result.modified else "no change")
-                if self.after_each is not None:
-                    self.after_each(p, item)
-        finally:
-            item._pipeline_owned = False
-        return item, notes
