@@ -12,13 +12,18 @@ defaults).
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Dict, Mapping, MutableMapping, Optional, Tuple, Type, TypeVar, Union
+
+from vfgraph.errors import InputError
 
 if TYPE_CHECKING:
     from vfgraph.item import GraphItem
 
 REWRITES = "rewrites"  # the metadata key the records are stored under
+METADATA_FILE = os.path.join("assets.extra", "vfgraph.json")  # where a model directory keeps its metadata
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,19 @@ def put(target: Union["GraphItem", MutableMapping[str, Any]], key: str, record: 
 def read(path: str, kind: Type[R]) -> Dict[str, R]:
     """The records of type ``kind`` of the SavedModel directory ``path`` (from its
     ``assets.extra/vfgraph.json``; empty when vfgraph did not write it)."""
-    from vfgraph.io.savedmodel import read_metadata
-
     return get(read_metadata(path) or {}, kind)
+
+
+def read_metadata(path: str) -> Optional[dict]:
+    """The metadata vfgraph wrote beside the model directory ``path``
+    (``assets.extra/vfgraph.json``: the records, the history, the training state), None
+    when there is none."""
+    p = os.path.join(path, METADATA_FILE)
+    if not os.path.isfile(p):
+        return None
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise InputError(f"{p}: vfgraph's record cannot be read ({e}); restore the model directory from where it "
+                         "came") from None

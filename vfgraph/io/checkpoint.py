@@ -1,7 +1,9 @@
-"""Checkpoints of SavedModels whose object graph gained variables (accumulators)."""
+"""Checkpoints: the files of one, and the checkpoints of SavedModels whose object graph gained
+variables (accumulators)."""
 from __future__ import annotations
 
 import functools
+import glob
 import os
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -11,6 +13,11 @@ from tensorflow.core.protobuf import saved_object_graph_pb2, trackable_object_gr
 from vfgraph.errors import InputError
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+def checkpoint_files(prefix: str) -> List[str]:
+    """The files of the checkpoint at ``prefix`` (index first, then data shards)."""
+    return [prefix + ".index"] + sorted(glob.glob(glob.escape(prefix) + ".data-*"))
 
 
 def _damaged(prefix: str, e: BaseException, key: str = "") -> InputError:

@@ -13,46 +13,18 @@ import tempfile
 from typing import List, Optional, Sequence
 
 from google.protobuf import text_format
-from google.protobuf.message import DecodeError
 from tensorflow.core.framework import graph_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
+from vfgraph.builder import annotate_shapes
 from vfgraph.errors import InputError
+from vfgraph.io import outputs
+from vfgraph.io.files import GRAPH_CALL, GRAPH_FUNCTION, emitted_by_vfgraph, read_graph_def  # noqa: F401
 from vfgraph.ir.graph import function_dependencies
 from vfgraph.item import GraphItem, SignatureInfo
 
-GRAPH_FUNCTION = "__vf_graph"
 GRAPH_SIGNATURE = "graph"
 _NOT_OUTPUTS = {"NoOp", "Assert", "Const", "Placeholder", "PlaceholderWithDefault", "SaveV2", "RestoreV2"}
-
-
-def read_graph_def(path: str) -> graph_pb2.GraphDef:
-    gd = graph_pb2.GraphDef()
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        if path.endswith(".pbtxt"):
-            text_format.Parse(data.decode("utf-8"), gd)
-        else:
-            gd.ParseFromString(data)
-    except (DecodeError, text_format.ParseError, UnicodeDecodeError, RuntimeError, ValueError) as e:
-        raise InputError(f"{path}: not a GraphDef ({str(e)[:200]}); give a frozen graph (.pb or .pbtxt)") from None
-    if not gd.node:
-        raise InputError(f"{path}: the GraphDef has no nodes")
-    return gd
-
-
-def emitted_by_vfgraph(path: str) -> bool:
-    """Whether the file at ``path`` is a GraphDef :func:`save_graph_def` wrote (one call of
-    the rewritten graph function, named ``vf/graph``)."""
-    try:
-        gd = read_graph_def(path)
-    except InputError:
-        return False
-    return any(n.name == "vf/graph" and n.attr["f"].func.name == GRAPH_FUNCTION for n in gd.node)
 
 
 def graph_outputs(gd: graph_pb2.GraphDef) -> List[str]:
@@ -91,8 +63,6 @@ def load_graph_def(path: str, outputs: Optional[Sequence[str]] = None) -> GraphI
         return tf.graph_util.import_graph_def(
             gd, input_map={f"{p.name}:0": a for p, a in zip(placeholders, args)}, return_elements=outs, name="graph")
 
-    from vfgraph.builder import annotate_shapes
-
     try:
         traced = tf.function(body, input_signature=specs, autograph=False).get_concrete_function()
     except (ValueError, TypeError, tf.errors.OpError) as e:
@@ -118,8 +88,6 @@ def load_graph_def(path: str, outputs: Optional[Sequence[str]] = None) -> GraphI
 
 def save_graph_def(item: GraphItem, out: str, force: bool = False) -> str:
     """Write the rewritten graph as a GraphDef (.pbtxt: text, otherwise binary), atomically."""
-    from vfgraph.io import outputs
-
     out = outputs.check_output(out, [item.source], force)
     src = item.meta_graph.graph_def
     lib = item.library
@@ -129,7 +97,7 @@ def save_graph_def(item: GraphItem, out: str, force: bool = False) -> str:
     placeholders = [n for n in src.node if n.op == "Placeholder"]
     gd.node.extend(placeholders)
     call = gd.node.add()
-    call.name = "vf/graph"
+    call.name = GRAPH_CALL
     call.op = "StatefulPartitionedCall"
     call.input.extend(p.name for p in placeholders)
     call.attr["f"].func.name = GRAPH_FUNCTION
@@ -139,7 +107,7 @@ def save_graph_def(item: GraphItem, out: str, force: bool = False) -> str:
         ident = gd.node.add()
         ident.name = o.split(":")[0]
         ident.op = "Identity"
-        ident.input.append(f"vf/graph:{k}")
+        ident.input.append(f"{GRAPH_CALL}:{k}")
         ident.attr["T"].type = fdef.signature.output_arg[k].type or types_pb2.DT_FLOAT
     for name in sorted(function_dependencies(GRAPH_FUNCTION, lib)):
         gd.library.function.add().CopyFrom(lib[name])

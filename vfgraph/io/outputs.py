@@ -20,8 +20,10 @@ import tempfile
 from typing import Iterable, Iterator, Optional
 
 from vfgraph.errors import OutputError
+from vfgraph.io.files import emitted_by_vfgraph
+from vfgraph.records import METADATA_FILE
 
-MARKER = os.path.join("assets.extra", "vfgraph.json")
+MARKER = METADATA_FILE
 PROGRESS = "progress.json"  # a training checkpoint directory holds it and step-N.* files
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -54,8 +56,6 @@ def written_by_vfgraph(path: str) -> bool:
             return False
         return isinstance(record, dict) and bool({"history", "serving_export", "training"} & set(record))
     if os.path.isfile(path) and path.endswith((".pb", ".pbtxt")):
-        from vfgraph.io.graphdef import emitted_by_vfgraph
-
         return emitted_by_vfgraph(path)
     return False
 

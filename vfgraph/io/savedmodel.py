@@ -13,27 +13,20 @@ from tensorflow.core.protobuf import saved_model_pb2
 
 from vfgraph import records
 from vfgraph.errors import InputError
-from vfgraph.io import tf1
+from vfgraph.io import outputs, tf1
+from vfgraph.io.checkpoint import checkpoint_files, extend_checkpoint
+from vfgraph.io.files import read_bytes
 from vfgraph.ir.graph import parse_input
 from vfgraph.item import GraphItem, SignatureInfo, TensorSpecInfo, VariableInfo
-from vfgraph.records import Allreduce, VirtualNodes
+from vfgraph.records import METADATA_FILE, Allreduce, VirtualNodes, read_metadata
 
 SAVED_MODEL_PB = "saved_model.pb"
-METADATA_FILE = os.path.join("assets.extra", "vfgraph.json")
 _CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
 _PASSTHROUGH = ("Identity", "NoOp")
 
 
 def is_saved_model_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, SAVED_MODEL_PB))
-
-
-def read_bytes(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def read_saved_model_proto(path: str) -> saved_model_pb2.SavedModel:
@@ -210,25 +203,11 @@ def load_to_run(path: str, tags=None):
                          "the whole directory again") from None
 
 
-def read_metadata(path: str) -> Optional[dict]:
-    p = os.path.join(path, METADATA_FILE)
-    if not os.path.isfile(p):
-        return None
-    try:
-        with open(p) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise InputError(f"{p}: vfgraph's record cannot be read ({e}); restore the model directory from where it "
-                         "came") from None
-
-
 def source_fingerprint(path: str, variables_prefix: str = "") -> str:
     """sha256 over the SavedModel protobuf and the variables of ``path`` (or over a file and
     the checkpoint at ``variables_prefix``). A checkpoint's data shards count by name and
     size: their content is covered by the index, which holds every tensor's CRC32C, so the
     fingerprint does not read gigabytes of weights."""
-    from vfgraph.io.metagraph import checkpoint_files
-
     h = hashlib.sha256()
     if os.path.isfile(path):
         files = [("", path)] + [(os.path.basename(f), f) for f in (checkpoint_files(variables_prefix)
@@ -250,8 +229,6 @@ def source_fingerprint(path: str, variables_prefix: str = "") -> str:
 
 def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
     """Write ``item`` as a SavedModel at ``out`` atomically (temp dir, then rename)."""
-    from vfgraph.io import outputs
-
     inputs = input_paths(item)
     out = outputs.check_output(out, inputs, force, need_bytes=outputs.tree_bytes(*inputs))
     tmp = outputs.temp_dir(os.path.dirname(out), ".vfgraph-")
@@ -260,8 +237,6 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
         prefix = os.path.join("variables", "variables")
         extended = False  # the checkpoint written again with the object graph's new variables
         if os.path.isfile(os.path.join(item.source, prefix + ".index")):
-            from vfgraph.io.checkpoint import extend_checkpoint
-
             extended = extend_checkpoint(os.path.join(item.source, prefix), os.path.join(tmp, prefix),
                                          proto.meta_graphs[0].object_graph_def)
         for sub in ("variables", "assets"):
@@ -269,8 +244,6 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
             if os.path.isdir(src) and not (sub == "variables" and extended):
                 shutil.copytree(src, os.path.join(tmp, sub))
         if item.variables_prefix:  # a TF1 checkpoint becomes the SavedModel's variables
-            from vfgraph.io.metagraph import checkpoint_files
-
             os.makedirs(os.path.join(tmp, "variables"), exist_ok=True)
             for f in checkpoint_files(item.variables_prefix):
                 suffix = f[len(item.variables_prefix):]
@@ -294,8 +267,6 @@ def input_paths(item: GraphItem) -> List[str]:
     """The files and directories ``item`` was read from (the model, a TF1 checkpoint's files)."""
     paths = [item.source]
     if item.variables_prefix:
-        from vfgraph.io.metagraph import checkpoint_files
-
         paths += checkpoint_files(item.variables_prefix)
     return paths
 

@@ -11,7 +11,7 @@ NoOp of the same name that runs the call.
 
 A training signature that computes no variable update (its outputs only the loss, the
 update left to the train op a TF1 loop runs beside it) runs the train op when that op reads
-the signature's inputs (``metagraph.attach_train_op``).
+the signature's inputs (``trainop.attach_train_op``).
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from tensorflow.core.framework import function_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
 from vfgraph.errors import InputError
-from vfgraph.io.metagraph import attach_train_op, train_op_candidates
+from vfgraph.io import refvars
+from vfgraph.io.trainop import attach_train_op, train_op_candidates
 from vfgraph.ir.graph import output_layout
 from vfgraph.item import GraphItem, SignatureInfo, VariableInfo
 
@@ -46,8 +47,6 @@ def is_tf1(sm: saved_model_pb2.SavedModel) -> bool:
 def convert(sm: saved_model_pb2.SavedModel, path: str, skip: Set[str] = frozenset()) -> GraphItem:
     """Turn each signature of a TF1 MetaGraph (but those in ``skip``) into a library function."""
     import tensorflow as tf
-
-    from vfgraph.io import refvars
 
     mg = sm.meta_graphs[0]
     refvars.to_resource_variables(mg, path)
