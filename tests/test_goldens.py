@@ -1,8 +1,23 @@
 """Golden graph-diff tests: tests/goldens/<pass>/<case>.before.pbtxt -> .after.pbtxt.
 
-The before files are tiny SavedModels in text form (tools/make_golden_inputs.py); the after
-files are the canonical text (vfgraph.ir.canonical) of what the pass produced. A missing or
-different golden fails with a unified diff; ``pytest --update-goldens`` rewrites them.
+The before files are SavedModels in protobuf text form, of two kinds:
+
+- generated: small models exported by tf.saved_model.save in tools/make_golden_inputs.py
+  (linear_manual, linear_momentum), thousands of lines each, which cover what a real export
+  holds;
+- hand-written: the first line is ``# Hand-written golden input``, and a comment header says
+  what the model is and what the pass should make of it (matmul_sgd, matmul_serve,
+  matmul_assign_sub). They hold only what vfgraph's loader and TensorFlow's need: the
+  signature_def and its graph call, the variable handles, the function library and an
+  object graph with the signatures' concrete functions (which the generated inputs lack, so
+  only these reach the step-wise and broadcast signatures), in under 200 lines a reviewer
+  reads whole beside a golden's diff. They are not generated; make_golden_inputs.py refuses
+  to overwrite them. tests/io/test_golden_inputs.py loads each in TensorFlow, before and
+  after its rewrite.
+
+The after files are the canonical text (vfgraph.ir.canonical) of what the pass produced. A
+missing or different golden fails with a unified diff; ``pytest --update-goldens`` rewrites
+them (``-k CASE`` for one case) for review.
 """
 import difflib
 import glob
@@ -25,6 +40,20 @@ PREFIX = {  # passes that rewrite what another pass made
     "insert-allreduce": "split-vnodes{vnodes=4,vnode-batch=2},",
 }
 CASES = sorted(glob.glob(os.path.join(HERE, "*", "*.before.pbtxt")))
+HAND_WRITTEN_MARK = "# Hand-written golden input"  # first line of a hand-written before file
+
+
+def is_hand_written(path: str) -> bool:
+    with open(path) as f:
+        return f.readline().startswith(HAND_WRITTEN_MARK)
+
+
+HAND_WRITTEN = [c for c in CASES if is_hand_written(c)]
+
+
+def pipeline_spec(pass_name: str) -> str:
+    """The pipeline every golden case of ``pass_name`` runs."""
+    return PREFIX.get(pass_name, "") + pass_name + OPTIONS.get(pass_name, "")
 
 
 def test_every_pass_has_goldens():
@@ -38,7 +67,7 @@ def test_every_pass_has_goldens():
 def test_golden(before, update_goldens):
     pass_name = os.path.basename(os.path.dirname(before))
     after_path = before.replace(".before.pbtxt", ".after.pbtxt")
-    spec = PREFIX.get(pass_name, "") + pass_name + OPTIONS.get(pass_name, "")
+    spec = pipeline_spec(pass_name)
     item = vfgraph.load(before)
     out, _ = PassManager(parse_pipeline(spec)).run(item)
     vfgraph.verify(out)
