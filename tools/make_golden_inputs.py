@@ -1,9 +1,16 @@
-"""Write the golden-test input models (tests/goldens/<pass>/<case>.before.pbtxt).
+"""Write the generated golden-test input models (tests/goldens/<pass>/<case>.before.pbtxt).
 
-Each input is a tiny SavedModel, exported in a fresh process and stored as protobuf text, so
-golden tests read a fixed graph whatever TensorFlow traced before them.
+Each generated input (CASES) is a small model exported by tf.saved_model.save in a fresh
+process and stored as protobuf text, so golden tests read a fixed graph whatever TensorFlow
+traced before them; they run to thousands of lines and cover what a real export holds.
 
-    python tools/make_golden_inputs.py
+The other inputs are hand-written (matmul_sgd, matmul_serve, matmul_assign_sub): SavedModels
+in protobuf text form, a few dozen nodes each, whose first line is ``# Hand-written golden
+input`` and whose comment header says what they are. This script does not generate them and
+refuses to overwrite them; edit them by hand (tests/io/test_golden_inputs.py checks that
+TensorFlow loads each one, before and after its rewrite).
+
+    python tools/make_golden_inputs.py [CASE...]
 """
 import os
 import sys
@@ -14,7 +21,16 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDENS = os.path.join(ROOT, "tests", "goldens")
-CASES = {"split-vnodes": ["linear_manual", "linear_momentum"], "microbatch-inference": ["linear_manual"]}
+CASES = {"split-vnodes": ["linear_manual", "linear_momentum"], "microbatch-inference": ["linear_manual"],
+         "insert-allreduce": ["linear_momentum"]}
+HAND_WRITTEN_MARK = "# Hand-written golden input"  # first line of a hand-written input (tests/test_goldens.py)
+
+
+def is_hand_written(path: str) -> bool:
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return f.readline().startswith(HAND_WRITTEN_MARK)
 
 
 def linear(optimizer: str):
@@ -100,5 +116,8 @@ if __name__ == "__main__":
             if only and case not in only:
                 continue
             path = os.path.join(GOLDENS, pass_name, f"{case}.before.pbtxt")
+            if is_hand_written(path):
+                sys.exit(f"{os.path.relpath(path, ROOT)} is hand-written; not overwriting it (edit it by hand, "
+                         "or rename the case in CASES)")
             export(case, path)
             print("wrote", os.path.relpath(path, ROOT))
