@@ -1,9 +1,21 @@
 """vfgraph: a graph-rewriting compiler that makes exported TensorFlow models hardware-independent.
 
-``import vfgraph`` is light: the API (:func:`load`, :func:`rewrite`, :func:`save`, :func:`verify`,
-:func:`export`) imports TensorFlow on first use, and vfgraph's MPI ops are registered as soon as
-TensorFlow is imported (now, if it already is), so graphs that contain them load with
-``tf.saved_model.load``.
+``import vfgraph`` does exactly this (it never imports TensorFlow itself):
+
+1. It imports :mod:`vfgraph.errors` and :mod:`vfgraph.version` (``__version__``).
+2. It makes the API available without importing it: :func:`load`, :func:`rewrite`,
+   :func:`save`, :func:`verify` and :func:`export` come from :mod:`vfgraph.api`, which is
+   imported (and with it TensorFlow) the first time one of them is looked up.
+3. It arranges for vfgraph's MPI ops to be registered with TensorFlow, so that a model
+   rewritten with the all-reduce loads with ``tf.saved_model.load``: at once when TensorFlow
+   is imported already, else right after ``import tensorflow`` finishes, through a finder on
+   ``sys.meta_path`` that takes itself off when TensorFlow is imported (and does nothing for
+   any other module). Registering (:func:`vfgraph.ops.register_at_import`) loads the op
+   library only if it is already built for this TensorFlow and MPI, which starts MPI through
+   ``mpi4py``; it never compiles it, and does nothing when mpi4py is missing or no library is
+   built. ``vfgraph build-ops`` builds the library, and so does every vfgraph command or pass
+   that needs the ops (``vfgraph rewrite`` with the all-reduce, ``vfgraph train`` under MPI,
+   :func:`vfgraph.ops.load`).
 """
 from __future__ import annotations
 
@@ -12,8 +24,8 @@ import importlib.util
 import sys
 
 from vfgraph.errors import VfgraphError
+from vfgraph.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["__version__", "load", "rewrite", "save", "verify", "export", "VfgraphError"]
 _API = ("load", "rewrite", "save", "verify", "export")
 
@@ -33,18 +45,30 @@ def _register_ops() -> None:
 
 
 class _AfterTensorFlow(importlib.abc.MetaPathFinder):
-    """Registers vfgraph's ops right after ``tensorflow`` finishes importing."""
+    """Registers vfgraph's ops right after ``tensorflow`` finishes importing.
+
+    It finds nothing itself: for ``tensorflow`` it returns the spec the other finders give,
+    whose loader runs the registration after the module; it leaves ``sys.meta_path`` when
+    that module is executed (a spec only asked for, as ``importlib.util.find_spec`` does to
+    see whether TensorFlow is installed, leaves it in place)."""
+
+    _finding = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "tensorflow":
+        if name != "tensorflow" or self._finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module
 
         def exec_module(module):
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             run(module)
             _register_ops()
 

@@ -19,9 +19,12 @@ unless :func:`set_communicator` chose another). Ranks must issue their collectiv
 order, which a graph ensures with control dependencies. MPI itself is initialised and finalised
 by mpi4py, which :func:`load` imports.
 
-The library is compiled on first use for this process's TensorFlow and MPI and cached (see
-:mod:`vfgraph.ops.toolchain`); ``import vfgraph`` builds and loads it when mpi4py is installed, so a
-SavedModel containing these ops loads with ``tf.saved_model.load`` after ``import vfgraph``.
+The library is compiled for this process's TensorFlow and MPI and cached (see
+:mod:`vfgraph.ops.toolchain`) by :func:`build`, by :func:`load` and the functions that make ops
+(on first use), and by ``vfgraph build-ops``. ``import vfgraph`` registers a library that is
+already built (:func:`register_at_import`, once TensorFlow is imported) and never compiles, so
+a SavedModel containing these ops loads with ``tf.saved_model.load`` after ``import vfgraph``
+once the library is built here.
 """
 from __future__ import annotations
 
@@ -75,33 +78,51 @@ def load():
 
 
 def _load(retry_failed: bool):
-    global _module, _loaded_path
     if _module is not None:
         return _module
     with _lock:
         if _module is None:
             _toolchain.import_mpi()
             path = _toolchain.build(retry_failed=retry_failed)
-            import tensorflow as tf
-
-            try:
-                module = tf.load_op_library(path)
-            except Exception as e:  # tf.errors.NotFoundError for missing symbols
-                raise OpsUnavailableError(
-                    f"loading the MPI op library {path} failed ({e}); rebuild it with "
-                    "`vfgraph build-ops --force`") from e
-            _module, _loaded_path = module, path
+            if _module is None:  # the build may import TensorFlow, whose import registers a built library
+                _load_library(path)
     return _module
 
 
+def _load_library(path: str) -> None:
+    global _module, _loaded_path
+    import tensorflow as tf
+
+    try:
+        module = tf.load_op_library(path)
+    except Exception as e:  # tf.errors.NotFoundError for missing symbols
+        raise OpsUnavailableError(
+            f"loading the MPI op library {path} failed ({e}); rebuild it with "
+            "`vfgraph build-ops --force`") from e
+    _module, _loaded_path = module, path
+
+
 def available() -> bool:
-    """Whether the ops can be used in this process (building them if needed and not known to
-    fail here). Never raises."""
+    """Whether the ops can be used in this process, building them if needed unless a build
+    attempt of this function already failed in this environment (``build(force=True)``,
+    ``load()`` and ``vfgraph build-ops`` try again). Never raises: a new failure is logged
+    once as a warning and recorded, a recorded one at info level."""
     try:
         _load(retry_failed=False)
         return True
-    except Exception:
-        return False
+    except _toolchain.RecordedBuildFailure as e:
+        log.info("vfgraph MPI ops unavailable (an earlier build failed): %s", e)
+    except Exception as e:  # never let a probe fail because of the optional ops
+        _warn_unavailable(e)
+    return False
+
+
+def _warn_unavailable(e: Exception) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("vfgraph MPI ops unavailable, graphs with Vf* ops will not load: %s\n"
+                    "(`vfgraph build-ops` builds them again)", e)
 
 
 def set_communicator(comm) -> None:
@@ -165,25 +186,39 @@ def size(name: Optional[str] = None):
 
 
 def register_at_import() -> None:
-    """Build (if needed) and load the op library when mpi4py is installed, so that graphs with
-    these ops load in this process. Never raises: a failure is logged once as a warning and
-    recorded, so that later imports do not compile again (``build(force=True)``, ``load()``
-    and ``vfgraph build-ops`` do)."""
-    global _warned
+    """Load the op library if it is already built for this process's TensorFlow and MPI, so
+    that graphs with these ops load in this process (``import vfgraph`` calls it once
+    TensorFlow is imported). Never compiles: without mpi4py, or without a built library, it
+    does nothing (logging at info level a build failure :func:`available` recorded). Loading
+    imports ``mpi4py.MPI``, which initialises MPI. Never raises: a library that does not load
+    is logged once as a warning."""
+    if _module is not None:
+        return
     try:
         if importlib.util.find_spec("mpi4py") is None:
             return
     except (ImportError, ValueError):
         return
-    try:
-        _load(retry_failed=False)
-    except _toolchain.RecordedBuildFailure as e:
-        log.info("vfgraph MPI ops unavailable (an earlier build failed): %s", e)
-    except Exception as e:  # never let an import fail because of the optional ops
-        if not _warned:
-            _warned = True
-            log.warning("vfgraph MPI ops unavailable, graphs with Vf* ops will not load: %s\n"
-                        "(`vfgraph build-ops` builds them again)", e)
+    with _lock:
+        if _module is not None:
+            return
+        try:
+            path = _toolchain.built_library()
+            failure = None if path else _toolchain.recorded_failure()
+        except Exception as e:  # which library is this environment's cannot be told (no MPI, no compiler)
+            log.info("vfgraph MPI ops not loaded: %s", e)
+            return
+        if path is None:
+            if failure:
+                log.info("vfgraph MPI ops unavailable (an earlier build failed): %s", failure)
+            else:
+                log.debug("vfgraph MPI ops are not built for this TensorFlow and MPI; `vfgraph build-ops` "
+                          "builds them")
+            return
+        try:
+            _load_library(path)
+        except Exception as e:  # never let an import fail because of the optional ops
+            _warn_unavailable(e)
 
 
 def build_ops_main(argv: Optional[List[str]] = None) -> int:

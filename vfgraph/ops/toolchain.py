@@ -6,13 +6,15 @@ flags of the MPI compiler wrapper (``$VFGRAPH_MPICXX``, else ``mpicxx`` beside t
 executable, else ``mpicxx`` on ``PATH``). It lands in
 ``$VFGRAPH_CACHE_DIR`` (default ``~/.cache/vfgraph``) under ``ops/<key>/vf_mpi_ops.so``, where
 the key digests the source, the TensorFlow version, the compile command and the MPI library
-version: a change of any of them builds a new library beside the old ones.
+version: a change of any of them builds a new library beside the old ones. Only :func:`build`
+compiles; :func:`built_library` finds a library already built, for ``import vfgraph``.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import functools
+import glob
 import hashlib
 import logging
 import os
@@ -38,7 +40,8 @@ class OpsUnavailableError(VfgraphError):
 
 
 class RecordedBuildFailure(OpsUnavailableError):
-    """An import-time build failed before in this environment (its marker file says why)."""
+    """A build that records its failure (``retry_failed=False``, as :func:`vfgraph.ops.available`
+    builds) failed before in this environment (its marker file says why)."""
 
 
 @dataclass(frozen=True)
@@ -170,15 +173,39 @@ def _source_text() -> str:
 def environment_key() -> str:
     """A digest of what a build attempt depends on that is known without running any tool
     (source, TensorFlow and MPI versions, which compiler and wrapper would be used); names the
-    marker of a failed import-time build."""
+    marker of a recorded build failure."""
     MPI = import_mpi()
     return _digest(_source_text(), _tf().__version__, MPI.Get_library_version(),
                    find_cxx() or "", find_mpicxx() or "", sys.executable)
 
 
 def failure_marker() -> str:
-    """Path of the marker an import-time build leaves when it fails."""
+    """Path of the marker a build with ``retry_failed=False`` leaves when it fails."""
     return os.path.join(cache_dir(), "ops", environment_key() + _FAILED_SUFFIX)
+
+
+def _cached(pattern: str) -> bool:
+    return bool(glob.glob(os.path.join(glob.escape(os.path.join(cache_dir(), "ops")), pattern)))
+
+
+def built_library() -> Optional[str]:
+    """The library built for this process's TensorFlow and MPI when the cache holds it, else
+    None; never compiles. While the cache holds no library at all, it starts nothing (no MPI,
+    no compiler wrapper); otherwise it plans the build (:func:`plan`: starts MPI, asks the
+    wrapper for its flags) and raises OpsUnavailableError as that does."""
+    if not _cached(os.path.join("*", LIBRARY_NAME)):
+        return None
+    library = plan().library
+    return library if os.path.isfile(library) else None
+
+
+def recorded_failure() -> Optional[str]:
+    """What a failed build with ``retry_failed=False`` recorded for this environment, else
+    None; starts nothing while the cache holds no such record."""
+    if not _cached("*" + _FAILED_SUFFIX):
+        return None
+    marker = failure_marker()
+    return _read_marker(marker) if os.path.isfile(marker) else None
 
 
 def plan() -> BuildPlan:
@@ -225,8 +252,8 @@ def build(force: bool = False, *, retry_failed: bool = True) -> str:
     """Build the op library unless the cache already holds it (``force``: build again);
     returns its path. Concurrent callers (several ranks on one file system) build it once.
 
-    With ``retry_failed=False`` (import-time registration), a failure recorded by an earlier
-    such call is raised again without compiling, and a new failure is recorded.
+    With ``retry_failed=False`` (:func:`vfgraph.ops.available`), a failure recorded by an
+    earlier such call is raised again without compiling, and a new failure is recorded.
     """
     marker = failure_marker()
     if not retry_failed and os.path.isfile(marker):
