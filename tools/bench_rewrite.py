@@ -36,7 +36,13 @@ plus the scaling between every pair of consecutive dense sizes measured (pipelin
 rewrite); and a memory reference: nanoseconds per dictionary lookup with 10k and with 100k
 node-name-like keys, in order and at random, what the size alone costs on this machine then.
 
-    python tools/bench_rewrite.py [--quick] [--json PATH] [--budget SECONDS]
+With ``--baseline REV``, every pair also times the rewrite with vfgraph as it was at git
+revision REV (its files, from ``git archive``, first on the child's ``PYTHONPATH``), and the
+report adds this vfgraph's pipeline time over the baseline's, per case (median over the runs,
+the median of the paired ratios, and fastest over fastest): the check that a refactoring kept
+the rewrite's speed.
+
+    python tools/bench_rewrite.py [--quick] [--json PATH] [--budget SECONDS] [--baseline REV]
 """
 from __future__ import annotations
 
@@ -70,6 +76,8 @@ def parse_args():
     p.add_argument("--sizes", default=None, help="comma-separated dense graph sizes in nodes (overrides the default)")
     p.add_argument("--no-keras-app", action="store_true", help="skip the keras.applications case")
     p.add_argument("--keep-going", action="store_true", help="run larger dense sizes even after one ran out of budget")
+    p.add_argument("--baseline", metavar="REV", default=None,
+                   help="also time the rewrite of vfgraph at git revision REV, alternating, and report new / baseline")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phase", choices=("export", "import", "rewrite"), default="export", help=argparse.SUPPRESS)
@@ -249,12 +257,17 @@ def _timed(fn) -> float:
 
 # ---------------------------------------------------------------------------------------------- parent
 
-def _run_phase(args, cmd, log_path: str, res: dict, timeout: float) -> int:
-    """One child process; its events go into ``res``. Returns its exit code (stopped at ``timeout``:
+def _run_phase(args, cmd, log_path: str, res: dict, timeout: float, baseline: bool = False) -> int:
+    """One child process; its events go into ``res`` (a rewrite of the baseline's vfgraph, with
+    ``baseline``, into ``res["baseline_runs"]``). Returns its exit code (stopped at ``timeout``:
     ``res["timed_out"]`` names the phase)."""
     phase = cmd[-1]
+    env = None
+    if baseline:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([args.baseline_dir] + [
+            p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     with open(log_path, "a") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         lines: "queue.Queue" = queue.Queue()
         threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout] + [lines.put(None)], daemon=True).start()
         start = time.monotonic()
@@ -282,7 +295,7 @@ def _run_phase(args, cmd, log_path: str, res: dict, timeout: float) -> int:
                 res.setdefault("import_reps", []).append(ev["import_s"])
                 res["graphdef_nodes"] = ev["graphdef_nodes"]
             elif kind == "rewrite":
-                res.setdefault("rewrite_runs", []).append(ev)
+                res.setdefault("baseline_runs" if baseline else "rewrite_runs", []).append(ev)
 
 
 def run_case(args, spec: str, label: str):
@@ -300,10 +313,13 @@ def run_case(args, spec: str, label: str):
         code = _run_phase(args, cmd + ["--phase", "import"], log_path, res, args.export_timeout)
         if code == 0 and "timed_out" not in res:
             code = _run_phase(args, cmd + ["--phase", "rewrite"], log_path, res, args.budget)
+        if code == 0 and "timed_out" not in res and args.baseline:
+            code = _run_phase(args, cmd + ["--phase", "rewrite"], log_path, res, args.budget, baseline=True)
         if code == 0 and "timed_out" not in res:
             i, r = res["import_reps"][-1], res["rewrite_runs"][-1]
+            old = f", baseline pipeline {res['baseline_runs'][-1]['pipeline_s']:.2f} s" if args.baseline else ""
             print(f"    import {i:.2f} s, pipeline {r['pipeline_s']:.2f} s (rewrite {r['seconds']:.2f} s, "
-                  f"load {r['load_s']:.2f} s)", flush=True)
+                  f"load {r['load_s']:.2f} s){old}", flush=True)
         pair = time.monotonic() - t0
         if time.monotonic() - start + pair > args.budget:
             break
@@ -318,6 +334,14 @@ def run_case(args, spec: str, label: str):
                    fastest_ratio=min(pipes) / min(imports))
     elif imports:
         res["import_s"] = statistics.median(imports)
+    old = [r["pipeline_s"] for r in res.get("baseline_runs", [])][:len(pipes)]
+    if old:
+        new = pipes[:len(old)]
+        res.update(baseline_pipeline_s=statistics.median(old), baseline_rewrite_s=statistics.median(
+                       r["seconds"] for r in res["baseline_runs"]),
+                   pipeline_over_baseline=statistics.median(new) / statistics.median(old),
+                   paired_over_baseline=statistics.median(n / o for n, o in zip(new, old)),
+                   fastest_over_baseline=min(new) / min(old))
     res["returncode"] = code
     if code not in (0, None) and "timed_out" not in res:
         with open(log_path) as f:
@@ -339,6 +363,17 @@ def _more_pairs(done: int, spent: float, budget: float) -> bool:
     of load from elsewhere on the machine moves each of them by a larger fraction, and more of
     them steady its median."""
     return done < MIN_PAIRS or (done < MAX_PAIRS and spent < budget * 2 / 3)
+
+
+def _baseline_tree(rev: str) -> str:
+    """vfgraph's files at git revision ``rev``, importable as ``vfgraph`` from the directory
+    returned (its ``rewrites/`` linked as ``vfgraph/rewrites``, as the package maps it)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tempfile.mkdtemp(prefix="vfgraph-bench-baseline-")
+    archive = subprocess.run(["git", "-C", root, "archive", rev, "vfgraph", "rewrites"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", out], input=archive.stdout, check=True)
+    os.symlink(os.path.join(out, "rewrites"), os.path.join(out, "vfgraph", "rewrites"))
+    return out
 
 
 def calibrate():
@@ -392,6 +427,9 @@ def main():
           f"of the same train function; TF {tf.__version__}; every import and rewrite in a fresh process, "
           f"intra/inter-op threads = 1; "
           f"budget {args.budget:.0f} s per case", flush=True)
+    if args.baseline:
+        args.baseline_dir = _baseline_tree(args.baseline)
+        print(f"  baseline: vfgraph at {args.baseline} ({args.baseline_dir})", flush=True)
     per, base, counts = calibrate()
     print(f"  calibration: {per:.1f} nodes per dense layer + {base:.0f} (from {counts})", flush=True)
     cases = []
@@ -486,6 +524,13 @@ def main():
                   f"{note}")
     if target is None:
         print("  ~10k -> ~100k: not measured in this run (see above)")
+    against = [r for r in results if "pipeline_over_baseline" in r]
+    if against:
+        print(f"\npipeline time of this vfgraph over the baseline's ({args.baseline}), same run, alternating:")
+        print(f"  {'case':<18}{'this s':>8}{'baseline s':>12}{'ratio':>8}{'paired':>8}{'fastest':>9}")
+        for r in against:
+            print(f"  {r['case']:<18}{r['pipeline_s']:>8.3f}{r['baseline_pipeline_s']:>12.3f}"
+                  f"{r['pipeline_over_baseline']:>8.3f}{r['paired_over_baseline']:>8.3f}{r['fastest_over_baseline']:>9.3f}")
     print(f"\nmemory reference (dictionary lookups, ns each, 10k -> 100k keys): in order "
           f"{memory['in_order_ns_10000']:.0f} -> {memory['in_order_ns_100000']:.0f} (x{memory['in_order_ratio']:.2f}), "
           f"random {memory['random_ns_10000']:.0f} -> {memory['random_ns_100000']:.0f} (x{memory['random_ratio']:.2f})")
@@ -494,10 +539,12 @@ def main():
         "vnodes": VNODES, "vnode_batch": VNODE_BATCH, "quick": args.quick, "budget_s": args.budget,
         "sizes": args.sizes, "dense_nodes_per_layer": per, "dense_nodes_base": base, "threads": 1,
         "tensorflow": tf.__version__, "python": platform.python_version(), "git": git_state(),
-        "cpu_count": os.cpu_count(),
+        "cpu_count": os.cpu_count(), "baseline": args.baseline,
         "targets": {"pipeline_over_import": 1.0, "time_ratio_for_10x_nodes": 12.0}},
         "results": results, "scaling": scaling, "target_10k_to_100k": target, "memory_reference": memory}
     write_report(args.json, report)
+    if args.baseline:
+        subprocess.run(["rm", "-rf", args.baseline_dir])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from typing import Dict, List, Optional
 from tensorflow.core.framework import function_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
+from vfgraph.ir.library import Library
+
 
 @dataclass
 class TensorSpecInfo:
@@ -67,38 +69,40 @@ class GraphItem:
     preserve: set = field(default_factory=set)
     metadata: Dict[str, object] = field(default_factory=dict)
     variables_prefix: str = ""  # checkpoint holding the variables when not source/variables (TF1 .meta)
+    _library: Optional[Library] = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def meta_graph(self):
         return self.saved_model.meta_graphs[0]
 
     @property
+    def functions(self) -> Library:
+        """The function library, read and written in place (see :class:`vfgraph.ir.library.Library`)."""
+        proto = self.meta_graph.graph_def.library
+        if self._library is None or self._library.proto is not proto:
+            self._library = Library(proto)
+        return self._library
+
+    @property
     def library(self) -> Dict[str, function_pb2.FunctionDef]:
-        return {f.signature.name: f for f in self.meta_graph.graph_def.library.function}
+        """The library's functions by name, as they are now: a snapshot that functions added
+        later do not change (the FunctionDefs themselves are the library's)."""
+        return self.functions.snapshot()
 
     def function(self, name: str) -> function_pb2.FunctionDef:
-        for f in self.meta_graph.graph_def.library.function:
-            if f.signature.name == name:
-                return f
-        raise KeyError(name)
+        return self.functions[name]
 
     def set_function(self, fdef: function_pb2.FunctionDef) -> None:
         """Add ``fdef`` to the library, replacing a function of the same name."""
-        self.new_function(fdef.signature.name).CopyFrom(fdef)
+        self.functions.put(fdef)
 
     def new_function(self, name: str) -> function_pb2.FunctionDef:
-        """An empty function ``name`` in the library, to be filled in place (a large generated
-        function then is not built once and copied again); replaces a function of that name."""
-        lib = self.meta_graph.graph_def.library.function
-        fdef = next((f for f in lib if f.signature.name == name), None)
-        if fdef is None:
-            fdef = lib.add()
-        fdef.Clear()
-        fdef.signature.name = name
-        return fdef
+        """An empty function ``name`` in the library, to be filled in place; replaces a
+        function of that name."""
+        return self.functions.new(name)
 
     def has_function(self, name: str) -> bool:
-        return any(f.signature.name == name for f in self.meta_graph.graph_def.library.function)
+        return name in self.functions
 
     def copy(self) -> "GraphItem":
         sm = saved_model_pb2.SavedModel()

@@ -1,8 +1,18 @@
-"""A mutable graph over a FunctionDef body, the unit every TF2 rewrite works on.
+"""The function IR: a FunctionDef body as a graph to read, edit and write, the unit every
+rewrite works on.
 
-Protos only at the boundary (:meth:`FunctionGraph.from_function_def` /
-:meth:`FunctionGraph.to_function_def`); in between, nodes are edited through a small set of
-verbs that keep the consumer index right, and :meth:`verify` says what is wrong and where.
+A :class:`FunctionGraph` reads a function (its nodes, typed tensor references
+(:class:`TensorRef`), consumers, shapes, op types), edits it through a small set of verbs that
+keep its indexes right (:meth:`~FunctionGraph.replace_uses`, :meth:`~FunctionGraph.erase`,
+:meth:`~FunctionGraph.keep_only`), writes new functions node by node with every reference
+checked as it is written (:meth:`~FunctionGraph.new`, :meth:`~FunctionGraph.op`,
+:meth:`~FunctionGraph.ret`), and outlines a part of itself as a new function
+(:meth:`~FunctionGraph.outline`); :meth:`~FunctionGraph.verify` says what is wrong and where.
+
+Writing NodeDefs directly costs microseconds per node; tracing costs about a millisecond per
+op (TensorFlow builds, shape-infers and auto-orders every op in a FuncGraph). Direct
+construction also states every ordering the graph needs as an explicit control dependency
+instead of relying on a tracer to infer it.
 """
 from __future__ import annotations
 
@@ -10,13 +20,15 @@ import hashlib
 import heapq
 import sys
 from functools import lru_cache
-from typing import Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import networkx as nx
 from tensorflow.core.framework import function_pb2, node_def_pb2, op_def_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
 from vfgraph.errors import VerifyError
+from vfgraph.ir.attrs import (AttrValue, array_attr, attr_value, const_array, op_defaults, shape_arg_attrs, shapes_attr,
+                              type_attr)
 
 DataType = int  # a types_pb2 enum value
 
@@ -156,6 +168,8 @@ def _arg_shape_at(fdef: function_pb2.FunctionDef, i: int) -> Optional[List[int]]
 class FunctionGraph:
     """A FunctionDef body as an editable graph with a consumer index."""
 
+    _node_class: type  # what op() returns: Node (set below, once it is defined)
+
     def __init__(self, fdef: function_pb2.FunctionDef,
                  library: Optional[Mapping[str, function_pb2.FunctionDef]] = None):
         self._header = function_pb2.FunctionDef()
@@ -173,6 +187,20 @@ class FunctionGraph:
         self._parsed_shapes: Dict[bytes, tuple] = {}  # attribute bytes -> (shapes, fully known)
         self._ops: Optional[Dict[str, str]] = None
         self._by_op: Optional[Dict[str, List[str]]] = None
+        self._writing_state(in_place=False)
+
+    def _writing_state(self, in_place: bool) -> None:
+        # in_place: new nodes go into the FunctionDef itself (a graph over it), else into
+        # ``nodes`` only (a private copy, written out by to_function_def)
+        self._in_place = in_place
+        # References checked readable so far: arguments, "^node" and the outputs of nodes
+        # (learned the first time one is read); a function written only through op() is
+        # valid and acyclic by construction.
+        self._valid: set = set()
+        self._built = not self.nodes  # every node written through op(), checked as written
+        self._used: Dict[str, int] = {}
+        self._consts: Dict[tuple, "Node"] = {}
+        self.memo: Dict[tuple, TensorRef] = {}  # for building blocks that make one node per function
 
     # ----------------------------------------------------------------- boundary
     @classmethod
@@ -190,7 +218,39 @@ class FunctionGraph:
         g._consumers = None
         g._layout_cache, g._outputs_cache, g._index_cache, g._inputs_cache = {}, {}, {}, {}
         g._shapes_cache, g._parsed_shapes, g._ops, g._by_op = {}, {}, None, None
+        g._writing_state(in_place=True)
         return g
+
+    @classmethod
+    def new(cls, name: str, library: Optional[Mapping[str, function_pb2.FunctionDef]] = None,
+            into: Optional[function_pb2.FunctionDef] = None) -> "FunctionGraph":
+        """An empty function ``name`` to write node by node, into the empty FunctionDef
+        ``into`` when given (see :meth:`vfgraph.ir.library.Library.new`). ``library``: the
+        functions its nodes may call (it is read as the function is written)."""
+        fdef = function_pb2.FunctionDef() if into is None else into
+        fdef.signature.name = name
+        fdef.signature.is_stateful = True
+        return cls._over(fdef, library)
+
+    @classmethod
+    def like(cls, header: function_pb2.FunctionDef, library: Optional[Mapping[str, function_pb2.FunctionDef]] = None,
+             into: Optional[function_pb2.FunctionDef] = None) -> Tuple["FunctionGraph", List[TensorRef]]:
+        """An empty function with ``header``'s name, arguments and attributes (outputs are
+        added with :meth:`ret`); returns it and its arguments."""
+        g = cls.new(header.signature.name, library, into)
+        arg_attr = header.arg_attr
+        args = [g.arg(a.name, a.type, attr=arg_attr[i] if i in arg_attr else None)
+                for i, a in enumerate(header.signature.input_arg)]
+        for k, v in header.attr.items():
+            g._header.attr[k].CopyFrom(v)
+        return g, args
+
+    @property
+    def fdef(self) -> function_pb2.FunctionDef:
+        """The FunctionDef a graph over one (:meth:`new`, :meth:`like`, ``_over``) writes into."""
+        if not self._in_place:
+            raise TypeError(f"{self.name}: a copied graph has no FunctionDef of its own; use to_function_def()")
+        return self._header
 
     def to_function_def(self) -> function_pb2.FunctionDef:
         out = copy_header(self._header)
@@ -492,6 +552,135 @@ class FunctionGraph:
             del self._header.control_ret[k]
         self._dirty(inputs_changed=True)
 
+    # ----------------------------------------------------------------- writing
+    def arg(self, name: str, dtype: DataType, shape: Optional[Sequence[int]] = None, attr=None) -> TensorRef:
+        """Add argument ``name`` (its static ``shape``, or its ``attr``ibutes, recorded)."""
+        sig = self._header.signature
+        sig.input_arg.add(name=name, type=dtype)
+        self._valid.add(name)
+        if attr is None and shape is not None:
+            attr = shape_arg_attrs(tuple(shape))
+        if attr is not None:
+            self._header.arg_attr[len(sig.input_arg) - 1].CopyFrom(attr)
+        return _ref(TensorRef, (name, None, 0))
+
+    def args_of(self, fdef: function_pb2.FunctionDef) -> List[TensorRef]:
+        """Every argument of ``fdef`` (names, types and attributes, copied in one call each),
+        as this function's first arguments."""
+        sig = self._header.signature
+        if sig.input_arg:
+            raise ValueError(f"{sig.name}: args_of adds the first arguments; this function has some")
+        sig.input_arg.extend(fdef.signature.input_arg)
+        self._header.arg_attr.MergeFrom(fdef.arg_attr)
+        names = [a.name for a in sig.input_arg]
+        self._valid.update(names)
+        return [_ref(TensorRef, (n, None, 0)) for n in names]
+
+    def _unique(self, base: str) -> str:
+        k = self._used.get(base, 0)
+        name = base if k == 0 else f"{base}_{k}"
+        while name in self.nodes:
+            k += 1
+            name = f"{base}_{k}"
+        self._used[base] = k + 1
+        return name
+
+    def op(self, op: str, inputs: Sequence[Union[TensorRef, str]] = (), name: str = "",
+           deps: Sequence[Union["Node", str]] = (), shapes: Optional[Sequence[Optional[Sequence[int]]]] = None,
+           **attrs) -> "Node":
+        """Write a node of op type ``op`` reading ``inputs`` after ``deps`` (nodes or node
+        names), named ``name`` (default: the op) made unique; every reference must name an
+        argument or an output of a node written before. A registered op gets its default
+        attributes (what TensorFlow would store); ``shapes`` records its outputs' static shapes."""
+        name = self._unique(name or op)
+        ins = [s if type(s) is str else str(s) for s in inputs]
+        for d in deps:
+            ins.append(d.ctl if isinstance(d, Node) else d if d.startswith("^") else "^" + d)
+        valid = self._valid
+        for s in ins:
+            if s not in valid:
+                self._check(s, f"node {name!r} reads {s!r}")
+        values = {k: v if type(v) is AttrValue else attr_value(v) for k, v in attrs.items()}
+        if op not in self.library:
+            defaults = op_defaults(op)
+            if defaults is None:
+                raise KeyError(f"op {op!r} is not registered")
+            for a, value in defaults:
+                if a not in values:
+                    values[a] = value
+        if shapes is not None:
+            values["_output_shapes"] = shapes_attr(shapes)
+        if self._in_place:
+            proto = self._header.node_def.add(name=name, op=op, input=ins, attr=values)
+        else:
+            proto = node_def_pb2.NodeDef(name=name, op=op, input=ins, attr=values)
+        self.nodes[name] = proto
+        if self._ops is not None:
+            self._ops[name] = op
+        self._by_op = self._consumers = None
+        valid.add("^" + name)
+        return self._node_class(self, proto, name, op)
+
+    def _check(self, ref: str, what: str) -> None:
+        """Raise unless ``ref`` names an argument, a node (``^node``) or an output of one;
+        then remember it as readable."""
+        t, ctl = parse_input(ref)
+        if ctl:
+            ok = t.node in self.nodes
+        elif t.arg is None:
+            ok = t.node in self.arg_names
+        else:
+            ok = t.node in self.nodes and ref in {str(r) for r in self.outputs(t.node)}
+        if not ok:
+            raise KeyError(f"{self.name}: {what}, which is not an argument or an output of a node written before")
+        self._valid.add(ref)
+
+    def const(self, value, dtype: DataType, name: str = "Const") -> "Node":
+        """A ``Const`` node holding ``value`` as ``dtype`` (one node per distinct constant)."""
+        array, key = const_array(value, dtype)
+        node = self._consts.get(key)
+        if node is None:
+            node = self._consts[key] = self.op("Const", [], name=name, dtype=type_attr(dtype),
+                                               value=array_attr(array, key), shapes=[list(array.shape)])
+        return node
+
+    def ret(self, name: str, ref: Union[TensorRef, str], dtype: DataType) -> None:
+        """Add output ``name`` of type ``dtype``, the tensor ``ref``."""
+        s = ref if type(ref) is str else str(ref)
+        if s not in self._valid:
+            self._check(s, f"output {name!r} is {s!r}")
+        self._header.signature.output_arg.add(name=name, type=dtype)
+        self._header.ret[name] = s
+
+    def control_ret(self, node: "Node") -> None:
+        """Make ``node`` a control output (it runs whenever the function does)."""
+        self._header.signature.control_output.append(node.name)
+        self._header.control_ret[node.name] = node.name
+
+    def finish(self) -> function_pb2.FunctionDef:
+        """The written function. One written only through :meth:`op` is recorded as valid (see
+        :func:`remember_valid`: every reference was checked as it was written); one that had
+        nodes before is verified."""
+        fdef = self._header if self._in_place else self.to_function_def()
+        if self._built:
+            remember_valid(fdef, self.library, self.op_types().values())
+        else:
+            verify_function_def(fdef, self.library)
+        return fdef
+
+    def outline(self, name: str, outputs: Sequence[Tuple[str, TensorRef]],
+                new_args: Sequence[Tuple[str, TensorRef]] = (), keep_args: Optional[Sequence[str]] = None,
+                drop: frozenset = frozenset(), side_effects: bool = False,
+                into: Optional[function_pb2.FunctionDef] = None) -> function_pb2.FunctionDef:
+        """A new function ``name`` computing ``outputs`` from a copy of part of this (verified)
+        graph, written into the empty FunctionDef ``into`` when given.
+
+        ``new_args`` turns internal tensors into arguments (everything upstream of them that is
+        no longer needed disappears); ``keep_args`` are the original arguments kept, in order;
+        nodes in ``drop`` are never kept. With ``side_effects``, stateful nodes (variable
+        writes) are kept as control outputs; otherwise only data ancestors of the outputs stay."""
+        return _outline(self, name, outputs, new_args, keep_args, drop, side_effects, into)
+
     # ----------------------------------------------------------------- checks
     def verify(self) -> None:
         """Raise :class:`VerifyError` naming the first broken node or output."""
@@ -589,6 +778,151 @@ class FunctionGraph:
 
 _NOT_PRODUCED = object()
 _NOT_READ = object()
+
+
+class Node:
+    """A node written by :meth:`FunctionGraph.op`; ``node[k]`` is its k-th flat output."""
+
+    __slots__ = ("proto", "name", "op", "_graph", "_refs")
+
+    def __init__(self, graph: FunctionGraph, proto: node_def_pb2.NodeDef, name: str, op: str):
+        self.proto, self._graph = proto, graph
+        self.name, self.op = name, op  # (what the proto holds, without reading it back)
+        self._refs: Optional[List[TensorRef]] = None
+
+    @property
+    def ctl(self) -> str:
+        """This node as a control input."""
+        return "^" + self.name
+
+    def __getitem__(self, k: int) -> TensorRef:
+        return self.outputs()[k]
+
+    def outputs(self) -> List[TensorRef]:
+        """Every flat output (computed once: nodes can have thousands)."""
+        if self._refs is None:
+            self._refs = self._graph.outputs(self.name)
+            self._graph._valid.update(map(str, self._refs))
+        return self._refs
+
+
+FunctionGraph._node_class = Node
+
+
+def _stateful(g: FunctionGraph, name: str) -> bool:
+    op = g.op_types()[name]
+    if op in g.library:
+        return g.library[op].signature.is_stateful
+    return _registered_stateful(op)
+
+
+@lru_cache(maxsize=None)
+def _registered_stateful(op: str) -> bool:
+    od = op_def_registry.get(op)
+    return bool(od and od.is_stateful)
+
+
+def _outline(g: FunctionGraph, name: str, outputs, new_args, keep_args, drop, side_effects, into) -> function_pb2.FunctionDef:
+    """:meth:`FunctionGraph.outline`."""
+    cut = {ref: arg_name for arg_name, ref in new_args}  # these tensors become arguments
+    nodes = g.nodes
+    roots = [r.node for _, r in outputs if not r.is_function_arg]
+    effects: List[str] = []
+    if side_effects:
+        effects = [n for n in nodes if n not in drop and _stateful(g, n)]
+        roots += effects
+    kept = list(keep_args) if keep_args is not None else [a.name for a in g.header.signature.input_arg]
+    # Every kept node and output must still find what it reads (``drop`` and ``keep_args`` can
+    # take it away); output names and acyclicity carry over from ``g``, which was verified.
+    # One walk up from the roots: data inputs (except the new arguments), and control inputs
+    # with ``side_effects``; a node with an input that may need rewriting (it becomes an
+    # argument, or waits for a node perhaps left out) or is wrong is looked at again after.
+    args = set(kept).union(cut.values())
+    keep: set = set()
+    again: set = set()
+    stack = [r for r in roots if r in nodes and r not in drop]
+    while stack:
+        n = stack.pop()
+        if n in keep:
+            continue
+        keep.add(n)
+        for t, ctl in g.inputs(n):
+            p = t.node
+            if ctl:
+                if not side_effects or p not in nodes or p in drop:
+                    again.add(n)
+                    continue
+            elif t in cut:
+                again.add(n)
+                continue
+            elif p not in nodes or p in drop:
+                if p not in args:
+                    again.add(n)
+                continue
+            if p not in keep:
+                stack.append(p)
+    if side_effects:
+        effects = [n for n in effects if n in keep]
+    defined = keep.union(args)
+    # Only the kept nodes are copied (in one call); the inputs of those that read a new
+    # argument, or wait for a node left out, are rewritten after.
+    header = g.header  # its arguments, outputs and control outputs are replaced below
+    fdef = copy_header(header, into, skip=("arg_attr", "ret", "control_ret"))
+    order = [n for n in nodes if n in keep]
+    fdef.node_def.extend(nodes[n] for n in order)
+    for k, n in enumerate(order):
+        if n not in again:
+            continue
+        rewrite = False
+        for t, ctl in g.inputs(n):
+            if ctl:
+                rewrite = rewrite or t.node not in keep
+            elif t in cut:
+                rewrite = True
+            elif t.node not in defined:
+                raise VerifyError(f"{name}: node {n!r} input {str(t)!r} refers to a node or argument left out")
+        if rewrite:
+            inputs = fdef.node_def[k].input
+            renamed = [s if ctl else cut.get(t, s) for s, (t, ctl) in zip(inputs, g.inputs(n))
+                       if not (ctl and t.node not in keep)]
+            del inputs[:]
+            inputs.extend(renamed)
+    sig = fdef.signature
+    sig.name = name
+    old_args = {a.name: (i, a) for i, a in enumerate(header.signature.input_arg)}
+    arg_attr = header.arg_attr
+    del sig.input_arg[:]
+    for arg_name, ref in new_args:
+        a = sig.input_arg.add()
+        a.name = arg_name
+        a.type = g.dtype(ref)
+        shape = g.shape(ref)
+        if shape is not None:
+            attr = fdef.arg_attr[len(sig.input_arg) - 1].attr["_output_shapes"].list.shape.add()
+            for d in shape:
+                attr.dim.add().size = d
+    for arg_name in kept:
+        i, a = old_args[arg_name]
+        sig.input_arg.add().CopyFrom(a)
+        if i in arg_attr:
+            fdef.arg_attr[len(sig.input_arg) - 1].CopyFrom(arg_attr[i])
+    del sig.output_arg[:]
+    for out_name, ref in outputs:
+        a = sig.output_arg.add()
+        a.name = out_name
+        a.type = g.dtype(ref)
+        fdef.ret[out_name] = str(ref)
+    del sig.control_output[:]
+    for n in sorted(effects):
+        sig.control_output.append(n)
+        fdef.control_ret[n] = n
+    sig.is_stateful = True
+    if "_input_shapes" in fdef.attr:
+        del fdef.attr["_input_shapes"]
+    for k, v in fdef.ret.items():
+        if parse_input(v)[0].node not in defined:
+            raise VerifyError(f"{name}: output {k!r} refers to {v!r}, which was left out")
+    return fdef
 
 
 def verify_function_def(fdef: function_pb2.FunctionDef,
