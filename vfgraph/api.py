@@ -6,7 +6,7 @@ import gc
 import os
 from typing import Optional, Sequence, Union
 
-from vfgraph import __version__
+from vfgraph.version import __version__
 from vfgraph.errors import InputError, InternalError, VfgraphError
 from vfgraph.io import graphdef, metagraph, objectgraph, savedmodel
 from vfgraph.item import GraphItem

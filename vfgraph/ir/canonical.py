@@ -7,13 +7,15 @@ shape and sha256; debug info and version stamps stripped.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Iterable, List
+from typing import TYPE_CHECKING, Dict, Iterable, List
 
 from google.protobuf import text_format
 from tensorflow.core.framework import function_pb2, graph_pb2
 
 from vfgraph.ir.graph import FunctionGraph, function_dependencies
-from vfgraph.item import GraphItem
+
+if TYPE_CHECKING:
+    from vfgraph.item import GraphItem
 
 LARGE_TENSOR_BYTES = 64
 
