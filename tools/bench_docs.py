@@ -231,7 +231,7 @@ def render_allreduce(r: dict) -> str:
             [f"in graph / mpi4py (target >= {t['ours/mpi4py']:g} from {c['target_min_bytes'] >> 20} MiB)",
              "in graph / mpi4py, 4 KiB pages"] +
             ([f"in graph / TF (target >= {t['ours/tf']:g})"] if have_tf else []))
-    return (f"{c['ranks']} ranks, {c['dtype']}, {c['mpi']}; medians of {c['reps']} repetitions of the slower rank "
+    return (f"{c['ranks']} ranks, {c['dtype']}, {' '.join(c['mpi'].split())}; medians of {c['reps']} repetitions of the slower rank "
             f"({c['tf_reps']} for TensorFlow's collectives); scalar row: microseconds per call.\n\n" + table(head, rows))
 
 
