@@ -10,13 +10,17 @@ from vfgraph.ir.tracing import annotate_shapes, arg_specs, tf_dtype  # noqa: F40
 
 
 class Node(_Node):
-    __slots__ = ()
+    __slots__ = ("_strs",)
 
     def __getitem__(self, k):
-        return str(self.outputs()[k])
+        return self.outputs()[k]
 
     def outputs(self):
-        return [str(r) for r in super().outputs()]
+        try:
+            return self._strs
+        except AttributeError:
+            self._strs = [str(r) for r in super().outputs()]
+            return self._strs
 
 
 class _StrGraph(FunctionGraph):
