@@ -7,7 +7,7 @@ traced before them; they run to thousands of lines and cover what a real export 
 The other inputs are hand-written (matmul_sgd, matmul_serve, matmul_assign_sub): SavedModels
 in protobuf text form, a few dozen nodes each, whose first line is ``# Hand-written golden
 input`` and whose comment header says what they are. This script does not generate them and
-refuses to overwrite them; edit them by hand (tests/io/test_golden_inputs.py checks that
+refuses to overwrite them; edit them by hand (tests/rewrites/test_golden_inputs.py checks that
 TensorFlow loads each one, before and after its rewrite).
 
     python tools/make_golden_inputs.py [CASE...]
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDENS = os.path.join(ROOT, "tests", "goldens")
 CASES = {"split-vnodes": ["linear_manual", "linear_momentum"], "microbatch-inference": ["linear_manual"],
          "insert-allreduce": ["linear_momentum"]}
-HAND_WRITTEN_MARK = "# Hand-written golden input"  # first line of a hand-written input (tests/test_goldens.py)
+HAND_WRITTEN_MARK = "# Hand-written golden input"  # first line of a hand-written input (tests/rewrites/test_goldens.py)
 
 
 def is_hand_written(path: str) -> bool:

@@ -12,7 +12,7 @@ The before files are SavedModels in protobuf text form, of two kinds:
   object graph with the signatures' concrete functions (which the generated inputs lack, so
   only these reach the step-wise and broadcast signatures), in under 200 lines a reviewer
   reads whole beside a golden's diff. They are not generated; make_golden_inputs.py refuses
-  to overwrite them. tests/io/test_golden_inputs.py loads each in TensorFlow, before and
+  to overwrite them. tests/rewrites/test_golden_inputs.py loads each in TensorFlow, before and
   after its rewrite.
 
 The after files are the canonical text (vfgraph.ir.canonical) of what the pass produced. A
@@ -30,7 +30,7 @@ from vfgraph.ir.canonical import canonical_text
 from vfgraph.passes.base import parse_pipeline
 from vfgraph.passes.manager import PassManager
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "goldens")
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "goldens")
 OPTIONS = {  # pass -> options used for every case of that pass
     "split-vnodes": "{vnodes=4,vnode-batch=2}",
     "microbatch-inference": "{vnode-batch=2}",

@@ -1,7 +1,7 @@
 """The hand-written golden inputs (tests/goldens/<pass>/<case>.before.pbtxt whose first line
 is ``# Hand-written``) are real SavedModels: each one, written as a binary saved_model.pb with
 a checkpoint of its variables, loads with ``tf.saved_model.load`` and runs; rewritten by the
-pipeline its golden case runs (tests/test_goldens.py), saved and loaded again, it computes
+pipeline its golden case runs (tests/rewrites/test_goldens.py), saved and loaded again, it computes
 what the original does (serving outputs, training losses and variables)."""
 import os
 
