@@ -5,7 +5,7 @@ import networkx as nx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vfgraph.analysis.train_step import _FlowGraph, _max_flow
+from vfgraph.analysis.train_step import _FlowGraph, _max_flow, add_flow_edge
 
 
 @st.composite
@@ -24,12 +24,7 @@ def test_max_flow_equals_networkx(net):
     g = nx.DiGraph()
     g.add_nodes_from(range(n))
     for u, v, c in edges:
-        adj[u].append(len(to))
-        to.append(v)
-        cap.append(c)
-        adj[v].append(len(to))
-        to.append(u)
-        cap.append(0)
+        add_flow_edge(adj, to, cap, u, v, c)
         g.add_edge(u, v, capacity=g[u][v]["capacity"] + c if g.has_edge(u, v) else c)
     flow = _max_flow(n, adj, to, cap)
     assert flow == nx.maximum_flow_value(g, 0, 1)

@@ -519,12 +519,7 @@ class _FlowGraph:
         big = sum(self.unit) + 1
 
         def edge(a: int, b: int, c: int) -> None:
-            adj[a].append(len(to))
-            to.append(b)
-            cap.append(c)
-            adj[b].append(len(to))
-            to.append(a)
-            cap.append(0)
+            add_flow_edge(adj, to, cap, a, b, c)
 
         for u in range(n):
             a = local[u]
@@ -667,6 +662,19 @@ class _FlowGraph:
                     seen[v] = 1
                     stack.append(v)
         return {key[1] for u, key in enumerate(self.keys) if seen[u] and key[0] in _OP_VERTICES}
+
+
+def add_flow_edge(adj: List[List[int]], to: List[int], cap: List[int], a: int, b: int, c: int) -> None:
+    """Add edge ``a -> b`` of capacity ``c``, and its residual ``b -> a`` of capacity 0, to the
+    flow network ``(adj, to, cap)`` that :func:`_max_flow` reads: edge ``e`` goes to ``to[e]``
+    with capacity ``cap[e]``, ``adj[u]`` lists the edges leaving ``u``, and ``e ^ 1`` is ``e``'s
+    residual."""
+    adj[a].append(len(to))
+    to.append(b)
+    cap.append(c)
+    adj[b].append(len(to))
+    to.append(a)
+    cap.append(0)
 
 
 def _max_flow(n: int, adj: List[List[int]], to: List[int], cap: List[int]) -> int:

@@ -190,36 +190,19 @@ absl::Status EnsureHalfTypes(const std::string& op, const std::string& node,
 // The MPI datatype and sum operation for an element type.
 template <typename T>
 struct MpiSum;
-template <>
-struct MpiSum<float> {
-  static MPI_Datatype Type() { return MPI_FLOAT; }
-  static MPI_Op Op() { return MPI_SUM; }
-};
-template <>
-struct MpiSum<double> {
-  static MPI_Datatype Type() { return MPI_DOUBLE; }
-  static MPI_Op Op() { return MPI_SUM; }
-};
-template <>
-struct MpiSum<int32_t> {
-  static MPI_Datatype Type() { return MPI_INT32_T; }
-  static MPI_Op Op() { return MPI_SUM; }
-};
-template <>
-struct MpiSum<int64_t> {
-  static MPI_Datatype Type() { return MPI_INT64_T; }
-  static MPI_Op Op() { return MPI_SUM; }
-};
-template <>
-struct MpiSum<Eigen::half> {
-  static MPI_Datatype Type() { return Halves().half; }
-  static MPI_Op Op() { return Halves().half_sum; }
-};
-template <>
-struct MpiSum<Eigen::bfloat16> {
-  static MPI_Datatype Type() { return Halves().bfloat16; }
-  static MPI_Op Op() { return Halves().bfloat16_sum; }
-};
+#define VF_MPI_SUM(T, TYPE, OP)                       \
+  template <>                                         \
+  struct MpiSum<T> {                                  \
+    static MPI_Datatype Type() { return TYPE; }       \
+    static MPI_Op Op() { return OP; }                 \
+  };
+VF_MPI_SUM(float, MPI_FLOAT, MPI_SUM)
+VF_MPI_SUM(double, MPI_DOUBLE, MPI_SUM)
+VF_MPI_SUM(int32_t, MPI_INT32_T, MPI_SUM)
+VF_MPI_SUM(int64_t, MPI_INT64_T, MPI_SUM)
+VF_MPI_SUM(Eigen::half, Halves().half, Halves().half_sum)
+VF_MPI_SUM(Eigen::bfloat16, Halves().bfloat16, Halves().bfloat16_sum)
+#undef VF_MPI_SUM
 
 template <typename T>
 constexpr bool kIsHalf =
