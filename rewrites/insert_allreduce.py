@@ -25,12 +25,12 @@ from tensorflow.core.framework import function_pb2, types_pb2
 from vfgraph import records
 from vfgraph.builder import FunctionBuilder, func_attr, shapes_attr, type_attr, types_attr
 from vfgraph.errors import PipelineError
+from vfgraph.io.signatures import add_signature, entry_header, signature_wrapper
 from vfgraph.ir.graph import FunctionGraph, arg_shapes, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult, option, register
 from vfgraph.records import Allreduce, VirtualNodes
-from vfgraph.rewrites.split_vnodes import _header, _signature_wrapper, add_signature
 
 DEFAULT_FUSION_MB = 4.0  # MiB; ResNet-50 gradients sum fastest in 1-4 MiB buffers (tools/bench_scaling.py)
 ALIGN = 64  # bytes: TensorFlow's CPU split shares the input buffer for outputs aligned to this
@@ -221,7 +221,7 @@ def graph_fingerprint(item: GraphItem) -> str:
     The whole library, not only what the step calls: finding that takes a walk over every
     node, which costs more than serializing the few functions it would leave out."""
     h = hashlib.sha256()
-    for f in sorted(item.meta_graph.graph_def.library.function, key=lambda f: f.signature.name):
+    for _, f in sorted(item.library.items()):
         h.update(f.SerializeToString(deterministic=True))
     return h.hexdigest()
 
@@ -230,33 +230,22 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
     """Add signature ``<key>_broadcast``: check the graph fingerprint on every rank, then copy
     every variable the step uses from rank 0 (one ``VfBroadcastVariables`` op). Returns its
     name (None: not added) and the variables left out (of a type the op cannot send)."""
-    og = item.meta_graph.object_graph_def
-    if item.kind != "saved_model" or not og.nodes:
+    wrapper = signature_wrapper(item, key)
+    if wrapper is None:
         return None, []
-    found = _signature_wrapper(item, key)
-    if found is None:
-        return None, []
-    wrapper, forward, bare_id = found
-    cf = og.concrete_functions[wrapper.signature.name]
     sig = item.signatures[key]
-    inner = [forward[a.name] for a in wrapper.signature.input_arg]
-    variables = inner[len(inner) - len(cf.bound_inputs):]
+    variables = wrapper.bound_args
     g = FunctionGraph._over(item.function(sig.function), item.library)  # read only
     fn = function_name(sig.function, "broadcast", "0")
-    header = _header(g, fn, variables, [], [], [])
-    b = FunctionBuilder(fn, item.library)
-    for i, a in enumerate(header.signature.input_arg):
-        b.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None)
+    b, _ = FunctionBuilder.like(entry_header(g, fn, variables), item.library)
     check = b.op("VfCheck", name="check", fingerprint=fingerprint, what=f"signature {key!r}")
     b.control_ret(check)
     # (captured constants are bound too: the same graph holds them on every rank)
     sent = [a for a in variables if a in sig.variables and sig.variables[a].dtype in _BROADCAST_TYPES]
     if sent:
         b.control_ret(b.op("VfBroadcastVariables", sent, name="broadcast", deps=[check], N=len(sent), root=0))
-    for k, v in header.attr.items():
-        b.fdef.attr[k].CopyFrom(v)
     item.set_function(b.finish())
     name = f"{key}_broadcast"
-    add_signature(item, name, fn, cf, bare_id, [], takes_inputs=False, like=key, extra_handles=[])
+    add_signature(item, name, fn, wrapper, takes_inputs=False)
     return name, [sig.variables[a].name for a in variables
                   if a in sig.variables and sig.variables[a].dtype not in _BROADCAST_TYPES]

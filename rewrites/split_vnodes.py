@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorflow.core.framework import node_def_pb2, types_pb2
-from tensorflow.core.protobuf import meta_graph_pb2
 from typing import ClassVar, List, Tuple
 
 from vfgraph import records
@@ -21,6 +20,8 @@ from vfgraph.analysis.train_step import (TrainStep, analyze_train_step, check_ba
 from vfgraph.builder import (I32, FunctionBuilder, Node, batch_size, check, extract_function, func_attr, list_concat,
                              shapes_attr, slice_rows, tensor_attr, type_attr, types_attr, zeros)
 from vfgraph.errors import DetectionError, PipelineError
+from vfgraph.io.signatures import (add_graph_signature, add_graph_variables, add_object_variables, add_signature,
+                                   entry_header, has_object_graph, signature_wrapper)
 from vfgraph.ir.graph import FunctionGraph, TensorRef, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
@@ -434,9 +435,8 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     mode for runtimes that feed virtual nodes one call at a time. Returns (whether they were
     added, notes: why not)."""
     sig = step.signature
-    og = item.meta_graph.object_graph_def
     tf1 = item.kind == "tf1_saved_model"
-    if not tf1 and (item.kind != "saved_model" or not og.nodes):
+    if not tf1 and not has_object_graph(item):
         return False, [f"step-wise signatures: not added to {item.kind} models"]
     if any(c.combine != "mean" and (not c.shape or any(d < 0 for d in c.shape[1:])) for c in step.cut):
         return False, ["step-wise signatures: not added (sparse gradient rows of unknown shape)"]
@@ -446,23 +446,20 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
         inner, n_inputs = list(g.arg_names), len(sig.batch_args)
         out_names = [a.name for a in g.header.signature.output_arg]
     else:
-        found = _signature_wrapper(item, sig.key)
-        if found is None:
+        wrapper = signature_wrapper(item, sig.key)
+        if wrapper is None:
             return False, [f"step-wise signatures: signature {sig.key!r} has no wrapper vfgraph can extend"]
-        wrapper, forward, bare_id = found
-        cf = og.concrete_functions[wrapper.signature.name]
         # the wrapper's argument order: inputs, then bound variables
-        inner = [forward[a.name] for a in wrapper.signature.input_arg]
-        n_inputs = len(inner) - len(cf.bound_inputs)
-        out_names = [a.name for a in wrapper.signature.output_arg]
+        inner, n_inputs = list(wrapper.args), len(wrapper.input_args)
+        out_names = list(wrapper.outputs)
     specs = [(f"grad_{k}", c.dtype, c.shape) for k, c in enumerate(step.cut)] + [("count", F32, [])]
     acc_args = [f"vf_accumulator_{k}" for k in range(len(step.cut))] + ["vf_count"]
     # Names of object-graph functions end in an integer (TensorFlow's fingerprinting needs it).
     acc_fn = function_name(sig.function, "accumulate", "0")
     apply_fn = function_name(sig.function, "apply", "0")
-    acc_header = _header(g, acc_fn, inner, acc_args, out_names, [g.dtype(o.ref) for o in step.outputs])
+    acc_header = entry_header(g, acc_fn, inner, acc_args, out_names, [g.dtype(o.ref) for o in step.outputs])
     counted = ["vnodes"] if tf1 else []  # a TF1 signature needs an output: the virtual nodes applied
-    apply_header = _header(g, apply_fn, inner[n_inputs:], acc_args, counted, [F32] * len(counted))
+    apply_header = entry_header(g, apply_fn, inner[n_inputs:], acc_args, counted, [F32] * len(counted))
     lib = item.library
 
     fb, args = FunctionBuilder.like(acc_header, lib, into=item.new_function(acc_fn))
@@ -505,118 +502,19 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     for name in counted:
         fb.ret(name, fb.op("Identity", [got[-1]], name="applied", deps=[reset], T=type_attr(F32), shapes=[[]])[0], F32)
     fb.finish()
-    handles = _graph_variables(item.meta_graph, specs)
+    handles = add_graph_variables(item, ACCUMULATORS, specs)
     if tf1:
-        train = item.meta_graph.signature_def[sig.key]
-        _graph_signature(item, f"{sig.key}_accumulate", acc_fn, sig.call_inputs + handles, sig.key,
-                         [(k, train.outputs[k]) for k in sig.output_keys])
-        vnodes = meta_graph_pb2.TensorInfo(name="", dtype=F32)
-        vnodes.tensor_shape.SetInParent()
-        _graph_signature(item, f"{sig.key}_apply", apply_fn, sig.call_inputs[n_inputs:] + handles, None,
-                         [("vnodes", vnodes)])
+        add_graph_signature(item, f"{sig.key}_accumulate", acc_fn, sig.call_inputs + handles, like=sig.key,
+                            outputs=sig.output_keys)
+        add_graph_signature(item, f"{sig.key}_apply", apply_fn, sig.call_inputs[n_inputs:] + handles,
+                            new_outputs=[("vnodes", F32, [])])
         return True, []
-    acc_ids = _object_graph_accumulators(og, specs)
-    add_signature(item, f"{sig.key}_accumulate", acc_fn, cf, bare_id, acc_ids, takes_inputs=True, like=sig.key,
-                  extra_handles=handles)
-    add_signature(item, f"{sig.key}_apply", apply_fn, cf, bare_id, acc_ids, takes_inputs=False, like=sig.key,
-                  extra_handles=handles)
+    acc_ids = add_object_variables(item, ACCUMULATORS, specs)
+    add_signature(item, f"{sig.key}_accumulate", acc_fn, wrapper, takes_inputs=True, bound=acc_ids,
+                  graph_handles=handles)
+    add_signature(item, f"{sig.key}_apply", apply_fn, wrapper, takes_inputs=False, bound=acc_ids,
+                  graph_handles=handles)
     return True, []
-
-
-def _object_graph_accumulators(og, specs) -> List[int]:
-    """Accumulator variables in the object graph, under the root's ``vf_accumulators``;
-    returns their node ids."""
-    holder_id = len(og.nodes)
-    holder = og.nodes.add()
-    holder.user_object.identifier = "_generic_user_object"
-    holder.user_object.version.producer = 1
-    holder.user_object.version.min_consumer = 1
-    og.nodes[0].children.add(node_id=holder_id, local_name=ACCUMULATORS)
-    acc_ids = []
-    for local, dtype, shape in specs:
-        node = og.nodes.add()
-        node.variable.dtype = dtype
-        for d in shape:
-            node.variable.shape.dim.add().size = d
-        node.variable.name = f"{ACCUMULATORS}/{local}"
-        node.variable.trainable = False
-        holder.children.add(node_id=len(og.nodes) - 1, local_name=local)
-        acc_ids.append(len(og.nodes) - 1)
-    return acc_ids
-
-
-INIT_OP = "__saved_model_init_op"
-
-
-def _graph_node(gd, name: str, op: str, inputs=(), **attrs) -> str:
-    gd.node.add(name=name, op=op, input=inputs, attr=attrs)
-    return name
-
-
-def _graph_variables(mg, specs) -> List[str]:
-    """Graph nodes (``VarHandleOp``) for the accumulators, for loaders that run the graph
-    (TF1 sessions, ``saved_model_cli``, serving): zeroed by the SavedModel's init op,
-    which runs them before the model's own init op. Returns the node names."""
-    from tensorflow.core.framework import attr_value_pb2
-
-    from vfgraph.builder import shape_proto
-
-    gd = mg.graph_def
-
-    def const(name, value, dtype):
-        return _graph_node(gd, name, "Const", dtype=type_attr(dtype), value=tensor_attr(value, dtype))
-
-    handles, zeroed = [], []
-    fills = {}  # (shape, dtype) -> a Fill node: one per distinct shape
-    for local, dtype, shape in specs:
-        name = f"{ACCUMULATORS}/{local}"
-        handles.append(_graph_node(gd, name, "VarHandleOp", dtype=type_attr(dtype),
-                                   shape=attr_value_pb2.AttrValue(shape=shape_proto(shape)),
-                                   shared_name=attr_value_pb2.AttrValue(s=name.encode()),
-                                   container=attr_value_pb2.AttrValue(s=b"")))
-        empty = tuple(max(d, 0) for d in shape)  # sparse rows: none yet
-        if (empty, dtype) not in fills:
-            base = f"{ACCUMULATORS}/zeros_{len(fills)}"
-            fills[empty, dtype] = _graph_node(gd, base, "Fill",
-                                              [const(f"{base}/shape", empty, I32), const(f"{base}/zero", 0, dtype)],
-                                              T=type_attr(dtype), index_type=type_attr(I32))
-        zeroed.append(_graph_node(gd, f"{name}/init", "AssignVariableOp", [name, fills[empty, dtype]],
-                                  dtype=type_attr(dtype)))
-    before = ""
-    if INIT_OP in mg.signature_def:
-        before = mg.signature_def[INIT_OP].outputs[INIT_OP].name
-    else:
-        for key in ("saved_model_main_op", "legacy_init_op"):  # what the loader would run otherwise
-            if key in mg.collection_def and mg.collection_def[key].node_list.value:
-                before = mg.collection_def[key].node_list.value[0]
-                break
-    init = _graph_node(gd, "vf/init_op", "NoOp",
-                       ["^" + z for z in zeroed] + (["^" + before.split(":")[0]] if before else []))
-    mg.signature_def[INIT_OP].outputs[INIT_OP].name = init
-    return handles
-
-
-def _graph_signature(item: GraphItem, key: str, fn: str, inputs: List[str], like, outputs) -> None:
-    """signature_def ``key``: a graph node calling library function ``fn`` on ``inputs``; the
-    signature's inputs are those of signature_def ``like`` (None: no inputs), its outputs
-    ``outputs`` ((key, TensorInfo) in ``fn``'s output order, renamed to the call's)."""
-    from tensorflow.core.framework import attr_value_pb2
-
-    mg = item.meta_graph
-    fdef = item.library[fn]
-    call = _graph_node(mg.graph_def, f"vf/{key}", "StatefulPartitionedCall", inputs,
-                       f=attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name=fn)),
-                       Tin=types_attr([a.type for a in fdef.signature.input_arg]),
-                       Tout=types_attr([a.type for a in fdef.signature.output_arg]))
-    sd = mg.signature_def[key]
-    sd.method_name = mg.signature_def[like].method_name if like is not None else "tensorflow/serving/predict"
-    if like is not None:
-        for k, t in mg.signature_def[like].inputs.items():
-            sd.inputs[k].CopyFrom(t)
-    for k, (out_key, info) in enumerate(outputs):
-        sd.outputs[out_key].CopyFrom(info)
-        sd.outputs[out_key].name = f"{call}:{k}"
-    item.preserve.add(fn)
 
 
 def _accumulate(fb: FunctionBuilder, acc: str, value: str, c) -> Node:
@@ -629,96 +527,3 @@ def _accumulate(fb: FunctionBuilder, acc: str, value: str, c) -> Node:
     new = list_concat(fb, value, c.dtype)
     rows = fb.op("ConcatV2", [old, new, fb.const(0, I32, "axis")[0]], name="append", N=2, T=t, Tidx=type_attr(I32))
     return fb.op("AssignVariableOp", [acc, rows[0]], name="accumulate", dtype=t)
-
-
-def add_signature(item: GraphItem, key: str, fn: str, cf, bare_id: int, extra_bound: List[int],
-                  takes_inputs: bool, like: str, extra_handles: List[str]) -> None:
-    """Register library function ``fn`` as signature ``key``: a bare concrete function like
-    signature ``like``'s (object-graph entry ``cf``, node ``bare_id``), bound to the same
-    variables plus ``extra_bound``; without ``takes_inputs`` it takes no inputs and returns {}.
-    The signature_def map gets it too (what ``saved_model_cli`` and graph loaders read): a
-    graph call fed like ``like``'s call, plus the graph variables ``extra_handles``."""
-    from tensorflow.python.saved_model import nested_structure_coder
-
-    og = item.meta_graph.object_graph_def
-    sigs = next(og.nodes[c.node_id] for c in og.nodes[0].children if c.local_name == "signatures")
-    node = og.nodes.add()
-    node.CopyFrom(og.nodes[bare_id])
-    node.bare_concrete_function.concrete_function_name = fn
-    entry = og.concrete_functions[fn]
-    entry.CopyFrom(cf)
-    entry.bound_inputs.extend(extra_bound)
-    if not takes_inputs:
-        del node.bare_concrete_function.argument_keywords[:]
-        _clear_kwonly(node.bare_concrete_function.function_spec)
-        entry.canonicalized_input_signature.CopyFrom(nested_structure_coder.encode_structure(((), {})))
-        entry.output_signature.CopyFrom(nested_structure_coder.encode_structure({}))
-    sigs.children.add(node_id=len(og.nodes) - 1, local_name=key)
-    item.preserve.add(fn)
-    mg = item.meta_graph
-    model = mg.signature_def[like]
-    fed = [i for i in _signature_call(mg, like).input if not i.startswith("^")]
-    outputs = sorted(model.outputs.items(), key=lambda kv: int(kv[1].name.split(":")[1]))  # the call's order
-    if takes_inputs:
-        _graph_signature(item, key, fn, fed + extra_handles, like, outputs)
-    else:
-        _graph_signature(item, key, fn, fed[len(fed) - len(cf.bound_inputs):] + extra_handles, None, [])
-
-
-def _signature_call(mg, key: str):
-    """The graph node signature_def ``key``'s outputs come from (None: not in the graph)."""
-    out = next(iter(mg.signature_def[key].outputs.values())).name.split(":")[0]
-    return next((n for n in mg.graph_def.node if n.name == out), None)
-
-
-def _signature_wrapper(item: GraphItem, key: str):
-    """(wrapper FunctionDef, wrapper arg -> inner arg, object-graph node id) for signature ``key``."""
-    mg = item.meta_graph
-    call = _signature_call(mg, key)
-    if call is None or "f" not in call.attr:
-        return None
-    wrapper = item.function(call.attr["f"].func.name)
-    calls = [n for n in wrapper.node_def if n.op in ("StatefulPartitionedCall", "PartitionedCall")]
-    if len(calls) != 1:
-        return None
-    inner = item.function(calls[0].attr["f"].func.name)
-    forwarded = [s.split(":")[0] for s in calls[0].input if not s.startswith("^")]
-    forward = {w: i.name for w, i in zip(forwarded, inner.signature.input_arg)}
-    if len(forward) != len(wrapper.signature.input_arg) or any(a.name not in forward for a in wrapper.signature.input_arg):
-        return None
-    og = mg.object_graph_def
-    for i, node in enumerate(og.nodes):
-        if node.WhichOneof("kind") == "bare_concrete_function" and \
-                node.bare_concrete_function.concrete_function_name == wrapper.signature.name:
-            return wrapper, forward, i
-    return None
-
-
-def _header(g: FunctionGraph, name: str, args: List[str], resources: List[str], outputs: List[str], out_types):
-    """A FunctionDef signature to trace into: ``args`` taken from ``g``, then resources."""
-    from tensorflow.core.framework import function_pb2
-
-    fdef = function_pb2.FunctionDef()
-    sig = fdef.signature
-    sig.name = name
-    sig.is_stateful = True
-    src = g.header
-    src_args = list(src.signature.input_arg)
-    index = {a.name: i for i, a in enumerate(src_args)}
-    picked = [index[a] for a in args]
-    sig.input_arg.extend([src_args[i] for i in picked])  # one call
-    attrs = dict(src.arg_attr)
-    for k, i in enumerate(picked):
-        if i in attrs:
-            fdef.arg_attr[k].CopyFrom(attrs[i])
-    for a in resources:
-        sig.input_arg.add(name=a, type=types_pb2.DT_RESOURCE)
-    for o, t in zip(outputs, out_types):
-        sig.output_arg.add(name=o, type=t)
-    return fdef
-
-
-def _clear_kwonly(spec) -> None:
-    for v in spec.fullargspec.named_tuple_value.values:
-        if v.key == "kwonlyargs":
-            del v.value.list_value.values[:]
