@@ -25,10 +25,10 @@ from typing import ClassVar, List, Tuple
 from tensorflow.core.framework import types_pb2
 
 from vfgraph import records
-from vfgraph.builder import (I32, FunctionBuilder, batch_size, check, func_attr, list_concat, shape_proto, shapes_attr,
-                             slice_rows, type_attr, types_attr)
+from vfgraph.builder import I32, FunctionBuilder, func_attr, list_concat, shape_proto, type_attr, types_attr
 from vfgraph.errors import PipelineError
 from vfgraph.ir.graph import FunctionGraph, arg_shapes, copy_header, function_dependencies, verify_function_def
+from vfgraph.ir.loops import LoopLayout, append, condition, next_index, reserve, same_batch, slice_reader, while_loop
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem, SignatureInfo
 from vfgraph.passes.base import Pass, PassResult, option, register
@@ -153,40 +153,28 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, header, slice_fn, b: in
     body_name = function_name(sig.function, "microbatch", "body")
     cond_name = function_name(sig.function, "microbatch", "cond")
     # loop variables: i, one list per output, number of slices, every argument
-    loop_types = [I32] + [types_pb2.DT_VARIANT] * len(out_types) + [I32] + types
-    loop_shapes = [[]] + [[]] * len(out_types) + [[]] + arg_shapes(header)
-    _to_loop_body(slice_fn, body_name, lib, b, names, types, batch_idx, out_types)
+    layout = LoopLayout.of([(types_pb2.DT_VARIANT, [])] * len(out_types), list(zip(types, arg_shapes(header))))
+    _to_loop_body(slice_fn, body_name, lib, b, names, layout, batch_idx, out_types)
     lib[body_name] = slice_fn
     verify_function_def(slice_fn, lib)
 
-    fb = FunctionBuilder(cond_name, lib)
-    args = fb.args_of(slice_fn)  # the loop variables, as the body takes them
-    fb.ret("more", fb.op("Less", [args[0], args[1 + len(out_types)]], name="more", T=i32)[0], types_pb2.DT_BOOL)
-    fb.fdef.signature.is_stateful = False
-    cond = fb.finish()
-
+    cond = condition(cond_name, slice_fn, layout, lib)
     lib[cond_name] = cond
     fb = FunctionBuilder(loop_name, lib)
     slices = fb.arg("slices", I32, [])
-    args = [fb.arg(n, t, s) for n, t, s in zip(names, types, loop_shapes[2 + len(out_types):])]
+    args = [fb.arg(n, t, s) for n, t, s in zip(names, types, layout.fixed_shapes)]
     if single:
         fb.fdef.attr["_noinline"].b = True  # an inlined call would leave the default executor running it
-    lists = [fb.op("TensorListReserve", [fb.const(e, I32, "element_shape")[0], slices], name="outputs",
-                   element_dtype=type_attr(t), shape_type=i32)[0] for t, e in zip(out_types, elements)]
-    loop = fb.op("While", [fb.const(0, I32, "zero")[0]] + lists + [slices] + args, name="microbatches",
-                 T=types_attr(loop_types), cond=func_attr(cond_name), body=func_attr(body_name),
-                 output_shapes=shapes_attr(loop_shapes), parallel_iterations=1, _lower_using_switch_merge=not single)
-    outs = loop.outputs()
+    lists = [reserve(fb, slices, t, e, "outputs") for t, e in zip(out_types, elements)]
+    loop = while_loop(fb, layout, lists, slices, args, cond_name, body_name, "microbatches", lower=not single)
+    _, outs, _, _ = layout.split(loop.outputs())
     for k, (t, e, s) in enumerate(zip(out_types, elements, out_shapes)):
-        fb.ret(f"output_{k}", list_concat(fb, outs[1 + k], t, e, s), t)
+        fb.ret(f"output_{k}", list_concat(fb, outs[k], t, e, s), t)
     loop_fn = fb.finish()
 
     lib[loop_name] = loop_fn
     fb, args = FunctionBuilder.like(header, lib)
-    n = batch_size(fb, args[batch_idx[0]], types[batch_idx[0]])
-    checks = [check(fb, fb.op("Equal", [batch_size(fb, args[j], types[j]), n], name="same_batch", T=i32)[0],
-                    f"vfgraph: inputs {keys[0]!r} and {k!r} have different leading (batch) dimensions")
-              for k, j in zip(keys[1:], batch_idx[1:])]
+    n, checks = same_batch(fb, [args[j] for j in batch_idx], [types[j] for j in batch_idx], keys, "inputs")
     up = fb.op("AddV2", [n, fb.const(b - 1, I32, "round_up")[0]], name="rounded_up", T=i32)[0]
     slices = fb.op("FloorDiv", [up, fb.const(b, I32, "slice")[0]], name="slices", deps=checks, T=i32)[0]
     run = fb.op("StatefulPartitionedCall", [slices] + args, name="microbatches", Tin=types_attr([I32] + types),
@@ -196,7 +184,7 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, header, slice_fn, b: in
     return [fb.finish(), loop_fn, cond]
 
 
-def _to_loop_body(fdef, name: str, lib, b: int, names, types, batch_idx, out_types) -> None:
+def _to_loop_body(fdef, name: str, lib, b: int, names, layout: LoopLayout, batch_idx, out_types) -> None:
     """Turn serving function ``fdef`` in place into the ``While`` body ``name``: its arguments
     become (i, one tensor list per output, number of slices, its own arguments), each batch
     argument is read as rows ``[i * b, (i + 1) * b)`` of itself, and it returns the loop
@@ -206,21 +194,18 @@ def _to_loop_body(fdef, name: str, lib, b: int, names, types, batch_idx, out_typ
     p = "vf_microbatch"
     while p in taken or any(t.startswith(p + "_") for t in taken):
         p += "_"
-    i32 = type_attr(I32)
+    types = layout.fixed_types
     # the bookkeeping nodes, written by a builder over the loop variables and one stand-in
     # argument per output of the serving nodes (replaced by those outputs below)
     fb = FunctionBuilder(name, lib)
-    loop_vars = [fb.arg(f"{p}_i", I32, [])] + [fb.arg(f"{p}_outputs_{k}", types_pb2.DT_VARIANT, [])
-                                                for k in range(len(out_types))] + [fb.arg(f"{p}_slices", I32, [])]
-    own = [fb.arg(n, t) for n, t in zip(names, types)]
+    loop_vars = layout.args(fb, [f"{p}_i"] + [f"{p}_outputs_{k}" for k in range(len(out_types))] + [f"{p}_slices"] +
+                            list(names))
+    i, lists, slices, own = layout.split(loop_vars)
     got = [fb.arg(f"{p}_got_{k}", t) for k, t in enumerate(out_types)]
-    i = loop_vars[0]
-    start = fb.op("Mul", [i, fb.const(b, I32, "slice")[0]], name="start", T=i32)[0]
-    rows = slice_rows(fb, start, fb.const(b, I32, "slice")[0])
+    rows = slice_reader(fb, i, fb.const(b, I32, "slice")[0])
     sliced = {names[j]: rows(own[j], types[j]) for j in batch_idx}
-    new = [fb.op("TensorListSetItem", [lst, i, got[k]], name="append", element_dtype=type_attr(t))[0]
-           for k, (lst, t) in enumerate(zip(loop_vars[1:-1], out_types))]
-    nxt = fb.op("AddV2", [i, fb.const(1, I32, "one")[0]], name="next", T=i32)[0]
+    new = [append(fb, lst, i, got[k], t) for k, (lst, t) in enumerate(zip(lists, out_types))]
+    nxt = next_index(fb, i)
     added = fb.fdef
 
     renamed = {n.name: f"{p}/{n.name}" for n in added.node_def}
@@ -252,7 +237,7 @@ def _to_loop_body(fdef, name: str, lib, b: int, names, types, batch_idx, out_typ
     sig = fdef.signature
     sig.name = name
     sig.is_stateful = True
-    shift = len(loop_vars)
+    shift = layout.count_index + 1  # the loop variables before the serving function's own arguments
     own_args = [_copy(a) for a in sig.input_arg]  # copies: what a cleared field held is not kept
     del sig.input_arg[:]
     sig.input_arg.extend(list(added.signature.input_arg)[:shift] + own_args)
@@ -270,10 +255,10 @@ def _to_loop_body(fdef, name: str, lib, b: int, names, types, batch_idx, out_typ
         shapes = list(fdef.attr["_input_shapes"].list.shape)
         fdef.attr["_input_shapes"].list.ClearField("shape")
         fdef.attr["_input_shapes"].list.shape.extend([shape_proto([])] * shift + shapes)
-    rets = [bookkeeping(nxt)] + [bookkeeping(r) for r in new] + [loop_vars[-1]] + list(names)
+    rets = layout.join(bookkeeping(nxt), [bookkeeping(r) for r in new], slices, names)
     del sig.output_arg[:]
     fdef.ClearField("ret")
-    for k, (ref, t) in enumerate(zip(rets, [I32] + [types_pb2.DT_VARIANT] * len(out_types) + [I32] + list(types))):
+    for k, (ref, t) in enumerate(zip(rets, layout.types)):
         sig.output_arg.add(name=f"out_{k}", type=t)
         fdef.ret[f"out_{k}"] = ref
 

@@ -17,12 +17,13 @@ from typing import ClassVar, List, Tuple
 from vfgraph import records
 from vfgraph.analysis.train_step import (TrainStep, analyze_train_step, check_batch_inputs, static_batch,
                                          with_dynamic_batch)
-from vfgraph.builder import (I32, FunctionBuilder, Node, batch_size, check, extract_function, func_attr, list_concat,
-                             shapes_attr, slice_rows, tensor_attr, type_attr, types_attr, zeros)
+from vfgraph.builder import (I32, FunctionBuilder, Node, check, extract_function, func_attr, list_concat, tensor_attr,
+                             type_attr, types_attr, zeros)
 from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.io.signatures import (add_graph_signature, add_graph_variables, add_object_variables, add_signature,
                                    entry_header, has_object_graph, signature_wrapper)
 from vfgraph.ir.graph import FunctionGraph, TensorRef, verify_function_def
+from vfgraph.ir.loops import LoopLayout, append, condition, next_index, reserve, same_batch, slice_reader, while_loop
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult, option, register
@@ -194,41 +195,29 @@ class _Loop:
         self.carried = ([(o.combine, t, g.shape(o.ref)) for o, t in zip(self.vnode_outs, self.v_types)] +
                         [(c.combine, t, c.shape) for c, t in zip(step.cut, self.v_types[n_out:])])
         self.batch_types = [g.dtype(TensorRef(a)) for a in sig.batch_args]
+        # loop variables: i, carried..., nv, then per, batch..., resources...
+        self.layout = LoopLayout.of(
+            [(t, s) if c == "mean" else (types_pb2.DT_VARIANT, []) for c, t, s in self.carried],
+            [(I32, [])] + [(t, g.arg_shape(a)) for a, t in zip(sig.batch_args, self.batch_types)] +
+            [(g.dtype(TensorRef(a)), []) for a in sig.resource_args] +
+            [(g.dtype(TensorRef(a)), g.arg_shape(a)) for a in sig.captured_args])
         lib = dict(library)
         lib[vdef.signature.name] = vdef
         self.body_name = function_name(sig.function, "vnodes", "body")
         self.cond_name = function_name(sig.function, "vnodes", "cond")
         body = self._body(lib, new_function(self.body_name))
-        self._cond(lib, body, new_function(self.cond_name))
-
-    # loop variables: i, carried..., nv, per, batch..., resources...
-    def _loop_types(self) -> List[int]:
-        carried = [t if c == "mean" else types_pb2.DT_VARIANT for c, t, _ in self.carried]
-        res = [self.g.dtype(TensorRef(a)) for a in self.step.signature.invariant_args]
-        return [I32] + carried + [I32, I32] + self.batch_types + res
-
-    def _loop_shapes(self) -> List:
-        carried = [s if c == "mean" else [] for c, _, s in self.carried]
-        batch = [self.g.arg_shape(a) for a in self.step.signature.batch_args]
-        sig = self.step.signature
-        return [[]] + carried + [[], []] + batch + [[]] * len(sig.resource_args) + [
-            self.g.arg_shape(a) for a in sig.captured_args]
-
-    def _loop_args(self, fb: FunctionBuilder) -> List[str]:
-        names = (["i"] + [f"carried_{k}" for k in range(len(self.carried))] + ["nv", "per"] +
-                 [f"batch_{k}" for k in range(len(self.batch_types))] +
-                 [f"resource_{k}" for k in range(len(self.step.signature.invariant_args))])
-        return [fb.arg(n, t, s) for n, t, s in zip(names, self._loop_types(), self._loop_shapes())]
+        condition(self.cond_name, body, self.layout, lib, new_function(self.cond_name))
 
     def _body(self, lib, into):
         sig = self.step.signature
         fb = FunctionBuilder(self.body_name, lib, into)
-        args = self._loop_args(fb)
-        k_c = len(self.carried)
-        i, carried, per = args[0], args[1:1 + k_c], args[2 + k_c]
-        batch = args[3 + k_c:3 + k_c + len(self.batch_types)]
-        res = args[3 + k_c + len(self.batch_types):]
-        rows = slice_rows(fb, fb.op("Mul", [i, per], name="start", T=type_attr(I32))[0], per)
+        n_batch = len(self.batch_types)
+        args = self.layout.args(fb, ["i"] + [f"carried_{k}" for k in range(len(self.carried))] + ["nv", "per"] +
+                                [f"batch_{k}" for k in range(n_batch)] +
+                                [f"resource_{k}" for k in range(len(sig.invariant_args))])
+        i, carried, nv, fixed = self.layout.split(args)
+        per, batch, res = fixed[0], fixed[1:1 + n_batch], fixed[1 + n_batch:]
+        rows = slice_reader(fb, i, per)
         by_name = {a: rows(x, t) for a, x, t in zip(sig.batch_args, batch, self.batch_types)}
         by_name.update(zip(sig.invariant_args, res))
         v_args = [a.name for a in self.vdef.signature.input_arg]
@@ -243,31 +232,17 @@ class _Loop:
             if combine == "mean":
                 new.append(fb.op("AddV2", [acc, call[k]], name="sum", T=type_attr(t), shapes=[shape])[0])
             else:
-                new.append(fb.op("TensorListSetItem", [acc, i, call[k]], name="append", element_dtype=type_attr(t))[0])
-        nxt = fb.op("AddV2", [i, fb.const(1, I32, "one")[0]], name="next", T=type_attr(I32))[0]
-        for k, (ref, t) in enumerate(zip([nxt] + new + args[1 + k_c:], self._loop_types())):
+                new.append(append(fb, acc, i, call[k], t))
+        for k, (ref, t) in enumerate(zip(self.layout.join(next_index(fb, i), new, nv, fixed), self.layout.types)):
             fb.ret(f"out_{k}", ref, t)
-        return fb.finish()
-
-    def _cond(self, lib, body, into):
-        fb = FunctionBuilder(self.cond_name, lib, into)
-        args = fb.args_of(body)  # the loop variables, as the body takes them
-        nv = args[1 + len(self.carried)]
-        fb.ret("more", fb.op("Less", [args[0], nv], name="more", T=type_attr(I32))[0], types_pb2.DT_BOOL)
-        fb.fdef.signature.is_stateful = False
         return fb.finish()
 
     def emit(self, fb: FunctionBuilder, batch: List[str], res: List[str]):
         """Run every virtual node of the fed batch; returns (per-output results, gradient sums
         or tensor lists, number of virtual nodes, the While node)."""
-        b, vnodes, keys = self.b, self.vnodes, self.keys
+        b, vnodes = self.b, self.vnodes
         i32 = type_attr(I32)
-        n = batch_size(fb, batch[0], self.batch_types[0])
-        checks = []
-        for k, x, t in zip(keys[1:], batch[1:], self.batch_types[1:]):
-            same = fb.op("Equal", [batch_size(fb, x, t), n], name="same_batch", T=i32)[0]
-            checks.append(check(fb, same, f"vfgraph: training inputs {keys[0]!r} and {k!r} have different "
-                                                 "leading (batch) dimensions"))
+        n, checks = same_batch(fb, batch, self.batch_types, self.keys, "training inputs")
         if b:
             per = fb.const(b, I32, "vnode_batch")[0]
             nv = fb.op("FloorDiv", [n, per], name="vnodes", T=i32)[0]
@@ -292,15 +267,12 @@ class _Loop:
                                         f"({shape}); vfgraph cannot size its accumulator")
                 inits.append(zeros(fb, shape, t, shapes=[shape]))
             else:
-                inits.append(fb.op("TensorListReserve", [fb.const(-1, I32, "element_shape")[0], nv], name="list",
-                                   element_dtype=type_attr(t), shape_type=i32)[0])
-        loop = fb.op("While", [zero] + inits + [nv, per] + batch + res, name="vnodes_loop",
-                     T=types_attr(self._loop_types()), cond=func_attr(self.cond_name), body=func_attr(self.body_name),
-                     output_shapes=shapes_attr(self._loop_shapes()), parallel_iterations=1,
-                     _lower_using_switch_merge=True)
-        outs = loop.outputs()
+                inits.append(reserve(fb, nv, t))
+        loop = while_loop(fb, self.layout, inits, nv, [per] + batch + res, self.cond_name, self.body_name,
+                          "vnodes_loop", lower=True)
+        _, carried, _, _ = self.layout.split(loop.outputs())
         n_out = len(self.vnode_outs)
-        return outs[1:1 + n_out], outs[1 + n_out:1 + len(self.carried)], nv, loop
+        return carried[:n_out], carried[n_out:], nv, loop
 
     def outputs(self, fb: FunctionBuilder, outs: List[str], count: str, nv: str) -> List[str]:
         """The loop's per-output results: sums divided by ``count`` (float32), concatenations,
