@@ -267,7 +267,10 @@ def _graph_node(gd, name: str, op: str, inputs=(), **attrs) -> str:
 
 
 def _signature_call(mg, key: str):
-    """The graph node signature map entry ``key``'s outputs come from (None: not in the graph)."""
+    """The graph node signature map entry ``key``'s outputs come from (None: no such entry,
+    no output, or not in the graph)."""
+    if key not in mg.signature_def or not mg.signature_def[key].outputs:
+        return None
     out = next(iter(mg.signature_def[key].outputs.values())).name.split(":")[0]
     return next((n for n in mg.graph_def.node if n.name == out), None)
 
