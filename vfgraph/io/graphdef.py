@@ -21,6 +21,7 @@ from vfgraph.errors import InputError
 from vfgraph.io import outputs
 from vfgraph.io.files import GRAPH_CALL, GRAPH_FUNCTION, emitted_by_vfgraph, read_graph_def  # noqa: F401
 from vfgraph.ir.graph import function_dependencies
+from vfgraph.ir.names import is_tensor_name, tensor_name, tensor_node
 from vfgraph.item import GraphItem, SignatureInfo
 
 GRAPH_SIGNATURE = "graph"
@@ -29,7 +30,7 @@ _NOT_OUTPUTS = {"NoOp", "Assert", "Const", "Placeholder", "PlaceholderWithDefaul
 
 def graph_outputs(gd: graph_pb2.GraphDef) -> List[str]:
     """Output tensors of a frozen graph: output 0 of every node nothing else consumes."""
-    consumed = {s.lstrip("^").split(":")[0] for n in gd.node for s in n.input}
+    consumed = {tensor_node(s) for n in gd.node for s in n.input}
     return [f"{n.name}:0" for n in gd.node if n.name not in consumed and n.op not in _NOT_OUTPUTS]
 
 
@@ -47,12 +48,12 @@ def load_graph_def(path: str, outputs: Optional[Sequence[str]] = None) -> GraphI
         raise InputError(f"{path}: no output found (every node is consumed); name them with --outputs")
     names = {n.name for n in gd.node}
     for o in outs:
-        node, _, idx = o.partition(":")
-        if node not in names:
+        node = tensor_node(o)
+        if not is_tensor_name(o) or node not in names:
             raise InputError(f"{path}: output {o!r} names no node of the graph")
-        if idx not in ("", "0"):
+        if o not in (node, node + ":0"):
             raise InputError(f"{path}: output {o!r}: only output 0 of a node can be kept under its name")
-    outs = [o if ":" in o else o + ":0" for o in outs]
+    outs = [tensor_name(o) for o in outs]
     specs = []
     for p in placeholders:
         shape = p.attr["shape"].shape
@@ -105,7 +106,7 @@ def save_graph_def(item: GraphItem, out: str, force: bool = False) -> str:
     call.attr["Tout"].list.type.extend(a.type for a in fdef.signature.output_arg)
     for k, o in enumerate(item.metadata["graph_outputs"]):
         ident = gd.node.add()
-        ident.name = o.split(":")[0]
+        ident.name = tensor_node(o)
         ident.op = "Identity"
         ident.input.append(f"{GRAPH_CALL}:{k}")
         ident.attr["T"].type = fdef.signature.output_arg[k].type or types_pb2.DT_FLOAT

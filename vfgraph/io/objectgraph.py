@@ -8,7 +8,7 @@ from typing import Dict, List, Mapping, Set
 
 from tensorflow.core.framework import function_pb2
 
-from vfgraph.ir.names import function_name
+from vfgraph.ir.names import function_name, is_tensor_name, tensor_node
 
 
 def _node_names(fdef: function_pb2.FunctionDef) -> Set[str]:
@@ -34,7 +34,7 @@ def relink_captured_tensors(object_graph, library: Mapping[str, function_pb2.Fun
         if obj.WhichOneof("kind") != "captured_tensor":
             continue
         ct = obj.captured_tensor
-        node = ct.name.rsplit(":", 1)[0]
+        node = tensor_node(ct.name)
         if ct.concrete_function in library and holds(ct.concrete_function, node):
             continue
         if ct.concrete_function not in derived:
@@ -84,10 +84,9 @@ def loader_problems(object_graph, library: Mapping[str, function_pb2.FunctionDef
         fdef = library.get(ct.concrete_function)
         if fdef is None:
             continue  # reported above
-        node, _, index = ct.name.rpartition(":")
         if ct.concrete_function not in names:
             names[ct.concrete_function] = _node_names(fdef)
-        if not node or not index.isdigit() or node not in names[ct.concrete_function]:
+        if not is_tensor_name(ct.name, indexed=True) or tensor_node(ct.name) not in names[ct.concrete_function]:
             problems.append(f"object {i} captures tensor {ct.name!r} of function {ct.concrete_function!r}, "
                             "which has no such node")
     return problems

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from tensorflow.core.framework import graph_pb2, node_def_pb2, variable_pb2
+from tensorflow.core.framework import node_def_pb2, variable_pb2
 
 from vfgraph.errors import InputError
+from vfgraph.ir.names import control_inputs, is_control, tensor_node
+from vfgraph.ir.walk import topological
 
 _VARIABLE = ("VariableV2", "Variable")
 _ASSIGN = {"Assign": "AssignVariableOp", "AssignAdd": "AssignAddVariableOp", "AssignSub": "AssignSubVariableOp"}
@@ -72,12 +74,12 @@ def to_resource_variables(mg, where: str) -> int:
     aliases: Dict[str, Tuple[str, str]] = {v: (v, "") for v in variables}
     reads: Dict[Tuple[str, str], str] = {}
     new_nodes: List[node_def_pb2.NodeDef] = []
-    for name in _topological(gd):
+    for name in topological(nodes):
         node = nodes[name]
         if node.op in _VARIABLE:
             _to_handle(node)
             continue
-        data = [(i, s) for i, s in enumerate(node.input) if not s.startswith("^")]
+        data = [(i, s) for i, s in enumerate(node.input) if not is_control(s)]
         if not any(_tensor(s) in aliases for _, s in data):
             continue
         if node.op == "Identity":
@@ -141,25 +143,6 @@ def _tensor(s: str) -> str:
     return s[:-2] if s.endswith(":0") else s
 
 
-def _topological(gd: graph_pb2.GraphDef) -> List[str]:
-    names = [n.name for n in gd.node]
-    deps = {n.name: [s.lstrip("^").split(":")[0] for s in n.input] for n in gd.node}
-    seen, out = set(), []
-    for root in names:
-        stack: List[Tuple[str, bool]] = [(root, False)]
-        while stack:
-            n, done = stack.pop()
-            if done:
-                out.append(n)
-                continue
-            if n in seen or n not in deps:
-                continue
-            seen.add(n)
-            stack.append((n, True))
-            stack.extend((d, False) for d in reversed(deps[n]) if d not in seen)
-    return out
-
-
 def _to_handle(node: node_def_pb2.NodeDef) -> None:
     dtype, shape = node.attr["dtype"].type, node.attr["shape"]
     container, shared = node.attr["container"].s, node.attr["shared_name"].s or node.name.encode()
@@ -177,7 +160,7 @@ def _to_handle(node: node_def_pb2.NodeDef) -> None:
 
 def _to_read(node: node_def_pb2.NodeDef, var: str, after: str, nodes) -> None:
     """Identity of a reference -> ReadVariableOp of the same name (after ``after``)."""
-    controls = [s for s in node.input if s.startswith("^")] + ([f"^{after}"] if after else [])
+    controls = control_inputs(node) + ([f"^{after}"] if after else [])
     node.op = "ReadVariableOp"
     del node.input[:]
     node.input.extend([var] + controls)
@@ -235,7 +218,7 @@ def _mark_collections(mg, variables) -> None:
                 vd.ParseFromString(raw)
             except Exception:  # not a VariableDef collection
                 break
-            if vd.variable_name.split(":")[0] in variables and not vd.is_resource:
+            if tensor_node(vd.variable_name) in variables and not vd.is_resource:
                 vd.is_resource = True
                 values[i] = vd.SerializeToString(deterministic=True)
                 changed = True

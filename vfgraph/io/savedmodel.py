@@ -16,7 +16,7 @@ from vfgraph.errors import InputError
 from vfgraph.io import outputs, tf1
 from vfgraph.io.checkpoint import checkpoint_files, extend_checkpoint
 from vfgraph.io.files import read_bytes
-from vfgraph.ir.graph import parse_input
+from vfgraph.ir.names import data_inputs, tensor_node
 from vfgraph.item import GraphItem, SignatureInfo, TensorSpecInfo, VariableInfo
 from vfgraph.records import METADATA_FILE, Allreduce, VirtualNodes, read_metadata
 
@@ -118,7 +118,7 @@ def _has_variables(mg) -> bool:
 
 def _signature_info(path, key, sig, graph_nodes, library, handles) -> Optional[SignatureInfo]:
     """Follow signature tensors to the call node and down through thin wrappers."""
-    out_nodes = {t.name.split(":")[0] for t in sig.outputs.values()}
+    out_nodes = {tensor_node(t.name) for t in sig.outputs.values()}
     calls = [graph_nodes[n] for n in sorted(out_nodes) if n in graph_nodes and graph_nodes[n].op in _CALL_OPS]
     if len(calls) != 1:
         return None  # not a function-backed signature (TF1 graphs are handled elsewhere)
@@ -127,8 +127,8 @@ def _signature_info(path, key, sig, graph_nodes, library, handles) -> Optional[S
     if fname not in library:
         raise InputError(f"{path}: signature {key!r} calls missing function {fname!r}; the SavedModel is incomplete")
     # Graph-level inputs of the call: placeholders (signature inputs) and variable handles.
-    placeholder_key = {t.name.split(":")[0]: k for k, t in sig.inputs.items()}
-    arg_source = [s.split(":")[0] for s in call.input if not s.startswith("^")]
+    placeholder_key = {tensor_node(t.name): k for k, t in sig.inputs.items()}
+    arg_source = [tensor_node(s) for s in data_inputs(call)]
     fdef = library[fname]
     arg_names = [a.name for a in fdef.signature.input_arg]
     source_of = dict(zip(arg_names, arg_source))
@@ -139,7 +139,7 @@ def _signature_info(path, key, sig, graph_nodes, library, handles) -> Optional[S
             break
         node, inner_fdef = inner
         inner_args = [a.name for a in inner_fdef.signature.input_arg]
-        forwarded = [parse_input(s)[0].node for s in node.input if not s.startswith("^")]
+        forwarded = [tensor_node(s) for s in data_inputs(node)]
         source_of = {ia: source_of.get(fa, fa) for ia, fa in zip(inner_args, forwarded)}
         fdef = inner_fdef
     batch_args, resource_args, captured_args, input_keys, variables = [], [], [], {}, {}
@@ -183,7 +183,7 @@ def _single_call(fdef, library):
     callee = library.get(node.attr["f"].func.name)
     if callee is None:
         return None
-    forwarded = [s for s in node.input if not s.startswith("^")]
+    forwarded = data_inputs(node)
     args = {a.name for a in fdef.signature.input_arg}
     if not all(s in args for s in forwarded):
         return None

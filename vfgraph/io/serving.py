@@ -34,6 +34,8 @@ from vfgraph.errors import InputError, OutputError
 from vfgraph.io import checkpoint, outputs, savedmodel
 from vfgraph.io.checkpoint import OBJECT_GRAPH_KEY, CheckpointReader
 from vfgraph.ir.graph import function_dependencies, iter_func_attrs, verify_function_def
+from vfgraph.ir.names import data_inputs, tensor_node
+from vfgraph.ir.walk import walk
 from vfgraph.item import GraphItem
 from vfgraph.records import Microbatch, VirtualNodes
 from vfgraph.version import __version__
@@ -144,13 +146,13 @@ def build_serving_proto(item: GraphItem) -> Tuple[saved_model_pb2.SavedModel, Li
     bound: Dict[str, int] = {}  # graph node (a handle or constant a call captures) -> object graph node id
     for key in keys:
         sd = src.signature_def[key]
-        roots = [t.name.split(":")[0] for t in list(sd.inputs.values()) + list(sd.outputs.values())]
+        roots = [tensor_node(t.name) for t in list(sd.inputs.values()) + list(sd.outputs.values())]
         for name in _closure(item, key, nodes, roots):
             keep[name] = None
             node = nodes[name]
             if node.op in _CALL_OPS and node.attr["f"].func.name in og.concrete_functions:
                 ids = list(og.concrete_functions[node.attr["f"].func.name].bound_inputs)
-                data = [i.split(":")[0] for i in node.input if not i.startswith("^")]
+                data = [tensor_node(i) for i in data_inputs(node)]
                 for src_name, node_id in zip(data[len(data) - len(ids):], ids):
                     if bound.setdefault(src_name, node_id) != node_id:
                         raise InputError(f"{item.source}: graph node {src_name!r} is bound to two saved objects; "
@@ -264,16 +266,12 @@ def _signature_map(item: GraphItem, og) -> Dict[str, int]:
 
 def _closure(item: GraphItem, key: str, nodes, roots: List[str]) -> List[str]:
     """The graph nodes ``roots`` depend on, in the graph's order."""
-    seen, stack = set(), list(roots)
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
+    seen = set()
+    for name in walk(nodes, roots):
         if name not in nodes:
             raise InputError(f"{item.source}: signature {key!r} reads graph node {name!r}, which is missing; "
                              "re-export the model")
         seen.add(name)
-        stack.extend(i.lstrip("^").split(":")[0] for i in nodes[name].input)
     return [n for n in nodes if n in seen]
 
 

@@ -25,6 +25,8 @@ from vfgraph.errors import InputError
 from vfgraph.io import refvars
 from vfgraph.io.trainop import attach_train_op, train_op_candidates
 from vfgraph.ir.graph import output_layout
+from vfgraph.ir.names import is_control, tensor_index, tensor_node
+from vfgraph.ir.walk import walk
 from vfgraph.item import GraphItem, SignatureInfo, VariableInfo
 
 _VARIABLE_OPS = ("VarHandleOp",)
@@ -77,19 +79,18 @@ def convert(sm: saved_model_pb2.SavedModel, path: str, skip: Set[str] = frozense
 def _signature_function(path, key, sig, nodes, shapes, library):
     feeds = {}
     for k, t in sorted(sig.inputs.items()):
-        name = t.name.split(":")[0]
+        name = tensor_node(t.name)
         if nodes.get(name) is None or nodes[name].op != "Placeholder":
             raise InputError(f"{path}: signature {key!r} input {k!r} ({t.name}) is not a placeholder")
         feeds[name] = k
     outs = [(k, t.name) for k, t in sorted(sig.outputs.items())]
     body: List[str] = []
-    seen, stack = set(), [t.split(":")[0] for _, t in outs]
     variables: List[str] = []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+
+    def inside(node) -> bool:  # placeholders and variables become arguments: their inputs stay out
+        return node.op != "Placeholder" and node.op not in _VARIABLE_OPS
+
+    for n in walk(nodes, [tensor_node(t) for _, t in outs], follow=inside):
         node = nodes.get(n)
         if node is None:
             raise InputError(f"{path}: signature {key!r} refers to missing node {n!r}")
@@ -105,7 +106,6 @@ def _signature_function(path, key, sig, nodes, shapes, library):
             variables.append(n)
             continue
         body.append(n)
-        stack.extend(s.lstrip("^").split(":")[0] for s in node.input)
     placeholders = sorted(feeds, key=lambda n: feeds[n])
     variables.sort()
     args = {n: _arg_name(n) for n in placeholders}
@@ -130,13 +130,13 @@ def _signature_function(path, key, sig, nodes, shapes, library):
             a.type = types_pb2.DT_RESOURCE
 
     def ref(s: str) -> Optional[str]:
-        ctl = s.startswith("^")
-        name, _, idx = s.lstrip("^").partition(":")
+        ctl = is_control(s)
+        name = tensor_node(s)
         if name in args:
             return None if ctl else args[name]
         if ctl:
             return s
-        arg, k, _ = output_layout(nodes[name], library)[int(idx or 0)]
+        arg, k, _ = output_layout(nodes[name], library)[tensor_index(s)]
         return f"{name}:{arg}:{k}"
 
     for n in sorted(body):
@@ -152,10 +152,10 @@ def _signature_function(path, key, sig, nodes, shapes, library):
     for k, t in outs:
         a = fdef.signature.output_arg.add()
         a.name = _arg_name(k)
-        name, _, idx = t.partition(":")
+        name = tensor_node(t)
         if name in args:
             raise InputError(f"{path}: signature {key!r} output {k!r} is one of its inputs")
-        a.type = output_layout(nodes[name], library)[int(idx or 0)][2]
+        a.type = output_layout(nodes[name], library)[tensor_index(t)][2]
         fdef.ret[a.name] = ref(t)
     variables_info = {}
     for v in variables:

@@ -10,10 +10,12 @@ variable update (:func:`attach_train_op`).
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, List, Optional
 
 from vfgraph.errors import DetectionError, InputError
 from vfgraph.ir.graph import output_layout
+from vfgraph.ir.names import data_inputs, is_tensor_name, tensor_index, tensor_name, tensor_node
+from vfgraph.ir.walk import ancestors
 
 TRAIN_LOSS_NODE = "vf/train_loss"
 # Where TF1 code leaves its train op: tf.compat.v1.GraphKeys.TRAIN_OP (opt.minimize adds to it),
@@ -34,19 +36,20 @@ def add_train_signature(mg, where: str, loss: str) -> None:
     train_op = find_train_op(mg, nodes, where)
     upstream = ancestors(nodes, [train_op])
     if loss:
-        loss_tensor = loss if ":" in loss else loss + ":0"
-        if loss_tensor.split(":")[0] not in nodes:
-            raise InputError(f"{where}: --loss names missing node {loss_tensor.split(':')[0]!r}")
+        loss_tensor = tensor_name(loss)
+        if not is_tensor_name(loss_tensor, indexed=True):
+            raise InputError(f"{where}: --loss {loss!r} is not a tensor name (NODE or NODE:INDEX)")
+        if tensor_node(loss_tensor) not in nodes:
+            raise InputError(f"{where}: --loss names missing node {tensor_node(loss_tensor)!r}")
     else:
         loss_tensor = _find_loss(nodes, upstream, where)
-    placeholders = sorted(n for n in upstream | ancestors(nodes, [loss_tensor.split(":")[0]])
+    placeholders = sorted(n for n in upstream | ancestors(nodes, [tensor_node(loss_tensor)])
                           if nodes[n].op == "Placeholder")
     if not placeholders:
         raise DetectionError(f"{where}: the train op {train_op!r} reads no placeholder; vfgraph needs the batch "
                              "fed through placeholders (graphs reading a tf.data iterator are not supported)")
-    loss_node = nodes[loss_tensor.split(":")[0]]
-    out = _after(gd, TRAIN_LOSS_NODE, loss_tensor, train_op,
-                 _output_dtype(loss_node, int(loss_tensor.split(":")[1]), where))
+    loss_node = nodes[tensor_node(loss_tensor)]
+    out = _after(gd, TRAIN_LOSS_NODE, loss_tensor, train_op, _output_dtype(loss_node, tensor_index(loss_tensor), where))
     sig = mg.signature_def["train"]
     sig.method_name = "tensorflow/serving/predict"
     for p in placeholders:
@@ -65,9 +68,9 @@ def train_op_candidates(mg) -> List[str]:
     names = set()
     for key in TRAIN_OP_COLLECTIONS:
         if key in mg.collection_def:
-            names.update(v.split(":")[0].lstrip("^") for v in mg.collection_def[key].node_list.value)
+            names.update(tensor_node(v) for v in mg.collection_def[key].node_list.value)
     if TRAIN_OP_SIGNATURE in mg.signature_def:
-        names.update(t.name.split(":")[0].lstrip("^") for t in mg.signature_def[TRAIN_OP_SIGNATURE].outputs.values())
+        names.update(tensor_node(t.name) for t in mg.signature_def[TRAIN_OP_SIGNATURE].outputs.values())
     return sorted(n for n in names if n)
 
 
@@ -104,16 +107,15 @@ def attach_train_op(mg, key: str, where: str) -> bool:
     gd = mg.graph_def
     nodes = {n.name: n for n in gd.node}
     outputs = sorted(sig.outputs.items())
-    if not outputs or any(not re.fullmatch(r"[^:^]+(:\d+)?", t.name) or t.name.split(":")[0] not in nodes
-                          for _, t in outputs):
+    if not outputs or any(not is_tensor_name(t.name) or tensor_node(t.name) not in nodes for _, t in outputs):
         return False  # converting the signature names what is wrong with it
-    upstream = ancestors(nodes, [t.name.split(":")[0] for _, t in outputs])
+    upstream = ancestors(nodes, [tensor_node(t.name) for _, t in outputs])
     if any(nodes[n].op.startswith(_WRITE_PREFIXES) for n in upstream):
         return False
     train_op = find_train_op(mg, nodes, where)
     if train_op is None:
         return False
-    feeds = {t.name.split(":")[0] for t in sig.inputs.values()}
+    feeds = {tensor_node(t.name) for t in sig.inputs.values()}
     reads = {n for n in ancestors(nodes, [train_op]) if nodes[n].op == "Placeholder"}
     if not reads & feeds:
         return False  # a train op over other inputs: not this signature's step
@@ -122,8 +124,8 @@ def attach_train_op(mg, key: str, where: str) -> bool:
                              f"reads placeholders that are not its inputs ({', '.join(sorted(reads - feeds))}); add "
                              "them to the signature's inputs so that it runs the training step")
     for out_key, t in outputs:
-        name = t.name if ":" in t.name else t.name + ":0"
-        dtype = t.dtype or _output_dtype(nodes[name.split(":")[0]], int(name.split(":")[1]), where)
+        name = tensor_name(t.name)
+        dtype = t.dtype or _output_dtype(nodes[tensor_node(name)], tensor_index(name), where)
         node_name = f"vf/{key}_{re.sub(r'[^A-Za-z0-9_.]', '_', out_key)}"
         while node_name in nodes:
             node_name += "_"
@@ -139,34 +141,22 @@ def _after(gd, name: str, tensor: str, op: str, dtype: int):
     return out
 
 
-def ancestors(nodes, roots: Iterable[str]) -> set:
-    """Names of ``roots`` and every node they depend on (data and control inputs)."""
-    seen, stack = set(), list(roots)
-    while stack:
-        n = stack.pop()
-        if n in seen or n not in nodes:
-            continue
-        seen.add(n)
-        stack.extend(s.lstrip("^").split(":")[0] for s in nodes[n].input)
-    return seen
-
-
 def _find_loss(nodes, ancestors, where: str) -> str:
     """The tensor tf.gradients differentiated. Its initial gradient is a ``grad_ys_N`` Fill;
     the Fill reads ``Shape(loss)`` when the loss's shape is not static, and the ops that
     consume it sit in the name scope ``.../gradients/<loss op>_grad/``."""
     consumers: Dict[str, List[str]] = {}
     for n in sorted(ancestors):
-        for s in nodes[n].input:
-            consumers.setdefault(s.split(":")[0], []).append(n)
+        for s in data_inputs(nodes[n]):
+            consumers.setdefault(tensor_node(s), []).append(n)
     losses = set()
     for n in sorted(ancestors):
         node = nodes[n]
         if node.op != "Fill" or not _GRAD_YS.search(n) or not node.input:
             continue
-        shape = nodes.get(node.input[0].split(":")[0])
+        shape = nodes.get(tensor_node(node.input[0]))
         if shape is not None and shape.op == "Shape" and shape.input:
-            losses.add(shape.input[0] if ":" in shape.input[0] else shape.input[0] + ":0")
+            losses.add(tensor_name(shape.input[0]))
             continue
         for c in consumers.get(n, []):
             for m in _GRAD_SCOPE.finditer(c):

@@ -13,6 +13,7 @@ from google.protobuf import text_format
 from tensorflow.core.framework import function_pb2, graph_pb2
 
 from vfgraph.ir.graph import FunctionGraph, function_dependencies
+from vfgraph.ir.names import control_inputs, data_inputs
 
 if TYPE_CHECKING:
     from vfgraph.item import GraphItem
@@ -37,8 +38,7 @@ def canonical_function(fdef: function_pb2.FunctionDef, library: Dict[str, functi
     for name in g.topological_order():
         node = out.node_def.add()
         node.CopyFrom(g.nodes[name])
-        data = [s for s in node.input if not s.startswith("^")]
-        ctl = sorted(s for s in node.input if s.startswith("^"))
+        data, ctl = data_inputs(node), sorted(control_inputs(node))
         del node.input[:]
         node.input.extend(data + ctl)
         node.ClearField("experimental_debug_info")
