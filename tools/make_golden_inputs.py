@@ -68,8 +68,9 @@ def linear(optimizer: str):
 
 def minimise(sm) -> None:
     """Keep only what the signatures reach: their graph nodes and library functions."""
-    from vfgraph.io.metagraph import ancestors
     from vfgraph.ir.graph import function_dependencies
+    from vfgraph.ir.names import tensor_node
+    from vfgraph.ir.walk import ancestors
 
     mg = sm.meta_graphs[0]
     mg.meta_info_def.ClearField("tensorflow_git_version")
@@ -78,7 +79,7 @@ def minimise(sm) -> None:
     for key in [k for k in mg.signature_def if k.startswith("__")]:
         del mg.signature_def[key]
     nodes = {n.name: n for n in mg.graph_def.node}
-    keep = ancestors(nodes, [t.name.split(":")[0] for s in mg.signature_def.values() for t in s.outputs.values()])
+    keep = ancestors(nodes, [tensor_node(t.name) for s in mg.signature_def.values() for t in s.outputs.values()])
     kept_nodes = [n for n in mg.graph_def.node if n.name in keep]
     del mg.graph_def.node[:]
     mg.graph_def.node.extend(kept_nodes)

@@ -11,7 +11,7 @@ import textwrap
 import traceback
 from typing import List, Optional
 
-from vfgraph import __version__
+from vfgraph.version import __version__
 
 log = logging.getLogger("vfgraph")
 
@@ -240,7 +240,7 @@ def cmd_rewrite(args) -> int:
                           stem + ("" if ext == ".meta" else ext) + f"_vnodes{vnodes}")
     inputs = [args.model]
     if args.model.endswith(".meta") or args.checkpoint:  # and the checkpoint's files
-        from vfgraph.io.metagraph import checkpoint_files
+        from vfgraph.io.checkpoint import checkpoint_files
 
         inputs += [f for f in checkpoint_files(args.checkpoint or args.model[:-len(".meta")]) if os.path.exists(f)]
     outputs.check_output(out, inputs, args.force, need_bytes=outputs.tree_bytes(*inputs))
@@ -395,11 +395,11 @@ def cmd_train(args) -> int:
 
 def cmd_export(args) -> int:
     import vfgraph
-    from vfgraph.io.savedmodel import read_metadata
+    from vfgraph import records
 
     path = vfgraph.export(args.model, args.output, version=args.version, vnode_batch=args.vnode_batch,
                           force=args.force)
-    rec = (read_metadata(path) or {}).get("serving_export", {})
+    rec = (records.read_metadata(path) or {}).get("serving_export", {})
     sliced = rec.get("vnode_batch", {})
     sigs = ", ".join(f"{k} (slices of {sliced[k]})" if k in sliced else k for k in rec.get("signatures", []))
     print(f"wrote {path} (serving only: {sigs})")

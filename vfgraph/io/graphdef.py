@@ -19,7 +19,7 @@ from tensorflow.core.protobuf import saved_model_pb2
 from vfgraph.builder import annotate_shapes
 from vfgraph.errors import InputError
 from vfgraph.io import outputs
-from vfgraph.io.files import GRAPH_CALL, GRAPH_FUNCTION, emitted_by_vfgraph, read_graph_def  # noqa: F401
+from vfgraph.io.files import GRAPH_CALL, GRAPH_FUNCTION, read_graph_def
 from vfgraph.ir.graph import function_dependencies
 from vfgraph.ir.names import is_tensor_name, tensor_name, tensor_node
 from vfgraph.item import GraphItem, SignatureInfo

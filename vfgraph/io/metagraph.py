@@ -25,8 +25,6 @@ from vfgraph.io import refvars, tf1
 from vfgraph.io.checkpoint import checkpoint_files
 from vfgraph.io.files import read_bytes
 from vfgraph.io.trainop import add_train_signature, train_op_candidates
-from vfgraph.io.trainop import (TRAIN_LOSS_NODE, TRAIN_OP_COLLECTIONS, TRAIN_OP_SIGNATURE,  # noqa: F401 (named
-                                ancestors, attach_train_op, find_train_op)  # here as well, where they were defined)
 
 
 def is_checkpoint_dir(path: str) -> bool:

@@ -18,7 +18,7 @@ from vfgraph.io.checkpoint import checkpoint_files, extend_checkpoint
 from vfgraph.io.files import read_bytes
 from vfgraph.ir.names import data_inputs, tensor_node
 from vfgraph.item import GraphItem, SignatureInfo, TensorSpecInfo, VariableInfo
-from vfgraph.records import METADATA_FILE, Allreduce, VirtualNodes, read_metadata
+from vfgraph.records import Allreduce, VirtualNodes
 
 SAVED_MODEL_PB = "saved_model.pb"
 _CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
@@ -52,9 +52,9 @@ def load_saved_model(path: str) -> GraphItem:
         if _has_variables(mg) or (tf1.is_tf1(sm) and mg.HasField("saver_def")):
             raise InputError(f"{var_dir}: variables are missing (no variables.index); copy the whole SavedModel directory")
     try:
-        metadata = read_metadata(path) or {}
+        metadata = records.read_metadata(path) or {}
     except (ValueError, OSError) as e:
-        raise InputError(f"{os.path.join(path, METADATA_FILE)}: unreadable ({e})") from None
+        raise InputError(f"{os.path.join(path, records.METADATA_FILE)}: unreadable ({e})") from None
     try:
         item = item_from_proto(sm, path, added_signatures(metadata))
     except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
@@ -255,7 +255,7 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
             f.write(proto.SerializeToString(deterministic=True))
         if item.metadata:
             os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
-            with open(os.path.join(tmp, METADATA_FILE), "w") as f:
+            with open(os.path.join(tmp, records.METADATA_FILE), "w") as f:
                 json.dump(item.metadata, f, indent=2, sort_keys=True)
                 f.write("\n")
         _write_fingerprint(tmp, proto)

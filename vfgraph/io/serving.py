@@ -113,7 +113,7 @@ def save_serving_model(item: GraphItem, out: str, version: int = 1, force: bool 
             f.write(proto.SerializeToString(deterministic=True))
         meta = _metadata(item, proto)
         os.makedirs(os.path.join(dst, "assets.extra"))
-        with open(os.path.join(dst, savedmodel.METADATA_FILE), "w") as f:
+        with open(os.path.join(dst, records.METADATA_FILE), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
             f.write("\n")
         savedmodel._write_fingerprint(dst, proto)

@@ -94,7 +94,7 @@ def batches_for(data: Dict[str, np.ndarray], keys: List[str], batch_size: int, s
 def vnode_layout(model: str, signature: str) -> Tuple[int, bool]:
     """(examples per virtual node b, or 0 when the graph divides the fed batch itself;
     whether the step all-reduces over ranks), from the rewrite record of ``model``."""
-    meta = savedmodel.read_metadata(model) or {}
+    meta = records.read_metadata(model) or {}
     rec = records.get(meta, VirtualNodes).get(signature)
     return (rec.vnode_batch if rec else 0), signature in records.get(meta, Allreduce)
 
@@ -206,7 +206,7 @@ def _plan(out: str, ckpt_dir: str, inputs: List[str], force: bool, resume: bool,
     from vfgraph.io import outputs, serving
 
     state = _read_progress(ckpt_dir)
-    finished = os.path.isdir(out) and (savedmodel.read_metadata(out) or {}).get("training")
+    finished = os.path.isdir(out) and (records.read_metadata(out) or {}).get("training")
     if resume and state is None and finished:
         done = finished.get("steps")
         raise InputError(f"{out}: a finished run{f' of {done} steps' if done else ''} with no checkpoint to resume "
@@ -472,10 +472,10 @@ def _save_trained(loaded, model: str, out: str, losses: List[float]) -> None:
     tmp = outputs.temp_dir(os.path.dirname(out), ".vfgraph-train-")
     with outputs.writing(out, tmp):
         tf.saved_model.save(loaded, tmp, signatures=dict(loaded.signatures))
-        meta = savedmodel.read_metadata(model) or {}
+        meta = records.read_metadata(model) or {}
         meta["training"] = {"steps": len(losses), "losses": losses}
         os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
-        with open(os.path.join(tmp, savedmodel.METADATA_FILE), "w") as f:
+        with open(os.path.join(tmp, records.METADATA_FILE), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
         outputs.publish(tmp, out)
     # Beside it, what a server loads: OUT.serving/1/ (serving signatures and their variables only,
