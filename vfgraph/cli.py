@@ -11,6 +11,13 @@ import textwrap
 import traceback
 from typing import List, Optional
 
+import vfgraph
+from vfgraph import records
+from vfgraph.errors import InputError, Quiet, VfgraphError
+from vfgraph.io import outputs
+from vfgraph.records import Allreduce, VirtualNodes
+from vfgraph.runtime.supervise import is_worker, supervise
+from vfgraph.runtime.world import launched_by_mpi
 from vfgraph.version import __version__
 
 log = logging.getLogger("vfgraph")
@@ -164,9 +171,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     _quiet_tf()
     args = _parser().parse_args(argv)
     if args.command == "train":
-        from vfgraph.runtime.supervise import is_worker, supervise
-        from vfgraph.runtime.world import launched_by_mpi
-
         if launched_by_mpi() and not is_worker():  # one rank of mpiexec: report how it ends
             return supervise(sys.argv[1:] if argv is None else list(argv))
     handler = logging.StreamHandler(sys.stderr)
@@ -174,8 +178,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     log.handlers = [handler]
     log.setLevel(logging.INFO if args.verbose else logging.WARNING)
     log.propagate = False
-    from vfgraph.errors import Quiet, VfgraphError
-
     try:
         return {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
                 "verify": cmd_verify, "train": cmd_train, "export": cmd_export,
@@ -204,19 +206,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _error(line: str) -> None:
     """One line on stderr, on a line of its own (a progress bar or another rank may have left
     the cursor mid-line)."""
-    from vfgraph.runtime.world import launched_by_mpi
-
     sys.stderr.write(("\n" if launched_by_mpi() else "") + line + "\n")
     sys.stderr.flush()
 
 
 def cmd_rewrite(args) -> int:
-    import vfgraph
-    from vfgraph import records
-    from vfgraph.errors import InputError
-    from vfgraph.io import outputs
-    from vfgraph.records import Allreduce
-
     if args.pipeline is not None:
         given = [f for f, v in (("--vnodes", args.vnodes), ("--vnode-batch", args.vnode_batch)) if v is not None]
         if given:
@@ -265,11 +259,8 @@ def cmd_rewrite(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    import vfgraph
-    from vfgraph import records
     from vfgraph.analysis.train_step import analyze_train_step
     from vfgraph.ir.graph import FunctionGraph, function_dependencies
-    from vfgraph.records import Allreduce, VirtualNodes
 
     item = vfgraph.load(args.model, checkpoint=args.checkpoint, loss=args.loss)
     lib = item.library
@@ -345,7 +336,6 @@ def cmd_diff(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from vfgraph.errors import InputError
     from vfgraph.testing.compare import compare_models
 
     if not args.rtol >= 0:
@@ -371,7 +361,6 @@ def cmd_verify(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from vfgraph.errors import InputError
     from vfgraph.runtime.train import train
 
     per_rank = None
@@ -394,9 +383,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_export(args) -> int:
-    import vfgraph
-    from vfgraph import records
-
     path = vfgraph.export(args.model, args.output, version=args.version, vnode_batch=args.vnode_batch,
                           force=args.force)
     rec = (records.read_metadata(path) or {}).get("serving_export", {})

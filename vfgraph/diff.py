@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+import vfgraph
 from vfgraph.errors import InputError
 
 # Checkpoint entries that are not variables, or whose value is bookkeeping of how the file was
@@ -67,7 +68,6 @@ def diff_models(a: str, b: str, graphs_only: bool = False, fromfile: Optional[st
     Equal models give no lines. A model vfgraph rewrote has variables its original lacks
     (virtual-node gradient accumulators): they show as ``+`` lines.
     """
-    import vfgraph
     from vfgraph.ir.canonical import canonical_text
 
     fromfile = a if fromfile is None else fromfile

@@ -19,7 +19,7 @@ import numpy as np
 
 from vfgraph import records
 from vfgraph.errors import InputError, Quiet, VfgraphError
-from vfgraph.io import savedmodel
+from vfgraph.io import outputs, savedmodel, serving
 from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.runtime.world import place_threads, shares, world
 
@@ -203,8 +203,6 @@ def _plan(out: str, ckpt_dir: str, inputs: List[str], force: bool, resume: bool,
     """Check what the run will write (vfgraph.io.outputs' rule) before any work; returns the
     progress record to resume from, if any. An unfinished run's checkpoint is never deleted
     without ``force``; a finished output is never taken for one to resume."""
-    from vfgraph.io import outputs, serving
-
     state = _read_progress(ckpt_dir)
     finished = os.path.isdir(out) and (records.read_metadata(out) or {}).get("training")
     if resume and state is None and finished:
@@ -282,9 +280,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     out = os.path.abspath(out)
     ckpt_dir = out + ".ckpt"
     data_files = sorted(glob.glob(data_path)) if glob.has_magic(data_path) else [data_path]
-    from vfgraph.io.outputs import tree_bytes
-
-    state = w.agree(lambda: _plan(out, ckpt_dir, [model, *data_files], force, resume, tree_bytes(model))
+    state = w.agree(lambda: _plan(out, ckpt_dir, [model, *data_files], force, resume, outputs.tree_bytes(model))
                     if w.is_root else None)
     import tensorflow as tf
     from tqdm import tqdm
@@ -440,8 +436,6 @@ def _nonfinite_message(step: int, loss: float, feed: Dict[str, np.ndarray], ckpt
 def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Optional[dict]) -> None:
     """Write the checkpoint of ``step`` steps, then (atomically) the record that names it, then
     remove older ones: a run stopped at any moment keeps a complete checkpoint."""
-    from vfgraph.io import outputs
-
     os.makedirs(ckpt_dir, exist_ok=True)
     prefix = os.path.join(ckpt_dir, f"step-{step}")
     tmp = os.path.join(ckpt_dir, "progress.json.tmp")
@@ -466,8 +460,6 @@ def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Opt
 def _save_trained(loaded, model: str, out: str, losses: List[float]) -> None:
     import tensorflow as tf
 
-    from vfgraph.io import outputs
-
     out = os.path.abspath(out)
     tmp = outputs.temp_dir(os.path.dirname(out), ".vfgraph-train-")
     with outputs.writing(out, tmp):
@@ -480,8 +472,6 @@ def _save_trained(loaded, model: str, out: str, losses: List[float]) -> None:
         outputs.publish(tmp, out)
     # Beside it, what a server loads: OUT.serving/1/ (serving signatures and their variables only,
     # no training functions, none of vfgraph's ops), replacing the one an earlier run wrote.
-    from vfgraph.io import serving
-
     try:
         serving.save_serving_model(savedmodel.load_saved_model(out), serving.sibling_dir(out), force=True)
     except VfgraphError as e:  # a model without a servable signature still trained

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from typing import Callable, List, Optional, Tuple
 
+from vfgraph import cli
+
 # TensorFlow quiet, and no oneDNN reordering (results the same on every machine)
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
 
@@ -22,8 +24,6 @@ def vf(*args, cwd=None, env: Optional[dict] = None, preexec_fn: Optional[Callabl
 def run_in_process(capsys, *argv) -> Tuple[int, List[str]]:
     """``vfgraph ARGV`` through :func:`vfgraph.cli.main` in this process (one TensorFlow import
     for many cases), with pytest's ``capsys``: (exit code, non-empty stderr lines)."""
-    from vfgraph import cli
-
     capsys.readouterr()
     try:
         code = cli.main([str(a) for a in argv])

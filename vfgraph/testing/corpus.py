@@ -18,6 +18,9 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+import vfgraph
+from vfgraph.errors import VfgraphError
+from vfgraph.testing import c_api
 from vfgraph.testing.compare import rel_diff, variable_values
 
 VNODES = 4
@@ -189,8 +192,6 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
     ``refused``."""
     import tensorflow as tf
 
-    import vfgraph
-    from vfgraph.errors import VfgraphError
     from vfgraph.ir.graph import FunctionGraph
 
     res = CorpusResult(name)
@@ -223,8 +224,6 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
             stock = _fresh_serve(exported, key, inputs, workdir, vfgraph=False)
             try:
                 if c_api_client:
-                    from vfgraph.testing import c_api
-
                     res.export_c_api_error = _output_error(want, c_api.serve(c_api_client, exported, inputs, key))
                 res.export_error = _output_error(want, stock.result())
             except (RuntimeError, subprocess.TimeoutExpired) as e:
@@ -265,8 +264,6 @@ def _check_v4(res: CorpusResult, original: str, v4: str, new, workdir: str, samp
     """V=4 against the full-batch step (SGD), or a per-slice reference (batch norm); with
     dropout, that the step trains."""
     import tensorflow as tf
-
-    import vfgraph
 
     if dropout:  # per-virtual-node masks: the step differs from the full batch by design
         fn = new.signatures["train"]
