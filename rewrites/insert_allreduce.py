@@ -23,9 +23,9 @@ import numpy as np
 from tensorflow.core.framework import function_pb2, types_pb2
 
 from vfgraph import records
-from vfgraph.builder import FunctionBuilder, func_attr, shapes_attr, type_attr, types_attr
 from vfgraph.errors import PipelineError
 from vfgraph.io.signatures import add_signature, entry_header, signature_wrapper
+from vfgraph.ir.attrs import func_attr, shapes_attr, type_attr, types_attr
 from vfgraph.ir.graph import FunctionGraph, arg_shapes, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
@@ -140,7 +140,7 @@ def reduce_functions(header, limit: int, library, new_function=None):
     gathers = [i for i, n in enumerate(names) if n.startswith("gather_")]
     i32 = types_pb2.DT_INT32
 
-    b = FunctionBuilder(f"{fn}_all", library, new_function(f"{fn}_all") if new_function else None)
+    b = FunctionGraph.new(f"{fn}_all", library, new_function(f"{fn}_all") if new_function else None)
     xs = [b.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None) for i, a in enumerate(args)]
     flat = b.const([-1], i32, "flat")[0]
     axis = b.const(0, i32, "axis")[0]
@@ -200,7 +200,7 @@ def reduce_functions(header, limit: int, library, new_function=None):
     one.signature.name = f"{fn}_one"
     lib = dict(library)
     lib.update({multi.signature.name: multi, one.signature.name: one})
-    m = FunctionBuilder(fn, lib)
+    m = FunctionGraph.new(fn, lib)
     xs = [m.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None) for i, a in enumerate(args)]
     size = m.op("VfSize", name="size")
     cond = m.op("Greater", [size[0], m.const(1, i32, "one")[0]], name="multi", T=type_attr(i32))
@@ -237,7 +237,7 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
     variables = wrapper.bound_args
     g = FunctionGraph._over(item.function(sig.function), item.library)  # read only
     fn = function_name(sig.function, "broadcast", "0")
-    b, _ = FunctionBuilder.like(entry_header(g, fn, variables), item.library)
+    b, _ = FunctionGraph.like(entry_header(g, fn, variables), item.library)
     check = b.op("VfCheck", name="check", fingerprint=fingerprint, what=f"signature {key!r}")
     b.control_ret(check)
     # (captured constants are bound too: the same graph holds them on every rank)

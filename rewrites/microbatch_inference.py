@@ -25,11 +25,13 @@ from typing import ClassVar, List, Tuple
 from tensorflow.core.framework import types_pb2
 
 from vfgraph import records
-from vfgraph.builder import I32, FunctionBuilder, func_attr, list_concat, shape_proto, type_attr, types_attr
 from vfgraph.errors import PipelineError
-from vfgraph.ir.graph import FunctionGraph, arg_shapes, copy_header, function_dependencies, verify_function_def
+from vfgraph.ir.attrs import func_attr, shape_proto, type_attr, types_attr
+from vfgraph.ir.blocks import I32, list_concat
+from vfgraph.ir.graph import (FunctionGraph, arg_shapes, copy_header, function_dependencies, parse_input,
+                              verify_function_def)
 from vfgraph.ir.loops import LoopLayout, append, condition, next_index, reserve, same_batch, slice_reader, while_loop
-from vfgraph.ir.names import function_name
+from vfgraph.ir.names import function_name, tensor_node
 from vfgraph.item import GraphItem, SignatureInfo
 from vfgraph.passes.base import Pass, PassResult, option, register
 from vfgraph.records import Microbatch, VirtualNodes
@@ -160,7 +162,7 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, header, slice_fn, b: in
 
     cond = condition(cond_name, slice_fn, layout, lib)
     lib[cond_name] = cond
-    fb = FunctionBuilder(loop_name, lib)
+    fb = FunctionGraph.new(loop_name, lib)
     slices = fb.arg("slices", I32, [])
     args = [fb.arg(n, t, s) for n, t, s in zip(names, types, layout.fixed_shapes)]
     if single:
@@ -173,7 +175,7 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, header, slice_fn, b: in
     loop_fn = fb.finish()
 
     lib[loop_name] = loop_fn
-    fb, args = FunctionBuilder.like(header, lib)
+    fb, args = FunctionGraph.like(header, lib)
     n, checks = same_batch(fb, [args[j] for j in batch_idx], [types[j] for j in batch_idx], keys, "inputs")
     up = fb.op("AddV2", [n, fb.const(b - 1, I32, "round_up")[0]], name="rounded_up", T=i32)[0]
     slices = fb.op("FloorDiv", [up, fb.const(b, I32, "slice")[0]], name="slices", deps=checks, T=i32)[0]
@@ -195,9 +197,9 @@ def _to_loop_body(fdef, name: str, lib, b: int, names, layout: LoopLayout, batch
     while p in taken or any(t.startswith(p + "_") for t in taken):
         p += "_"
     types = layout.fixed_types
-    # the bookkeeping nodes, written by a builder over the loop variables and one stand-in
+    # the bookkeeping nodes, written as a function of the loop variables and one stand-in
     # argument per output of the serving nodes (replaced by those outputs below)
-    fb = FunctionBuilder(name, lib)
+    fb = FunctionGraph.new(name, lib)
     loop_vars = layout.args(fb, [f"{p}_i"] + [f"{p}_outputs_{k}" for k in range(len(out_types))] + [f"{p}_slices"] +
                             list(names))
     i, lists, slices, own = layout.split(loop_vars)
@@ -210,19 +212,19 @@ def _to_loop_body(fdef, name: str, lib, b: int, names, layout: LoopLayout, batch
 
     renamed = {n.name: f"{p}/{n.name}" for n in added.node_def}
 
-    def bookkeeping(ref: str) -> str:
-        ctl = "^" if ref.startswith("^") else ""
-        node, sep, rest = ref.lstrip("^").partition(":")
-        return ctl + renamed[node] + sep + rest if node in renamed else ref
+    def bookkeeping(ref) -> str:  # a bookkeeping node's reference, under its new name
+        t, ctl = parse_input(str(ref))
+        if t.node not in renamed:
+            return str(ref)
+        moved = t._replace(node=renamed[t.node])
+        return "^" + moved.node if ctl else str(moved)
 
     def serving(ref: str) -> str:  # a reference inside the serving nodes: batch arguments read sliced
-        if ref.startswith("^"):
-            return ref
-        arg = ref.partition(":")[0]
-        return bookkeeping(sliced[arg]) if arg in sliced else ref
+        t, ctl = parse_input(ref)
+        return bookkeeping(sliced[t.node]) if not ctl and t.node in sliced else ref
 
     for node in fdef.node_def:
-        if any(s.partition(":")[0] in sliced for s in node.input):
+        if any(tensor_node(s) in sliced for s in node.input):
             inputs = [serving(s) for s in node.input]
             del node.input[:]
             node.input.extend(inputs)
@@ -260,7 +262,7 @@ def _to_loop_body(fdef, name: str, lib, b: int, names, layout: LoopLayout, batch
     fdef.ClearField("ret")
     for k, (ref, t) in enumerate(zip(rets, layout.types)):
         sig.output_arg.add(name=f"out_{k}", type=t)
-        fdef.ret[f"out_{k}"] = ref
+        fdef.ret[f"out_{k}"] = str(ref)
 
 
 def _copy(message):

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tensorflow.core.framework import node_def_pb2, types_pb2
 from typing import ClassVar, List, Tuple
+
+from tensorflow.core.framework import types_pb2
 
 from vfgraph import records
 from vfgraph.analysis.train_step import (TrainStep, analyze_train_step, check_batch_inputs, static_batch,
                                          with_dynamic_batch)
-from vfgraph.builder import (I32, FunctionBuilder, Node, check, extract_function, func_attr, list_concat, tensor_attr,
-                             type_attr, types_attr, zeros)
 from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.io.signatures import (add_graph_signature, add_graph_variables, add_object_variables, add_signature,
                                    entry_header, has_object_graph, signature_wrapper)
-from vfgraph.ir.graph import FunctionGraph, TensorRef, verify_function_def
+from vfgraph.ir.attrs import func_attr, tensor_attr, type_attr, types_attr
+from vfgraph.ir.blocks import I32, check, list_concat, zeros
+from vfgraph.ir.graph import FunctionGraph, Node, TensorRef, verify_function_def
 from vfgraph.ir.loops import LoopLayout, append, condition, next_index, reserve, same_batch, slice_reader, while_loop
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
@@ -71,14 +72,14 @@ class SplitVnodesPass(Pass):
         vnode_outputs = [o for o in step.outputs if o.side == "vnode"]
         update_outputs = [o for o in step.outputs if o.side == "update"]
         cut_args = [(f"grad_{k}", c.ref) for k, c in enumerate(step.cut)]
-        vdef = extract_function(g, vnode_fn, [(f"out_{o.name}", o.ref) for o in vnode_outputs] + cut_args,
-                                into=item.new_function(vnode_fn))
+        vdef = g.outline(vnode_fn, [(f"out_{o.name}", o.ref) for o in vnode_outputs] + cut_args,
+                         into=item.new_function(vnode_fn))
         # (the virtual-node function's ops are some of the step's: no stateless random op, no seed)
         has_random = any(op.startswith(_STATELESS_RANDOM) for op in g.present_ops())
         seeded = _distinct_seeds(vdef, item.library) if has_random else []
-        udef = extract_function(g, update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
-                                new_args=cut_args, keep_args=sig.invariant_args,
-                                drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))
+        udef = g.outline(update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
+                         new_args=cut_args, keep_args=sig.invariant_args,
+                         drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))
         reduce_fn = function_name(sig.function, "reduce")
         item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step)))
         loop = _Loop(g, step, vdef, self.vnodes, b, item.library, item.new_function)
@@ -141,36 +142,21 @@ def _distinct_seeds(fdef, library) -> List[str]:
             stack.extend(c for t in g.outputs(n) for c, _ in g.consumers(t))
     if not reads:
         return []
-    arg = fdef.signature.input_arg.add()
-    arg.name = VNODE_INDEX
-    arg.type = types_pb2.DT_INT64
     g = FunctionGraph(fdef, library)
+    index = g.arg(VNODE_INDEX, types_pb2.DT_INT64)
     for name in reads:
         dtype = g.nodes[name].attr["dtype"].type
+        t = type_attr(dtype)
         value = g.outputs(name)[0]
         shift = 32 if dtype == types_pb2.DT_INT64 else 16
         base = f"vf/split-vnodes/{name}"
-        g.add_node(_node(f"{base}/stride", "Const", [], dtype=dtype,
-                         value=tensor_attr([0, 1 << shift], dtype).tensor))
-        g.add_node(_node(f"{base}/index", "Cast", [VNODE_INDEX], SrcT=types_pb2.DT_INT64, DstT=dtype, Truncate=False))
-        g.add_node(_node(f"{base}/offset", "Mul", [f"{base}/stride:output:0", f"{base}/index:y:0"], T=dtype))
+        stride = g.op("Const", name=f"{base}/stride", dtype=t, value=tensor_attr([0, 1 << shift], dtype))
+        cast = g.op("Cast", [index], name=f"{base}/index", SrcT=type_attr(types_pb2.DT_INT64), DstT=t, Truncate=False)
+        offset = g.op("Mul", [stride[0], cast[0]], name=f"{base}/offset", T=t)
         g.replace_all_uses_with(value, TensorRef(f"{base}/seed", "z", 0))
-        g.add_node(_node(f"{base}/seed", "AddV2", [str(value), f"{base}/offset:z:0"], T=dtype))
-    g.verify()
-    fdef.CopyFrom(g.to_function_def())
+        g.op("AddV2", [value, offset[0]], name=f"{base}/seed", T=t)
+    fdef.CopyFrom(g.finish())
     return reads
-
-
-def _node(name: str, op: str, inputs: List[str], **attrs):
-    node = node_def_pb2.NodeDef(name=name, op=op, input=inputs)
-    for k, v in attrs.items():
-        if isinstance(v, bool):
-            node.attr[k].b = v
-        elif k in ("dtype", "T", "SrcT", "DstT"):
-            node.attr[k].type = v
-        else:
-            node.attr[k].tensor.CopyFrom(v)
-    return node
 
 
 F32 = types_pb2.DT_FLOAT
@@ -210,7 +196,7 @@ class _Loop:
 
     def _body(self, lib, into):
         sig = self.step.signature
-        fb = FunctionBuilder(self.body_name, lib, into)
+        fb = FunctionGraph.new(self.body_name, lib, into)
         n_batch = len(self.batch_types)
         args = self.layout.args(fb, ["i"] + [f"carried_{k}" for k in range(len(self.carried))] + ["nv", "per"] +
                                 [f"batch_{k}" for k in range(n_batch)] +
@@ -237,7 +223,7 @@ class _Loop:
             fb.ret(f"out_{k}", ref, t)
         return fb.finish()
 
-    def emit(self, fb: FunctionBuilder, batch: List[str], res: List[str]):
+    def emit(self, fb: FunctionGraph, batch: List[TensorRef], res: List[TensorRef]):
         """Run every virtual node of the fed batch; returns (per-output results, gradient sums
         or tensor lists, number of virtual nodes, the While node)."""
         b, vnodes = self.b, self.vnodes
@@ -274,7 +260,7 @@ class _Loop:
         n_out = len(self.vnode_outs)
         return carried[:n_out], carried[n_out:], nv, loop
 
-    def outputs(self, fb: FunctionBuilder, outs: List[str], count: str, nv: str) -> List[str]:
+    def outputs(self, fb: FunctionGraph, outs: List[TensorRef], count: TensorRef, nv: TensorRef) -> List[TensorRef]:
         """The loop's per-output results: sums divided by ``count`` (float32), concatenations,
         last values."""
         results = []
@@ -290,7 +276,7 @@ class _Loop:
             results.append(v)
         return results
 
-    def reduce(self, fb: FunctionBuilder, outs: List[str], sums: List[str], nv: str, reduce_fn: str):
+    def reduce(self, fb: FunctionGraph, outs: List[TensorRef], sums: List[TensorRef], nv: TensorRef, reduce_fn: str):
         """Hand the loop's sums to the step's reduce function (identity on one process; the
         all-reduce over ranks once ``insert-allreduce`` has run). Returns (output sums,
         gradient sums or concatenations, number of virtual nodes as float32)."""
@@ -309,7 +295,7 @@ class _Loop:
         return outs, got[len(mean_outs):-1], got[-1]
 
 
-def divide(fb: FunctionBuilder, value: str, count: str, dtype: int, shape=None) -> str:
+def divide(fb: FunctionGraph, value: TensorRef, count: TensorRef, dtype: int, shape=None) -> TensorRef:
     """``value / count`` with the float32 ``count`` cast to ``dtype``."""
     if dtype != F32:
         count = fb.op("Cast", [count], name="count_as", SrcT=type_attr(F32), DstT=type_attr(dtype),
@@ -317,7 +303,7 @@ def divide(fb: FunctionBuilder, value: str, count: str, dtype: int, shape=None) 
     return fb.op("RealDiv", [value, count], name="mean", T=type_attr(dtype), shapes=[shape])[0]
 
 
-def _means(fb: FunctionBuilder, step: TrainStep, sums: List[str], count: str) -> List[str]:
+def _means(fb: FunctionGraph, step: TrainStep, sums: List[TensorRef], count: TensorRef) -> List[TensorRef]:
     """The gradients the update gets: sums divided by the number of virtual nodes; sparse
     gradients' rows are scaled the same way and their indices passed as they are."""
     return [a if c.combine == "concat" else divide(fb, a, count, c.dtype, c.shape) for c, a in zip(step.cut, sums)]
@@ -330,7 +316,7 @@ def _assemble(step: TrainStep, vnode_results: List, updated) -> List:
     return [next(vi) if o.side == "vnode" else next(ui) for o in step.outputs]
 
 
-def _update(fb: FunctionBuilder, udef, means: List[str], res: List[str], after=()):
+def _update(fb: FunctionGraph, udef, means: List[TensorRef], res: List[TensorRef], after=()):
     """Call the update function once, after ``after``; returns (its node, its outputs). The
     control dependency matters: inlined, the update's ops that do not read the gradients
     (AdamW's weight decay) would otherwise run as soon as the step starts."""
@@ -347,7 +333,7 @@ def _step_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Lo
     sig = step.signature
     original = item.function(sig.function)
     lib = item.library
-    fb, args = FunctionBuilder.like(original, lib)
+    fb, args = FunctionGraph.like(original, lib)
     by = dict(zip(g.arg_names, args))
     res = [by[a] for a in sig.invariant_args]
     outs, sums, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
@@ -434,7 +420,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     apply_header = entry_header(g, apply_fn, inner[n_inputs:], acc_args, counted, [F32] * len(counted))
     lib = item.library
 
-    fb, args = FunctionBuilder.like(acc_header, lib, into=item.new_function(acc_fn))
+    fb, args = FunctionGraph.like(acc_header, lib, into=item.new_function(acc_fn))
     by = dict(zip(inner + acc_args, args))
     outs, sums, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.invariant_args])
     count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
@@ -447,7 +433,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
                              shapes=[g.shape(o.ref)])[0], a.type)
     fb.finish()
 
-    fb, args = FunctionBuilder.like(apply_header, lib, into=item.new_function(apply_fn))
+    fb, args = FunctionGraph.like(apply_header, lib, into=item.new_function(apply_fn))
     by = dict(zip(inner[n_inputs:] + acc_args, args))
     types = [c.dtype for c in step.cut] + [F32]
     sums = [fb.op("ReadVariableOp", [by[a]], name="sum", dtype=type_attr(t))[0] for a, t in zip(acc_args, types)]
@@ -489,7 +475,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     return True, []
 
 
-def _accumulate(fb: FunctionBuilder, acc: str, value: str, c) -> Node:
+def _accumulate(fb: FunctionGraph, acc: TensorRef, value: TensorRef, c) -> Node:
     """Add one call's gradient sum to accumulator ``acc``; a sparse gradient's rows (a tensor
     list from the loop) are appended to the rows accumulated so far."""
     t = type_attr(c.dtype)

@@ -102,7 +102,7 @@ def worker_fusion(args) -> dict:
 
     from tensorflow.python.eager import context
 
-    from vfgraph.builder import arg_specs, tf_dtype
+    from vfgraph.ir.tracing import arg_specs, tf_dtype
     from vfgraph.rewrites.insert_allreduce import reduce_functions
     from vfgraph.rewrites.split_vnodes import reduce_function
     from vfgraph.runtime.world import place_threads, world

@@ -8,7 +8,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 import vfgraph
-from vfgraph.builder import FunctionBuilder, func_attr, type_attr, types_attr
+from vfgraph.ir.attrs import func_attr, type_attr, types_attr
 from vfgraph.io.signatures import (INIT_OP_KEY, add_graph_signature, add_graph_variables, add_object_variables,
                                    add_signature, entry_header, has_object_graph, signature_wrapper, tensor_info)
 from vfgraph.ir.graph import FunctionGraph
@@ -101,7 +101,7 @@ def _with_signatures(item):
     out_types = [a.type for a in item.function(sig.function).signature.output_arg]
 
     twice = function_name(sig.function, "twice", "0")
-    fb, args = FunctionBuilder.like(entry_header(g, twice, w.args, ["vf_count"], w.outputs, out_types), item.library)
+    fb, args = FunctionGraph.like(entry_header(g, twice, w.args, ["vf_count"], w.outputs, out_types), item.library)
     x = fb.op("Mul", [args[0], fb.const(2.0, F32, "two")[0]], name="double", T=type_attr(F32))[0]
     y = _call_inner(fb, item, w, args, **{w.input_args[0]: x})
     add = fb.op("AssignAddVariableOp", [args[-1], fb.const(1.0, F32, "one")[0]], name="count", dtype=type_attr(F32))
@@ -111,7 +111,7 @@ def _with_signatures(item):
     add_signature(item, "twice", twice, w, takes_inputs=True, bound=ids, graph_handles=handles)
 
     bump = function_name(sig.function, "bump", "0")
-    fb, args = FunctionBuilder.like(entry_header(g, bump, w.bound_args, ["vf_count"]), item.library)
+    fb, args = FunctionGraph.like(entry_header(g, bump, w.bound_args, ["vf_count"]), item.library)
     fb.control_ret(fb.op("AssignAddVariableOp", [args[-1], fb.const(10.0, F32, "ten")[0]], name="bump",
                          dtype=type_attr(F32)))
     item.set_function(fb.finish())
@@ -167,7 +167,7 @@ def test_graph_signature_outputs(tiny):
     w = signature_wrapper(item, "serving_default")
     fn = function_name(sig.function, "pair", "0")
     g = FunctionGraph._over(item.function(sig.function), item.library)
-    fb, args = FunctionBuilder.like(entry_header(g, fn, w.args, [], [out_key, "n"], [F32, F32]), item.library)
+    fb, args = FunctionGraph.like(entry_header(g, fn, w.args, [], [out_key, "n"], [F32, F32]), item.library)
     y = _call_inner(fb, item, w, args)
     fb.ret(out_key, y[0], F32)
     fb.ret("n", fb.const(2.0, F32, "n")[0], F32)

@@ -16,7 +16,7 @@ from google.protobuf import text_format
 from tensorflow.core.framework import graph_pb2, types_pb2
 from tensorflow.core.protobuf import saved_model_pb2
 
-from vfgraph.builder import annotate_shapes
+from vfgraph.ir.tracing import annotate_shapes
 from vfgraph.errors import InputError
 from vfgraph.io import outputs
 from vfgraph.io.files import GRAPH_CALL, GRAPH_FUNCTION, read_graph_def
