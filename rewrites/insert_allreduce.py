@@ -235,7 +235,7 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
         return None, []
     sig = item.signatures[key]
     variables = wrapper.bound_args
-    g = FunctionGraph._over(item.function(sig.function), item.library)  # read only
+    g = FunctionGraph.over(item.function(sig.function), item.library)  # read only
     fn = function_name(sig.function, "broadcast", "0")
     b, _ = FunctionGraph.like(entry_header(g, fn, variables), item.library)
     check = b.op("VfCheck", name="check", fingerprint=fingerprint, what=f"signature {key!r}")

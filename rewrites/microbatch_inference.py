@@ -103,7 +103,7 @@ def _training_b(item: GraphItem) -> int:
 
 
 def _unsliceable(item: GraphItem, sig: SignatureInfo) -> str:
-    g = FunctionGraph._over(item.function(sig.function), item.library)  # read only
+    g = FunctionGraph.over(item.function(sig.function), item.library)  # read only
     if not sig.batch_args:
         return "it has no batch inputs"
     for a in sig.batch_args:
@@ -140,7 +140,7 @@ def _loop_functions(item: GraphItem, sig: SignatureInfo, header, slice_fn, b: in
     single-threaded executor (never inlined, the ``While`` not lowered to TF1 control flow,
     which that executor cannot run), and with it each iteration. ``header`` is the serving
     function's without its nodes."""
-    g = FunctionGraph._over(slice_fn, item.library)  # read only, before the edit
+    g = FunctionGraph.over(slice_fn, item.library)  # read only, before the edit
     lib = item.library
     names = g.arg_names
     types = [a.type for a in header.signature.input_arg]

@@ -60,7 +60,7 @@ class SplitVnodesPass(Pass):
         if sig.key in records.get(item, VirtualNodes):
             return PassResult(item, False, [f"signature {sig.key!r} already has virtual nodes"])
         # Read in place (no copy): the function is replaced last, once nothing reads it.
-        original = FunctionGraph._over(item.function(sig.function), item.library)
+        original = FunctionGraph.over(item.function(sig.function), item.library)
         original.verify()
         check_batch_inputs(original, sig)
         b = self._vnode_batch(original, sig)
@@ -123,7 +123,7 @@ def _distinct_seeds(fdef, library) -> List[str]:
     (index 0 keeps the original seed, so one virtual node reproduces the original step).
     Returns the seed reads changed; adds the ``vnode_index`` argument when there are any.
     """
-    g = FunctionGraph._over(fdef, library)  # read only until a seed read is found
+    g = FunctionGraph.over(fdef, library)  # read only until a seed read is found
     ints = (types_pb2.DT_INT64, types_pb2.DT_INT32)
     candidates = {n for n, node in g.nodes.items() if node.op == "ReadVariableOp" and node.attr["dtype"].type in ints}
     reads = []

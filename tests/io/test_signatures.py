@@ -71,7 +71,7 @@ def test_no_wrapper_without_an_object_graph(tiny):
 def test_entry_header_keeps_argument_attributes(tiny):
     item = vfgraph.load(tiny)
     sig = item.signatures["serving_default"]
-    g = FunctionGraph._over(item.function(sig.function), item.library)
+    g = FunctionGraph.over(item.function(sig.function), item.library)
     header = entry_header(g, "f_0", sig.resource_args + sig.batch_args, ["extra"], ["out"], [F32])
     args = [(a.name, a.type) for a in header.signature.input_arg]
     assert args == [(sig.resource_args[0], types_pb2.DT_RESOURCE), (sig.batch_args[0], F32),
@@ -95,7 +95,7 @@ def _with_signatures(item):
     a new variable) and ``bump`` (no inputs, no outputs: adds 10 to the count)."""
     sig = item.signatures["serving_default"]
     w = signature_wrapper(item, "serving_default")
-    g = FunctionGraph._over(item.function(sig.function), item.library)
+    g = FunctionGraph.over(item.function(sig.function), item.library)
     ids = add_object_variables(item, "vf_test", [("count", F32, [])])
     handles = add_graph_variables(item, "vf_test", [("count", F32, [])])
     out_types = [a.type for a in item.function(sig.function).signature.output_arg]
@@ -166,7 +166,7 @@ def test_graph_signature_outputs(tiny):
     fed = list(next(n for n in item.meta_graph.graph_def.node if n.name == serving_call).input)
     w = signature_wrapper(item, "serving_default")
     fn = function_name(sig.function, "pair", "0")
-    g = FunctionGraph._over(item.function(sig.function), item.library)
+    g = FunctionGraph.over(item.function(sig.function), item.library)
     fb, args = FunctionGraph.like(entry_header(g, fn, w.args, [], [out_key, "n"], [F32, F32]), item.library)
     y = _call_inner(fb, item, w, args)
     fb.ret(out_key, y[0], F32)

@@ -73,7 +73,7 @@ def test_a_read_only_graph_copies_headers_without_nodes_and_extracts_in_place():
     header = copy_header(fdef)
     assert not header.node_def and header.signature == fdef.signature and header.ret == fdef.ret
     assert header.attr == fdef.attr and header.arg_attr == fdef.arg_attr
-    g = FunctionGraph._over(fdef, {})  # over fdef itself: a round trip has each node once
+    g = FunctionGraph.over(fdef, {})  # over fdef itself: a round trip has each node once
     assert g.to_function_def().SerializeToString() == before
     into = function_pb2.FunctionDef()
     out = g.outline("f_b", [("y", TensorRef("b", "z", 0))], new_args=[("a_value", TensorRef("a", "activations", 0))],
@@ -144,7 +144,7 @@ def test_output_types_of_attributes_left_at_their_default_and_reading_changes_no
         ret { key: "s" value: "shape:output:0" }
     """, function_pb2.FunctionDef())
     before = fdef.SerializeToString(deterministic=True)
-    g = FunctionGraph._over(fdef, {})
+    g = FunctionGraph.over(fdef, {})
     g.verify()
     assert g.dtype(g.outputs("shape")[0]) == types_pb2.DT_INT32
     assert [g.dtype(t) for t in g.outputs("n")] == [types_pb2.DT_FLOAT, types_pb2.DT_INT32]
@@ -189,7 +189,7 @@ def test_writing_refuses_what_verify_refuses(inputs, deps):
     bad = fdef.node_def.add(name="bad", op="Identity", input=inputs + ["^" + d for d in deps])
     bad.attr["T"].type = types_pb2.DT_FLOAT
     with pytest.raises(VerifyError):
-        FunctionGraph._over(fdef, {}).verify()
+        FunctionGraph.over(fdef, {}).verify()
 
 
 def test_functions_are_verified_again_once_changed():

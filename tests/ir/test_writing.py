@@ -88,7 +88,7 @@ def test_building_blocks_compute_what_they_say():
 
 def test_editing_a_function_in_place_names_new_nodes_apart_and_verifies_the_result():
     fdef = text_format.Parse(SQUARE, function_pb2.FunctionDef())
-    g = FunctionGraph._over(fdef, {})
+    g = FunctionGraph.over(fdef, {})
     sq = g.op("Square", [TensorRef("sq", "y", 0)], name="sq", T=type_attr(F32))  # reads a node it did not write
     assert sq.name == "sq_1" and [n.name for n in fdef.node_def] == ["sq", "sq_1"]
     g.replace_uses({TensorRef("sq", "y", 0): sq[0]})  # the output, and sq_1's own input...

@@ -2,9 +2,8 @@
 rewrite works on.
 
 A :class:`FunctionGraph` reads a function (its nodes, typed tensor references
-(:class:`TensorRef`), consumers, shapes, op types), edits it through a small set of verbs that
-keep its indexes right (:meth:`~FunctionGraph.replace_uses`, :meth:`~FunctionGraph.erase`,
-:meth:`~FunctionGraph.keep_only`), writes new functions node by node with every reference
+(:class:`TensorRef`), consumers, shapes, op types), rewires it keeping its indexes right
+(:meth:`~FunctionGraph.replace_uses`), writes new functions and nodes with every reference
 checked as it is written (:meth:`~FunctionGraph.new`, :meth:`~FunctionGraph.op`,
 :meth:`~FunctionGraph.ret`), and outlines a part of itself as a new function
 (:meth:`~FunctionGraph.outline`); :meth:`~FunctionGraph.verify` says what is wrong and where.
@@ -174,7 +173,7 @@ class FunctionGraph:
                  library: Optional[Mapping[str, function_pb2.FunctionDef]] = None):
         self._header = function_pb2.FunctionDef()
         self._header.CopyFrom(fdef)
-        self.library: Mapping[str, function_pb2.FunctionDef] = library or {}
+        self.library: Mapping[str, function_pb2.FunctionDef] = library if library is not None else {}
         # The nodes of the private copy, taken out of it (the header keeps everything else).
         self.nodes: Dict[str, node_def_pb2.NodeDef] = {_intern(n.name): n for n in self._header.node_def}
         del self._header.node_def[:]
@@ -208,12 +207,13 @@ class FunctionGraph:
         return cls(fdef, library)
 
     @classmethod
-    def _over(cls, fdef: function_pb2.FunctionDef,
-              library: Optional[Mapping[str, function_pb2.FunctionDef]] = None) -> "FunctionGraph":
-        """A read-only graph over ``fdef`` itself (no copy): for checks that edit nothing."""
+    def over(cls, fdef: function_pb2.FunctionDef,
+             library: Optional[Mapping[str, function_pb2.FunctionDef]] = None) -> "FunctionGraph":
+        """A graph over ``fdef`` itself (no copy): it reads the function, and what it writes
+        (:meth:`op`, :meth:`arg`, :meth:`ret`, :meth:`replace_uses`) goes into ``fdef``."""
         g = cls.__new__(cls)
         g._header = fdef
-        g.library = library or {}
+        g.library = library if library is not None else {}
         g.nodes = {_intern(n.name): n for n in fdef.node_def}
         g._consumers = None
         g._layout_cache, g._outputs_cache, g._index_cache, g._inputs_cache = {}, {}, {}, {}
@@ -230,7 +230,7 @@ class FunctionGraph:
         fdef = function_pb2.FunctionDef() if into is None else into
         fdef.signature.name = name
         fdef.signature.is_stateful = True
-        return cls._over(fdef, library)
+        return cls.over(fdef, library)
 
     @classmethod
     def like(cls, header: function_pb2.FunctionDef, library: Optional[Mapping[str, function_pb2.FunctionDef]] = None,
@@ -247,7 +247,7 @@ class FunctionGraph:
 
     @property
     def fdef(self) -> function_pb2.FunctionDef:
-        """The FunctionDef a graph over one (:meth:`new`, :meth:`like`, ``_over``) writes into."""
+        """The FunctionDef a graph over one (:meth:`new`, :meth:`like`, :meth:`over`) writes into."""
         if not self._in_place:
             raise TypeError(f"{self.name}: a copied graph has no FunctionDef of its own; use to_function_def()")
         return self._header
@@ -495,29 +495,6 @@ class FunctionGraph:
         if inputs_changed:
             self._inputs_cache.clear()
 
-    def add_node(self, node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
-        if node.name in self.nodes or node.name in self.arg_names:
-            raise VerifyError(f"node name {node.name!r} already used in function {self.name!r}")
-        self.nodes[node.name] = node
-        self._forget(node.name)
-        if self._ops is not None:
-            self._ops[node.name] = node.op
-        self._dirty()
-        return node
-
-    def erase(self, names: Iterable[str]) -> None:
-        for n in list(names):
-            self.nodes.pop(n, None)
-            self._forget(n)
-        self._dirty()
-
-    def _forget(self, name: str) -> None:
-        """Drop what the per-node caches hold for ``name``."""
-        for cache in (self._layout_cache, self._outputs_cache, self._index_cache, self._inputs_cache,
-                      self._shapes_cache, self._ops or {}):
-            cache.pop(name, None)
-        self._by_op = None
-
     def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> int:
         """Point every data consumer of ``old`` (and function outputs) at ``new``."""
         return self.replace_uses({old: new})
@@ -537,20 +514,6 @@ class FunctionGraph:
                 count += 1
         self._dirty(inputs_changed=True)
         return count
-
-    def keep_only(self, keep: Iterable[str]) -> None:
-        """Erase every node not in ``keep`` and drop control inputs that pointed at them."""
-        keep = set(keep)
-        self.erase([n for n in self.nodes if n not in keep])
-        for node in self.nodes.values():
-            if not any(s.startswith("^") and s[1:] not in keep for s in node.input):
-                continue
-            kept = [s for s in node.input if not (s.startswith("^") and s[1:] not in keep)]
-            del node.input[:]
-            node.input.extend(kept)
-        for k in [k for k, v in self._header.control_ret.items() if v not in keep]:
-            del self._header.control_ret[k]
-        self._dirty(inputs_changed=True)
 
     # ----------------------------------------------------------------- writing
     def arg(self, name: str, dtype: DataType, shape: Optional[Sequence[int]] = None, attr=None) -> TensorRef:
@@ -934,7 +897,7 @@ def verify_function_def(fdef: function_pb2.FunctionDef,
     calls = _VALID.get(key)
     if calls is not None and all(name in library and _digest(library[name].signature) == sig for name, sig in calls):
         return
-    g = FunctionGraph._over(fdef, library)
+    g = FunctionGraph.over(fdef, library)
     g.verify()
     remember_valid(fdef, library, g.op_types().values(), key)
 

@@ -206,7 +206,7 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
     sig = item.training_signature() or (item.inference_signatures() or [None])[0]
     if sig is not None:
         src = vfgraph.load(original)
-        res.nodes = len(FunctionGraph._over(src.function(sig.function), src.library).nodes)
+        res.nodes = len(FunctionGraph.over(src.function(sig.function), src.library).nodes)
     v4 = vfgraph.save(item, os.path.join(workdir, "v4"), force=True)
     training = item.training_signature() is not None and tags is None
 
