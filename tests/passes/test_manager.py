@@ -244,3 +244,27 @@ def test_a_pass_of_another_package_is_found_through_its_entry_point(tmp_path, mo
     finally:
         base.unregister("count-nodes")
         base._discovered = True
+
+
+def test_the_worked_example_pass_runs_in_a_pipeline_and_in_tensorflow(models, tmp_path):
+    """examples/check_outputs.py, the pass docs/architecture.md walks through: registered by
+    importing it, listed by ``vfgraph passes``, and its output served by stock TensorFlow."""
+    import numpy as np
+    import tensorflow as tf
+
+    import check_outputs  # examples/ is on the tests' path
+
+    try:
+        assert registered()["check-outputs"] is check_outputs.CheckOutputsPass
+        out = vfgraph.rewrite(models("mlp:sgd"), pipeline="check-outputs{message=bad logits},"
+                                                         "split-vnodes{vnodes=2},microbatch-inference{vnode-batch=4}",
+                              allreduce="none")
+        path = vfgraph.export(out, str(tmp_path / "serve"))
+        serve = tf.saved_model.load(path).signatures["serving_default"]
+        key = next(iter(serve.structured_input_signature[1]))
+        fine = serve(**{key: tf.constant(np.ones((5, 64), np.float32))})
+        assert all(np.isfinite(v.numpy()).all() for v in fine.values())
+        with pytest.raises(tf.errors.InvalidArgumentError, match="bad logits"):
+            serve(**{key: tf.constant(np.full((5, 64), np.nan, np.float32))})
+    finally:
+        base.unregister("check-outputs")
