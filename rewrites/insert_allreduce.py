@@ -26,7 +26,8 @@ from vfgraph import records
 from vfgraph.errors import PipelineError
 from vfgraph.io.signatures import add_signature, entry_header, signature_wrapper
 from vfgraph.ir.attrs import func_attr, shapes_attr, type_attr, types_attr
-from vfgraph.ir.graph import FunctionGraph, arg_shapes, verify_function_def
+from vfgraph.ir.functions import arg_shapes
+from vfgraph.ir.graph import FunctionGraph, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult, option, register

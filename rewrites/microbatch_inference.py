@@ -28,8 +28,8 @@ from vfgraph import records
 from vfgraph.errors import PipelineError
 from vfgraph.ir.attrs import func_attr, shape_proto, type_attr, types_attr
 from vfgraph.ir.blocks import I32, list_concat
-from vfgraph.ir.graph import (FunctionGraph, arg_shapes, copy_header, function_dependencies, parse_input,
-                              verify_function_def)
+from vfgraph.ir.functions import arg_shapes, copy_header, function_dependencies
+from vfgraph.ir.graph import FunctionGraph, parse_input, verify_function_def
 from vfgraph.ir.loops import LoopLayout, append, condition, next_index, reserve, same_batch, slice_reader, while_loop
 from vfgraph.ir.names import function_name, tensor_node
 from vfgraph.item import GraphItem, SignatureInfo

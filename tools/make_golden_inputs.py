@@ -68,7 +68,7 @@ def linear(optimizer: str):
 
 def minimise(sm) -> None:
     """Keep only what the signatures reach: their graph nodes and library functions."""
-    from vfgraph.ir.graph import function_dependencies
+    from vfgraph.ir.functions import function_dependencies
     from vfgraph.ir.names import tensor_node
     from vfgraph.ir.walk import ancestors
 

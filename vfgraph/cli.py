@@ -260,7 +260,8 @@ def cmd_rewrite(args) -> int:
 
 def cmd_inspect(args) -> int:
     from vfgraph.analysis.train_step import analyze_train_step
-    from vfgraph.ir.graph import FunctionGraph, function_dependencies
+    from vfgraph.ir.functions import function_dependencies
+    from vfgraph.ir.graph import FunctionGraph
 
     item = vfgraph.load(args.model, checkpoint=args.checkpoint, loss=args.loss)
     lib = item.library

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from vfgraph.errors import VerifyError
 from vfgraph.io import objectgraph
-from vfgraph.ir.graph import function_dependencies, verify_function_def
+from vfgraph.ir.functions import function_dependencies
+from vfgraph.ir.graph import verify_function_def
 from vfgraph.item import GraphItem
 
 

@@ -19,7 +19,7 @@ import vfgraph
 from vfgraph.io import checkpoint
 from vfgraph.testing import c_api, cli
 from vfgraph.testing.cli import error_line, tree_digest
-from vfgraph.ir.graph import function_dependencies, iter_func_attrs
+from vfgraph.ir.functions import function_dependencies, iter_func_attrs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}

@@ -64,7 +64,8 @@ def test_extracted_functions_verify_and_name_what_was_left_out():
 
 
 def test_a_read_only_graph_copies_headers_without_nodes_and_extracts_in_place():
-    from vfgraph.ir.graph import TensorRef, copy_header
+    from vfgraph.ir.functions import copy_header
+    from vfgraph.ir.graph import TensorRef
 
     text = (GOOD + 'attr { key: "_noinline" value { b: true } }\n'
             'arg_attr { key: 0 value { attr { key: "k" value { i: 1 } } } }')

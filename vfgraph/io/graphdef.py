@@ -20,7 +20,7 @@ from vfgraph.ir.tracing import annotate_shapes
 from vfgraph.errors import InputError
 from vfgraph.io import outputs
 from vfgraph.io.files import GRAPH_CALL, GRAPH_FUNCTION, read_graph_def
-from vfgraph.ir.graph import function_dependencies
+from vfgraph.ir.functions import function_dependencies
 from vfgraph.ir.names import is_tensor_name, tensor_name, tensor_node
 from vfgraph.item import GraphItem, SignatureInfo
 

@@ -33,7 +33,8 @@ from vfgraph import records
 from vfgraph.errors import InputError, OutputError
 from vfgraph.io import checkpoint, outputs, savedmodel
 from vfgraph.io.checkpoint import OBJECT_GRAPH_KEY, CheckpointReader
-from vfgraph.ir.graph import function_dependencies, iter_func_attrs, verify_function_def
+from vfgraph.ir.functions import function_dependencies, iter_func_attrs
+from vfgraph.ir.graph import verify_function_def
 from vfgraph.ir.names import data_inputs, tensor_node
 from vfgraph.ir.walk import walk
 from vfgraph.item import GraphItem

@@ -24,7 +24,7 @@ from tensorflow.core.protobuf import saved_model_pb2
 from vfgraph.errors import InputError
 from vfgraph.io import refvars
 from vfgraph.io.trainop import attach_train_op, train_op_candidates
-from vfgraph.ir.graph import output_layout
+from vfgraph.ir.functions import output_layout
 from vfgraph.ir.names import is_control, tensor_index, tensor_node
 from vfgraph.ir.walk import walk
 from vfgraph.item import GraphItem, SignatureInfo, VariableInfo

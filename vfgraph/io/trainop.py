@@ -13,7 +13,7 @@ import re
 from typing import Dict, List, Optional
 
 from vfgraph.errors import DetectionError, InputError
-from vfgraph.ir.graph import output_layout
+from vfgraph.ir.functions import output_layout
 from vfgraph.ir.names import data_inputs, is_tensor_name, tensor_index, tensor_name, tensor_node
 from vfgraph.ir.walk import ancestors
 

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Dict, Iterable, List
 from google.protobuf import text_format
 from tensorflow.core.framework import function_pb2, graph_pb2
 
-from vfgraph.ir.graph import FunctionGraph, function_dependencies
+from vfgraph.ir.functions import function_dependencies
+
+from vfgraph.ir.graph import FunctionGraph
 from vfgraph.ir.names import control_inputs, data_inputs
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tensorflow.core.framework import function_pb2, types_pb2
 
-from vfgraph.ir.graph import arg_shape
+from vfgraph.ir.functions import arg_shape
 
 
 def tf_dtype(enum: int):
