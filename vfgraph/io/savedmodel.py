@@ -16,12 +16,12 @@ from vfgraph.errors import InputError
 from vfgraph.io import outputs, tf1
 from vfgraph.io.checkpoint import checkpoint_files, extend_checkpoint
 from vfgraph.io.files import read_bytes
+from vfgraph.ir.functions import CALL_OPS
 from vfgraph.ir.names import data_inputs, tensor_node
 from vfgraph.item import GraphItem, SignatureInfo, TensorSpecInfo, VariableInfo
 from vfgraph.records import Allreduce, VirtualNodes
 
 SAVED_MODEL_PB = "saved_model.pb"
-_CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
 _PASSTHROUGH = ("Identity", "NoOp")
 
 
@@ -119,7 +119,7 @@ def _has_variables(mg) -> bool:
 def _signature_info(path, key, sig, graph_nodes, library, handles) -> Optional[SignatureInfo]:
     """Follow signature tensors to the call node and down through thin wrappers."""
     out_nodes = {tensor_node(t.name) for t in sig.outputs.values()}
-    calls = [graph_nodes[n] for n in sorted(out_nodes) if n in graph_nodes and graph_nodes[n].op in _CALL_OPS]
+    calls = [graph_nodes[n] for n in sorted(out_nodes) if n in graph_nodes and graph_nodes[n].op in CALL_OPS]
     if len(calls) != 1:
         return None  # not a function-backed signature (TF1 graphs are handled elsewhere)
     call = calls[0]
@@ -173,7 +173,7 @@ def _single_call(fdef, library):
     """If ``fdef`` only forwards all its arguments to one library call, return (node, callee)."""
     calls = []
     for n in fdef.node_def:  # stops at the first node that does more than forward (a model's body)
-        if n.op in _CALL_OPS:
+        if n.op in CALL_OPS:
             calls.append(n)
         elif n.op not in _PASSTHROUGH:
             return None

@@ -33,7 +33,8 @@ from vfgraph import records
 from vfgraph.errors import InputError, OutputError
 from vfgraph.io import checkpoint, outputs, savedmodel
 from vfgraph.io.checkpoint import OBJECT_GRAPH_KEY, CheckpointReader
-from vfgraph.ir.functions import function_dependencies, iter_func_attrs
+from vfgraph.io.signatures import INIT_OP_KEY
+from vfgraph.ir.functions import CALL_OPS, function_dependencies, iter_func_attrs
 from vfgraph.ir.graph import verify_function_def
 from vfgraph.ir.names import data_inputs, tensor_node
 from vfgraph.ir.walk import walk
@@ -42,9 +43,7 @@ from vfgraph.records import Microbatch, VirtualNodes
 from vfgraph.version import __version__
 
 SERVE_TAG = "serve"
-INIT_OP_KEY = "__saved_model_init_op"
 _PREFIX = "vf/serving/"  # names of the nodes written here (loader plumbing)
-_CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
 _VALUE = ".ATTRIBUTES/VARIABLE_VALUE"
 
 
@@ -151,7 +150,7 @@ def build_serving_proto(item: GraphItem) -> Tuple[saved_model_pb2.SavedModel, Li
         for name in _closure(item, key, nodes, roots):
             keep[name] = None
             node = nodes[name]
-            if node.op in _CALL_OPS and node.attr["f"].func.name in og.concrete_functions:
+            if node.op in CALL_OPS and node.attr["f"].func.name in og.concrete_functions:
                 ids = list(og.concrete_functions[node.attr["f"].func.name].bound_inputs)
                 data = [tensor_node(i) for i in data_inputs(node)]
                 for src_name, node_id in zip(data[len(data) - len(ids):], ids):

@@ -20,13 +20,14 @@ from tensorflow.core.protobuf import meta_graph_pb2
 
 from vfgraph.ir.attrs import shape_proto, tensor_attr, type_attr, types_attr
 from vfgraph.ir.blocks import I32
+from vfgraph.ir.functions import CALL_OPS
 from vfgraph.ir.graph import FunctionGraph
+from vfgraph.ir.names import data_inputs, tensor_index, tensor_node
 from vfgraph.item import GraphItem
 
 INIT_OP_KEY = "__saved_model_init_op"  # the signature whose output the loader runs first
 PREDICT_METHOD = "tensorflow/serving/predict"
 INIT_OP_NODE = "vf/init_op"  # the graph's init op once graph variables are added
-_CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
 
 # (name, dtype, shape) of a variable to add: its name under a holder, a types_pb2 enum,
 # a static shape (-1 for a dimension that starts empty: sparse rows)
@@ -72,11 +73,11 @@ def signature_wrapper(item: GraphItem, key: str) -> Optional[SignatureWrapper]:
     if call is None or "f" not in call.attr:
         return None
     wrapper = item.function(call.attr["f"].func.name)
-    calls = [n for n in wrapper.node_def if n.op in _CALL_OPS]
+    calls = [n for n in wrapper.node_def if n.op in CALL_OPS]
     if len(calls) != 1:
         return None
     inner = item.function(calls[0].attr["f"].func.name)
-    forwarded = [s.split(":")[0] for s in calls[0].input if not s.startswith("^")]
+    forwarded = [tensor_node(s) for s in data_inputs(calls[0])]
     forward = {w: i.name for w, i in zip(forwarded, inner.signature.input_arg)}
     args = wrapper.signature.input_arg
     if len(forward) != len(args) or any(a.name not in forward for a in args):
@@ -147,9 +148,9 @@ def add_signature(item: GraphItem, key: str, fn: str, like: SignatureWrapper, ta
         entry.output_signature.CopyFrom(nested_structure_coder.encode_structure({}))
     sigs.children.add(node_id=len(og.nodes) - 1, local_name=key)
     item.preserve.add(fn)
-    fed = [i for i in _signature_call(mg, like.key).input if not i.startswith("^")]
+    fed = data_inputs(_signature_call(mg, like.key))
     if takes_inputs:
-        outputs = sorted(mg.signature_def[like.key].outputs.items(), key=lambda kv: int(kv[1].name.split(":")[1]))
+        outputs = sorted(mg.signature_def[like.key].outputs.items(), key=lambda kv: tensor_index(kv[1].name))
         add_graph_signature(item, key, fn, fed + list(graph_handles), like.key, [k for k, _ in outputs])
     else:
         add_graph_signature(item, key, fn, fed[len(fed) - len(cf.bound_inputs):] + list(graph_handles))
@@ -246,7 +247,7 @@ def add_graph_variables(item: GraphItem, holder: str, specs: Sequence[VariableSp
                                   dtype=type_attr(dtype)))
     before = _init_op(mg)
     init = _graph_node(gd, INIT_OP_NODE, "NoOp",
-                       ["^" + z for z in zeroed] + (["^" + before.split(":")[0]] if before else []))
+                       ["^" + z for z in zeroed] + (["^" + tensor_node(before)] if before else []))
     mg.signature_def[INIT_OP_KEY].outputs[INIT_OP_KEY].name = init
     return handles
 
@@ -271,7 +272,7 @@ def _signature_call(mg, key: str):
     no output, or not in the graph)."""
     if key not in mg.signature_def or not mg.signature_def[key].outputs:
         return None
-    out = next(iter(mg.signature_def[key].outputs.values())).name.split(":")[0]
+    out = tensor_node(next(iter(mg.signature_def[key].outputs.values())).name)
     return next((n for n in mg.graph_def.node if n.name == out), None)
 
 

@@ -11,6 +11,7 @@ from tensorflow.python.framework import op_def_registry
 from vfgraph.errors import VerifyError
 
 DataType = int  # a types_pb2 enum value
+CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")  # the ops that call a library function by attribute
 
 
 def _op_def(op: str, library: Mapping[str, function_pb2.FunctionDef]) -> op_def_pb2.OpDef:
