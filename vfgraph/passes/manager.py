@@ -89,7 +89,7 @@ def _remedy(record: Type) -> str:
     makers = [name for name, cls in registered().items() if record in cls.produces]
     if not makers:
         return "no registered pass produces it"
-    return f"run {' or '.join(makers)} before it in the pipeline, or rewrite a model that was"
+    return f"run {' or '.join(makers)} before it in the pipeline, or rewrite a model {makers[0]} already rewrote"
 
 
 def _with_context(e: VfgraphError, where: str) -> VfgraphError:
