@@ -154,6 +154,14 @@ def render_rewrite(r: dict) -> str:
                      (">= " if s["time_ratio_is_lower_bound"] else "") + f"{s['time_ratio']:.2f}x",
                      "-" if s.get("fastest_time_ratio") is None else f"{s['fastest_time_ratio']:.2f}x",
                      f"{s['time_ratio_per_10x_nodes']:.1f}x"] for s in r["scaling"]])
+    against = [case for case in r["results"] if "pipeline_over_baseline" in case]
+    if against:
+        out += (f"\nPipeline time against vfgraph at {c.get('baseline')} (its files timed in the same run, a "
+                "baseline rewrite after each of this one's, each in a fresh process; target <= 1.10):\n\n" + table(
+                    ["graph", "this (s)", "baseline (s)", "this / baseline", "paired", "fastest"],
+                    [[case["case"], num(case["pipeline_s"], 3), num(case["baseline_pipeline_s"], 3),
+                      num(case["pipeline_over_baseline"], 3), num(case["paired_over_baseline"], 3),
+                      num(case["fastest_over_baseline"], 3)] for case in against]))
     m = r.get("memory_reference")
     if m:
         out += (f"\nMemory reference (ns per dictionary lookup, 10k -> 100k keys): in order "
