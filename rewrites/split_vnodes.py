@@ -127,19 +127,11 @@ def _distinct_seeds(fdef, library) -> List[str]:
     ints = (types_pb2.DT_INT64, types_pb2.DT_INT32)
     candidates = {n for n, node in g.nodes.items() if node.op == "ReadVariableOp" and node.attr["dtype"].type in ints}
     reads = []
+    consumers = lambda n: (c for t in g.outputs(n) for c, _ in g.consumers(t))  # noqa: E731
     for name in g.topological_order() if candidates else ():
-        if name not in candidates:
-            continue
-        seen, stack = set(), [name]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if g.nodes[n].op.startswith(_STATELESS_RANDOM):
-                reads.append(name)
-                break
-            stack.extend(c for t in g.outputs(n) for c, _ in g.consumers(t))
+        if name in candidates and any(g.nodes[n].op.startswith(_STATELESS_RANDOM)
+                                      for n in g.reachable([name], consumers)):
+            reads.append(name)
     if not reads:
         return []
     g = FunctionGraph(fdef, library)

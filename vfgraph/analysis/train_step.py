@@ -346,7 +346,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
         raise DetectionError(f"signature {sig.key!r}: could not separate the update {reached[0]!r} from the "
                              "per-example computation")
     reach = _write_reach(g, cut_refs, writes, vnode_nodes)
-    forward = g.ancestors([r.node for _, r in g.output_refs() if not r.is_function_arg],
+    forward = g.reachable([r.node for _, r in g.output_refs() if not r.is_function_arg],
                           lambda n: [t.node for t in g.data_inputs(n)])
     forward_reads = _forward_read_args(g, forward | vnode_nodes)
     cut: List[CutTensor] = []

@@ -386,7 +386,9 @@ class FunctionGraph:
             raise nx.NetworkXUnfeasible("Graph contains a cycle or graph changed during iteration")
         return [n for n in order if n in self.nodes]
 
-    def ancestors(self, roots: Iterable[str], follow: Callable[[str], Iterable[str]]) -> set:
+    def reachable(self, roots: Iterable[str], follow: Callable[[str], Iterable[str]]) -> set:
+        """The nodes reached from ``roots`` (nodes of this graph) by following ``follow(node)``
+        (its producers for ancestors, its consumers for descendants), the roots included."""
         seen, stack = set(), [r for r in roots if r in self.nodes]
         while stack:
             n = stack.pop()
