@@ -110,10 +110,6 @@ class FunctionGraph:
 
     # ----------------------------------------------------------------- boundary
     @classmethod
-    def from_function_def(cls, fdef, library=None) -> "FunctionGraph":
-        return cls(fdef, library)
-
-    @classmethod
     def over(cls, fdef: function_pb2.FunctionDef,
              library: Optional[Mapping[str, function_pb2.FunctionDef]] = None) -> "FunctionGraph":
         """A graph over ``fdef`` itself (no copy): it reads the function, and what it writes
@@ -399,11 +395,6 @@ class FunctionGraph:
         return seen
 
     # ----------------------------------------------------------------- edits
-    def _dirty(self, inputs_changed: bool = False) -> None:
-        self._consumers = None
-        if inputs_changed:
-            self._inputs_cache.clear()
-
     def replace_all_uses_with(self, old: TensorRef, new: TensorRef) -> int:
         """Point every data consumer of ``old`` (and function outputs) at ``new``."""
         return self.replace_uses({old: new})
@@ -421,7 +412,8 @@ class FunctionGraph:
             if v in table:
                 self._header.ret[k] = table[v]
                 count += 1
-        self._dirty(inputs_changed=True)
+        self._consumers = None
+        self._inputs_cache.clear()
         return count
 
     # ----------------------------------------------------------------- writing
