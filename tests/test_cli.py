@@ -220,3 +220,19 @@ def test_inspect_names_every_gradient_with_batch_norm(models):
     assert named == {"batch_normalization/gamma", "batch_normalization/beta", "dense/kernel", "dense/bias",
                      "conv2d/kernel"}
     assert sorted(v.split("/")[-1] for v in info["batch_dependent_updates"]) == ["moving_mean", "moving_variance"]
+
+
+def test_a_missing_input_is_named_before_tensorflow_is_imported(tmp_path):
+    """Every command with an input path refuses a missing one in one line, exit 2, without
+    importing TensorFlow (which takes seconds)."""
+    gone = str(tmp_path / "gone")
+    commands = [["rewrite", gone], ["inspect", gone], ["diff", gone, gone], ["verify", gone, gone],
+                ["export", gone, "-o", str(tmp_path / "s")],
+                ["train", gone, "--data", "d.npz", "--steps", "1", "--batch-size", "1", "-o", str(tmp_path / "t")]]
+    code = ("import sys\nfrom vfgraph.cli import main\n"
+            f"codes = [main(c) for c in {commands!r}]\n"
+            "print(codes, 'tensorflow' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+    assert res.stdout.split() == ["[2,", "2,", "2,", "2,", "2,", "2]", "False"], res.stdout + res.stderr
+    lines = [l for l in res.stderr.splitlines() if l.startswith("vfgraph")]
+    assert lines == [f"vfgraph {c[0]}: error: {gone}: no such file or directory" for c in commands]

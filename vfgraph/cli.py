@@ -179,6 +179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     log.setLevel(logging.INFO if args.verbose else logging.WARNING)
     log.propagate = False
     try:
+        _check_inputs_exist(args)
         return {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
                 "verify": cmd_verify, "train": cmd_train, "export": cmd_export,
                 "passes": cmd_passes, "build-ops": cmd_build_ops}[args.command](args)
@@ -201,6 +202,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                "(or TensorFlow): please report it with the command line" + ("" if args.verbose else
                                                                             " (-v prints the traceback)"))
         return 3
+
+
+INPUT_PATHS = ("model", "a", "b", "original", "rewritten")  # the commands' positional inputs
+
+
+def _check_inputs_exist(args) -> None:
+    """A missing input is named before any command imports TensorFlow (seconds)."""
+    for attr in INPUT_PATHS:
+        path = getattr(args, attr, None)
+        if path is not None and not os.path.exists(path):
+            raise InputError(f"{path}: no such file or directory")
 
 
 def _error(line: str) -> None:
@@ -227,8 +239,6 @@ def cmd_rewrite(args) -> int:
         raise InputError(f"--vnode-batch {vnode_batch}: give the examples per virtual node (0: derived)")
     if args.fusion_mb <= 0:
         raise InputError(f"--fusion-mb {args.fusion_mb:g}: give a positive buffer size in MiB")
-    if not os.path.exists(args.model):
-        raise InputError(f"{args.model}: no such file or directory")
     stem, ext = os.path.splitext(os.path.normpath(args.model))
     out = args.output or (stem + f"_vf{ext}" if ext in (".pb", ".pbtxt") else
                           stem + ("" if ext == ".meta" else ext) + f"_vnodes{vnodes}")
