@@ -1,0 +1,691 @@
+"""The partition plan of a training step into K pipeline stages (model parallelism).
+
+The forward computation of the step (the per-example ops the loss and the per-example
+outputs depend on) is ordered and cut into K consecutive stages. Every backward op goes on
+the stage of the forward op it differentiates, as TensorFlow colocates gradients with their
+ops; every variable, its gradient, its update and its optimizer state go on the stage whose
+forward ops read it. The cut positions minimise the largest stage's estimated cost, ties
+broken by the bytes of activations that cross the cuts (design.md section 2, pipeline
+stages). This module plans only: it reads the graph and writes nothing.
+
+The cost is an estimate from the static shapes the exporter recorded, in floating-point
+operations per example (an unknown dimension, the batch's among them, counts as one):
+a matrix product ``2 * output elements * inner dimension``, a convolution
+``2 * output elements * filter window * input channels`` (a depthwise one without the
+channels), an einsum ``2 * the product of its index sizes``, an op that only moves or
+relabels data (Identity, Reshape, Shape, ...) nothing, any other op its output elements.
+It ranks stages against each other; it is not a measured time.
+"""
+from __future__ import annotations
+
+import bisect
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from vfgraph.analysis.train_step import TrainStep
+from vfgraph.errors import DetectionError, InputError
+from vfgraph.ir.graph import FunctionGraph, TensorRef
+
+# Ops that alias, relabel or describe their input: no arithmetic.
+_FREE = frozenset({"Identity", "IdentityN", "Snapshot", "StopGradient", "PreventGradient", "Shape", "ShapeN",
+                   "Size", "Rank", "Reshape", "ExpandDims", "Squeeze", "Const", "NoOp", "ReadVariableOp",
+                   "BroadcastGradientArgs", "EnsureShape", "CheckNumerics"})
+_MATMUL = {"MatMul": "transpose_a", "BatchMatMul": "adj_x", "BatchMatMulV2": "adj_x", "BatchMatMulV3": "adj_x"}
+_GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients(_\d+)?)$")
+_GRAD_SUFFIX = "_grad"
+# How a backward op was placed (the keys of StagePlan.placement).
+PLACED_BY = ("name", "gradient", "forward-input", "backward-input", "per-output", "unplaced")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a run of consecutive forward ops and what goes with them."""
+
+    index: int                       # 1-based
+    first: str                       # its first and last forward op
+    last: str
+    forward_ops: int
+    backward_ops: int                # per-example ops placed with its forward ops (a split IdentityN counts on each)
+    forward_flops: int               # estimated, per example
+    backward_flops: int
+    variables: Tuple[str, ...]       # variables it owns (read by its forward ops), by name
+    parameter_bytes: int
+    optimizer_state: Tuple[str, ...]  # slot variables of its variables' updates
+    optimizer_state_bytes: int
+    shared: Tuple[str, ...] = ()     # variables its forward ops read that other stages read too
+    inputs: Tuple[str, ...] = ()     # signature inputs its ops read directly
+
+    @property
+    def flops(self) -> int:
+        return self.forward_flops + self.backward_flops
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "first": self.first, "last": self.last, "forward_ops": self.forward_ops,
+                "backward_ops": self.backward_ops, "forward_flops": self.forward_flops,
+                "backward_flops": self.backward_flops, "flops": self.flops, "variables": list(self.variables),
+                "parameter_bytes": self.parameter_bytes, "optimizer_state": list(self.optimizer_state),
+                "optimizer_state_bytes": self.optimizer_state_bytes, "shared": list(self.shared),
+                "inputs": list(self.inputs)}
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The boundary between stage ``index`` and ``index + 1``."""
+
+    index: int
+    after: str                           # the last forward op before it and the first after it
+    before: str
+    tensors: Tuple[Tuple[str, int], ...]  # forward tensors live across it: (tensor, bytes per example)
+    bytes: int                           # their sum: activations sent forward, their gradients sent back
+    gradient_bytes: int = 0              # backward tensors crossing it besides those gradients
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "after": self.after, "before": self.before,
+                "tensors": [{"tensor": t, "bytes": b} for t, b in self.tensors], "bytes": self.bytes,
+                "gradient_bytes": self.gradient_bytes}
+
+
+@dataclass(frozen=True)
+class SharedVariable:
+    """A variable read by forward ops of several stages (weight sharing, tied embeddings):
+    each of those stages needs it and contributes to its gradient."""
+
+    name: str
+    stages: Tuple[int, ...]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Where each part of a training step runs when it is cut into ``len(stages)`` stages."""
+
+    signature: str
+    function: str
+    stages: Tuple[Stage, ...]
+    cuts: Tuple[Cut, ...]
+    chosen: str                          # "balanced" (cost model) or "split-at" (given)
+    shared: Tuple[SharedVariable, ...]
+    replicated: Tuple[str, ...]          # every stage keeps a copy (step counters, learning rates)
+    replicated_bytes: int
+    placement: Mapping[str, int]         # backward ops by how they were placed (PLACED_BY)
+    misplaced: Tuple[Tuple[str, int, int], ...]  # (gradient tensor, its stage, its variable's stage)
+    order: Tuple[str, ...] = field(repr=False, default=())  # the forward ops, in the order cut
+    node_stage: Mapping[str, int] = field(repr=False, default_factory=dict)     # per-example op -> stage
+    split_nodes: Mapping[str, Tuple[int, ...]] = field(repr=False, default_factory=dict)  # IdentityN: per output
+
+    @property
+    def flops(self) -> int:
+        return sum(s.flops for s in self.stages)
+
+    @property
+    def max_stage_flops(self) -> int:
+        return max(s.flops for s in self.stages)
+
+    @property
+    def parameter_bytes(self) -> int:
+        return sum(s.parameter_bytes for s in self.stages) + sum(v.bytes for v in self.shared)
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        return sum(s.optimizer_state_bytes for s in self.stages)
+
+    def to_json(self) -> dict:
+        return {
+            "signature": self.signature, "function": self.function, "count": len(self.stages),
+            "chosen": self.chosen, "stages": [s.to_json() for s in self.stages],
+            "cuts": [c.to_json() for c in self.cuts],
+            "shared": [{"variable": v.name, "stages": list(v.stages), "bytes": v.bytes} for v in self.shared],
+            "replicated": list(self.replicated), "replicated_bytes": self.replicated_bytes,
+            "placement": dict(self.placement),
+            "misplaced": [{"tensor": t, "stage": s, "variable_stage": v} for t, s, v in self.misplaced],
+            "totals": {"flops": self.flops, "max_stage_flops": self.max_stage_flops,
+                       "forward_ops": sum(s.forward_ops for s in self.stages),
+                       "parameter_bytes": self.parameter_bytes, "optimizer_state_bytes": self.optimizer_state_bytes,
+                       "crossing_bytes": sum(c.bytes for c in self.cuts)},
+        }
+
+
+# ---------------------------------------------------------------------------- sizes and costs
+def _elements(shape: Optional[Sequence[int]]) -> int:
+    n = 1
+    for d in shape or ():
+        n *= d if d > 0 else 1
+    return n
+
+
+_DTYPE_SIZE: Dict[int, int] = {}
+
+
+def dtype_size(dtype: int) -> int:
+    """Bytes per element (0 for handles, strings and variants)."""
+    size = _DTYPE_SIZE.get(dtype)
+    if size is None:
+        from tensorflow.python.framework import dtypes
+
+        try:
+            d = dtypes.as_dtype(dtype)
+            size = 0 if d in (dtypes.resource, dtypes.variant, dtypes.string) else d.size
+        except (TypeError, ValueError):
+            size = 0
+        _DTYPE_SIZE[dtype] = size
+    return size
+
+
+def tensor_bytes(g: FunctionGraph, ref: TensorRef) -> int:
+    """Bytes of ``ref`` per example, from its static shape (unknown dimensions count as one)."""
+    return _elements(g.shape(ref)) * dtype_size(g.dtype(ref))
+
+
+def op_flops(g: FunctionGraph, name: str) -> int:
+    """Estimated floating-point operations of node ``name`` per example (see the module's note)."""
+    op = g.op_types()[name]
+    if op in _FREE:
+        return 0
+    outs = g.outputs(name)
+    out = _elements(g.shape(outs[0])) if outs else 1
+    ins = g.data_inputs(name)
+    attr = g.nodes[name].attr
+    if op in _MATMUL and len(ins) >= 2:
+        a = g.shape(ins[0]) or []
+        flag = _MATMUL[op]
+        inner = (a[-2] if flag in attr and attr[flag].b else a[-1]) if len(a) >= 2 else 1
+        return 2 * out * max(inner, 1)
+    if op in ("Conv2D", "Conv3D", "DepthwiseConv2dNative") and len(ins) >= 2:
+        f = g.shape(ins[1]) or []
+        window = _elements(f[:-2]) * (1 if op == "DepthwiseConv2dNative" or len(f) < 2 else max(f[-2], 1))
+        return 2 * out * window
+    if op in ("Conv2DBackpropInput", "Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropInput",
+              "DepthwiseConv2dNativeBackpropFilter", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2") \
+            and len(ins) >= 3:
+        f = g.shape(ins[1]) if "Input" in op else g.shape(outs[0])
+        f = f or []
+        window = _elements(f[:-2]) * (1 if op.startswith("Depthwise") or len(f) < 2 else max(f[-2], 1))
+        return 2 * _elements(g.shape(ins[2])) * window
+    if op == "Einsum" and "equation" in attr:
+        return 2 * _einsum_size(attr["equation"].s.decode(), [g.shape(t) for t in ins])
+    return sum(_elements(g.shape(t)) for t in outs)
+
+
+def _einsum_size(equation: str, shapes: List[Optional[List[int]]]) -> int:
+    """The product of the sizes of every index an einsum names."""
+    lhs = equation.replace(" ", "").split("->")[0].split(",")
+    sizes: Dict[str, int] = {}
+    for spec, shape in zip(lhs, shapes):
+        if shape is None or "." in spec:
+            continue
+        for letter, d in zip(spec, shape):
+            if d > 0:
+                sizes[letter] = max(sizes.get(letter, 1), d)
+    n = 1
+    for d in sizes.values():
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------------------- the plan
+class _Step:
+    """The per-example part of a step, its forward order, and every backward op's anchor (the
+    position in that order of the forward op it goes with), independent of where the cuts are."""
+
+    def __init__(self, g: FunctionGraph, step: TrainStep):
+        self.g, self.step = g, step
+        sig = step.signature
+        self.resources = set(sig.resource_args)
+        self.batch = set(sig.batch_args)
+        dep = step.batch_dependent
+        preds = lambda n: [t.node for t in g.data_inputs(n)]  # noqa: E731
+        out_refs = [o.ref for o in step.outputs if o.side == "vnode" and not o.ref.is_function_arg]
+        # What the per-virtual-node function computes: the batch-dependent ancestors of its
+        # outputs and of the cut (batch norm's normalisation behind a statistic of the cut too;
+        # not a gradient nothing reads, such as that of the input images).
+        fwd = g.reachable([r.node for r in out_refs], preds) & dep
+        per_example = fwd | (g.reachable([c.ref.node for c in step.cut if not c.ref.is_function_arg], preds) & dep)
+        if not fwd:
+            raise DetectionError(f"signature {sig.key!r}: {g.name!r} has no per-example output (loss) to cut "
+                                 "into stages")
+        self.per_example = per_example
+        self.order = self._late_order(fwd)
+        self.pos = {n: i for i, n in enumerate(self.order)}
+        topo = [n for n in g.topological_order() if n in per_example]
+        self.topo = topo
+        self.backward = [n for n in topo if n not in self.pos]
+        self.cost = {n: op_flops(g, n) for n in topo}
+        self._anchor_backward()
+
+    def _late_order(self, fwd: Set[str]) -> List[str]:
+        """The forward ops in topological order, each as late as its consumers allow (ties by
+        name): an op that feeds only the end of the model (the labels' cast) sits beside its
+        consumer, so it does not stretch over the cuts in between."""
+        g = self.g
+        height: Dict[str, int] = {}
+        for n in reversed([m for m in g.topological_order() if m in fwd]):
+            kids = [c for c in g.data_children(n) if c in fwd]
+            height[n] = 1 + max((height[c] for c in kids), default=-1)
+        top = max(height.values())
+        return sorted(fwd, key=lambda n: (top - height[n], n))
+
+    # ------------------------------------------------------------------ anchors
+    def _anchor_backward(self) -> None:
+        g, pos = self.g, self.pos
+        fwd_names = pos
+        scopes: Dict[str, List[int]] = {}
+        for n, p in pos.items():
+            parts = n.split("/")
+            for k in range(1, len(parts)):
+                scopes.setdefault("/".join(parts[:k]), []).append(p)
+        self.split_ops = {n for n in self.backward if g.op_types()[n] == "IdentityN"}
+        reach = self._gradient_reach()
+        var_pos = self.variable_readers()
+        self.anchor: Dict[str, int] = {}
+        self.how: Dict[str, str] = {}
+        self.split: Dict[str, List[int]] = {}   # IdentityN: the anchor of each output
+        for n in self.backward:
+            ins = g.data_inputs(n)
+            if n in self.split_ops:
+                self.split[n] = [self.tensor_anchor(t) for t in ins]
+                self.how[n] = "per-output"
+                continue
+            a, how = self._by_name(n, ins, fwd_names, scopes), "name"
+            if a is None:
+                v = reach.get(n)
+                if v is not None and v is not _MANY and var_pos.get(v):
+                    a, how = min(var_pos[v]), "gradient"
+            if a is None:
+                f = [pos[t.node] if not t.is_function_arg else 0 for t in ins
+                     if t.node in pos or (t.is_function_arg and t.node in self.batch)]
+                if f:
+                    a, how = max(f), "forward-input"
+            if a is None:
+                b = [self.tensor_anchor(t) for t in ins if not t.is_function_arg and t.node in self.per_example]
+                b = [x for x in b if x is not None]
+                if b:
+                    a, how = min(b), "backward-input"
+            self.how[n] = how if a is not None else "unplaced"
+            if a is not None:
+                self.anchor[n] = a
+
+    def tensor_anchor(self, t: TensorRef) -> Optional[int]:
+        if t.is_function_arg:
+            return 0 if t.node in self.batch else None
+        if t.node in self.pos:
+            return self.pos[t.node]
+        if t.node in self.split:
+            return self.split[t.node][self.g.flat_index(t)]
+        return self.anchor.get(t.node)
+
+    def reader_anchor(self, node: str, slot: int) -> Optional[int]:
+        """Where the consumer ``node`` reading input ``slot`` runs (an IdentityN: that output's)."""
+        if node in self.pos:
+            return self.pos[node]
+        if node in self.split:  # output k forwards input k
+            return self.split[node][slot]
+        return self.anchor.get(node)
+
+    def _by_name(self, n: str, ins: List[TensorRef], fwd_names, scopes) -> Optional[int]:
+        """The forward op a backward op's name points to. A gradient function's ops are named
+        in the forward op's scope, ``gradient_tape/<forward op>/<op>`` (``gradients/<forward
+        op>_grad/<op>`` in TF1); a gradient of one op is named ``gradient_tape/<scope>/<op type>``,
+        uniquified, so it goes with the last op of that scope whose output it reads."""
+        parts = n.split("/")
+        if len(parts) > 1 and _GRADIENT_SCOPE.match(parts[0]):
+            parts = parts[1:]
+        parts = [p[:-len(_GRAD_SUFFIX)] if p.endswith(_GRAD_SUFFIX) and len(p) > len(_GRAD_SUFFIX) else p
+                 for p in parts]
+        for k in range(len(parts) - 1, 0, -1):  # the last part alone may be uniquified (Reshape_1)
+            prefix = "/".join(parts[:k])
+            if prefix in fwd_names:
+                return fwd_names[prefix]
+            if prefix in self.g.nodes:
+                return None  # the gradient of an op that runs once (a kernel's reshape)
+        read = {self.pos[t.node] for t in ins if t.node in self.pos}
+        for k in range(len(parts) - 1, 0, -1):
+            inside = scopes.get("/".join(parts[:k]))
+            if inside:
+                mine = read.intersection(inside)
+                return max(mine) if mine else None
+        return None
+
+    def _gradient_reach(self) -> Dict[str, object]:
+        """For each backward op, the one variable whose gradient it contributes to (``_MANY``
+        when several do, absent when none)."""
+        g = self.g
+        grads = {c.ref: c.variable for c in self.step.cut if c.role == "gradient" and c.variable}
+        bwd = set(self.backward)
+        node_reach: Dict[str, object] = {}
+        out_reach: Dict[TensorRef, object] = {}  # IdentityN outputs, each on its own
+
+        def merge(a, b):
+            return b if a is None else a if b is None or a == b else _MANY
+
+        for n in reversed(self.backward):
+            r = None
+            for t in g.outputs(n):
+                rt = grads.get(t)
+                for c, slot in g.consumers(t):
+                    if c in bwd:
+                        rt = merge(rt, out_reach.get(g.outputs(c)[slot]) if c in self.split_ops
+                                   else node_reach.get(c))
+                if n in self.split_ops:
+                    out_reach[t] = rt
+                r = merge(r, rt)
+            if r is not None:
+                node_reach[n] = r
+        return node_reach
+
+    def variable_readers(self) -> Dict[str, List[int]]:
+        """Resource arg -> positions of the forward ops that read it (through batch-free reads)."""
+        if hasattr(self, "_readers"):
+            return self._readers
+        g = self.g
+        dep = self.step.batch_dependent
+        memo: Dict[str, frozenset] = {}
+
+        def vars_of(node: str) -> frozenset:
+            stack = [node]
+            while stack:
+                n = stack[-1]
+                if n in memo:
+                    stack.pop()
+                    continue
+                pending = [t.node for t in g.data_inputs(n)
+                           if not t.is_function_arg and t.node not in dep and t.node not in memo]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                found = set()
+                for t in g.data_inputs(n):
+                    if t.is_function_arg:
+                        if t.node in self.resources:
+                            found.add(t.node)
+                    elif t.node not in dep:
+                        found |= memo[t.node]
+                memo[n] = frozenset(found)
+                stack.pop()
+            return memo[node]
+
+        readers: Dict[str, List[int]] = {}
+        for n, p in self.pos.items():
+            got = set()
+            for t in g.data_inputs(n):
+                if t.is_function_arg:
+                    if t.node in self.resources:
+                        got.add(t.node)
+                elif t.node not in dep:
+                    got |= vars_of(t.node)
+            for v in got:
+                readers.setdefault(v, []).append(p)
+        self._readers = readers
+        return readers
+
+
+class _Many:
+    def __repr__(self) -> str:
+        return "MANY"
+
+
+_MANY = _Many()
+
+
+def plan_stages(g: FunctionGraph, step: TrainStep, stages: int, split_at: Sequence[str] = ()) -> StagePlan:
+    """Cut the training step ``step`` of function ``g`` into ``stages`` pipeline stages.
+
+    Without ``split_at`` the cuts minimise the largest stage's estimated cost (its forward
+    ops and the backward ops placed with them), ties broken by the fewest bytes per example
+    crossing the cuts: exact, by dynamic programming over the forward order. ``split_at``
+    names the forward ops that start stages 2..K instead. Raises InputError for a number of
+    stages or a split the step cannot take, DetectionError for a step with no forward part.
+    """
+    sig = step.signature
+    if stages < 1:
+        raise InputError(f"{stages} stages: a plan needs at least 1 stage")
+    s = _Step(g, step)
+    n = len(s.order)
+    fwd_cost = [s.cost[x] for x in s.order]
+    costed = sum(1 for c in fwd_cost if c > 0)
+    if split_at:
+        if len(split_at) != stages - 1:
+            raise InputError(f"{len(split_at)} split point(s) for {stages} stages: give the {stages - 1} forward "
+                             "op(s) that start stages 2.." + str(stages))
+        cuts = []
+        for name in split_at:
+            if name not in s.pos:
+                near = difflib.get_close_matches(name, s.order, n=3)
+                hint = f" (did you mean {', '.join(near)}?)" if near else ""
+                raise InputError(f"split at {name!r}: not a forward op of signature {sig.key!r}{hint}; "
+                                 "'vfgraph inspect --stages K --json' lists the stages' first ops")
+            p = s.pos[name]
+            if p == 0:
+                raise InputError(f"split at {name!r}: it is the first forward op, so stage 1 would be empty")
+            if cuts and p <= cuts[-1]:
+                raise InputError(f"split at {name!r}: it does not come after {s.order[cuts[-1]]!r} in the forward "
+                                 "order; give the split points in order")
+            cuts.append(p)
+    else:
+        if stages > costed:
+            raise InputError(f"{stages} stages: signature {sig.key!r} has only {costed} forward op(s) with an "
+                             f"estimated cost; give at most {costed} stage(s)")
+        weight = list(fwd_cost)
+        for x, a in s.anchor.items():
+            weight[a] += s.cost[x]
+        cuts = _best_cuts(weight, fwd_cost, _live_bytes(s), stages)
+    return _build(s, cuts, "split-at" if split_at else "balanced")
+
+
+def _live_bytes(s: _Step) -> List[int]:
+    """Bytes per example of forward tensors live across the boundary before each position."""
+    n = len(s.order)
+    diff = [0] * (n + 1)
+    for lo, hi, b, _ in _forward_intervals(s):
+        diff[lo + 1] += b
+        diff[hi + 1] -= b
+    live, run = [0] * n, 0
+    for p in range(n):
+        run += diff[p]
+        live[p] = run
+    return live
+
+
+def _forward_intervals(s: _Step):
+    """(first, last position, bytes, tensor) of every forward tensor read at another position."""
+    g = s.g
+    for name, p in s.pos.items():
+        for t in g.outputs(name):
+            where = [a for c, slot in g.consumers(t) for a in [s.reader_anchor(c, slot)] if a is not None]
+            lo, hi = min(where + [p]), max(where + [p])
+            if lo < hi:
+                yield lo, hi, tensor_bytes(g, t), t
+
+
+def _best_cuts(weight: List[int], fwd_cost: List[int], live: List[int], k: int) -> List[int]:
+    """Positions starting stages 2..k: the smallest largest stage weight, then the fewest live
+    bytes summed over the cuts. Every stage holds a forward op with a cost."""
+    n = len(weight)
+    prefix = [0]
+    for w in weight:
+        prefix.append(prefix[-1] + w)
+    last_costed = [-1] * (n + 1)  # last_costed[j]: the last costed position < j
+    for j in range(1, n + 1):
+        last_costed[j] = j - 1 if fwd_cost[j - 1] > 0 else last_costed[j - 1]
+
+    def windows(limit: int) -> List[Tuple[int, int]]:
+        """For each end j, the starts i of a segment [i, j) within ``limit`` holding a costed op."""
+        out, lo = [(0, -1)], 0
+        for j in range(1, n + 1):
+            while prefix[j] - prefix[lo] > limit:
+                lo += 1
+            out.append((lo, last_costed[j]))
+        return out
+
+    def feasible(limit: int) -> bool:
+        win = windows(limit)
+        ok = [False] * (n + 1)
+        ok[0] = True
+        for _ in range(k):
+            count = [0]
+            for v in ok:
+                count.append(count[-1] + v)
+            nxt = [False] * (n + 1)
+            for j in range(1, n + 1):
+                lo, hi = win[j]
+                nxt[j] = hi >= lo and count[hi + 1] - count[lo] > 0
+            ok = nxt
+        return ok[n]
+
+    lo, hi = max(weight), prefix[n]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    win = windows(lo)
+    inf = float("inf")
+    best = [0] + [inf] * n  # best[j]: fewest bytes for positions [0, j) in the segments so far
+    choice: List[List[int]] = []
+    for seg in range(k):
+        nxt = [inf] * (n + 1)
+        pick = [-1] * (n + 1)
+        dq: List[int] = []  # candidate starts, increasing cost (a monotone queue)
+        head, added = 0, 0
+        for j in range(1, n + 1):
+            s0, s1 = win[j]
+            while added <= s1:
+                if best[added] < inf:
+                    v = best[added] + (live[added] if added else 0)
+                    while len(dq) > head and best[dq[-1]] + (live[dq[-1]] if dq[-1] else 0) > v:
+                        dq.pop()
+                    dq.append(added)
+                added += 1
+            while head < len(dq) and dq[head] < s0:
+                head += 1
+            if head < len(dq) and s1 >= s0:
+                i = dq[head]
+                nxt[j], pick[j] = best[i] + (live[i] if i else 0), i
+        best = nxt
+        choice.append(pick)
+    cuts, j = [], n
+    for seg in range(k - 1, 0, -1):
+        j = choice[seg][j]
+        cuts.append(j)
+    return sorted(cuts)
+
+
+def _var_bytes(sig, arg: str) -> int:
+    v = sig.variables.get(arg)
+    return 0 if v is None or v.shape is None else _elements(v.shape) * dtype_size(v.dtype)
+
+
+def _build(s: _Step, cuts: List[int], chosen: str) -> StagePlan:
+    g, step = s.g, s.step
+    sig = step.signature
+    k = len(cuts) + 1
+    stage_of = lambda p: bisect.bisect_right(cuts, p) + 1  # noqa: E731
+    name = lambda r: sig.variables[r].name if r in sig.variables else r  # noqa: E731
+    node_stage = {n: stage_of(p) for n, p in s.pos.items()}
+    node_stage.update({n: stage_of(a) for n, a in s.anchor.items()})
+    split_nodes = {n: tuple(stage_of(a) if a is not None else 0 for a in v) for n, v in s.split.items()}
+
+    # variables: owned by the stage of their forward readers
+    owner: Dict[str, int] = {}
+    shared: Dict[str, Tuple[int, ...]] = {}
+    for v, ps in s.variable_readers().items():
+        st = tuple(sorted({stage_of(p) for p in ps}))
+        if len(st) == 1:
+            owner[v] = st[0]
+        else:
+            shared[v] = st
+    slot_owner: Dict[str, int] = {}
+    slot_shared: Dict[str, Tuple[int, ...]] = {}
+    misplaced = []
+    for c in step.cut:
+        if c.role == "gradient" and c.variable:
+            # The parameter it updates: the variable it is the gradient of, or (where the cut sits
+            # inside the optimizer's arithmetic, after a Tensordot's gradient lost its shape) the
+            # parameter among the variables it feeds; failing both, the stage that computes it).
+            param = next((v for v in [c.variable] + list(c.writes) if v in owner or v in shared), None)
+            where = owner.get(param) if param is not None else None
+            a = s.tensor_anchor(c.ref)
+            got = stage_of(a) if a is not None else 0
+            if where is not None and got != where:
+                misplaced.append((str(c.ref), got, where))
+            if param is None and got:
+                where = got
+            for w in [c.variable] + list(c.writes):
+                if w in owner or w in shared:
+                    continue
+                if where is not None:
+                    slot_owner[w] = where
+                elif param is not None:
+                    slot_shared[w] = shared[param]
+        elif c.role == "statistic":
+            a = s.tensor_anchor(c.ref)
+            for w in c.writes:
+                if w not in owner and w not in shared and a is not None:
+                    owner[w] = stage_of(a)
+    replicated = [r for r in sig.resource_args
+                  if r not in owner and r not in shared and r not in slot_owner and r not in slot_shared]
+
+    counts = {h: 0 for h in PLACED_BY}
+    for n in s.backward:
+        counts[s.how[n]] += 1
+    fwd_count, bwd_count = [0] * (k + 1), [0] * (k + 1)
+    fwd_flops, bwd_flops = [0] * (k + 1), [0] * (k + 1)
+    inputs: List[Set[str]] = [set() for _ in range(k + 1)]
+    for n, st in node_stage.items():
+        if n in s.pos:
+            fwd_count[st] += 1
+            fwd_flops[st] += s.cost[n]
+        else:
+            bwd_count[st] += 1
+            bwd_flops[st] += s.cost[n]
+        for t in g.data_inputs(n):
+            if t.is_function_arg and t.node in s.batch:
+                inputs[st].add(sig.input_keys.get(t.node, t.node))
+    for n, sts in split_nodes.items():
+        for st in set(sts):
+            if st:
+                bwd_count[st] += 1
+    order_of = {r: i for i, r in enumerate(sig.resource_args)}
+    by_order = lambda rs: sorted(rs, key=lambda r: (order_of.get(r, 1 << 30), r))  # noqa: E731
+    stage_list = []
+    bounds = [0] + cuts + [len(s.order)]
+    for i in range(1, k + 1):
+        mine = by_order(v for v, o in owner.items() if o == i)
+        slots = by_order(v for v, o in slot_owner.items() if o == i)
+        stage_list.append(Stage(
+            index=i, first=s.order[bounds[i - 1]], last=s.order[bounds[i] - 1], forward_ops=fwd_count[i],
+            backward_ops=bwd_count[i], forward_flops=fwd_flops[i], backward_flops=bwd_flops[i],
+            variables=tuple(name(v) for v in mine), parameter_bytes=sum(_var_bytes(sig, v) for v in mine),
+            optimizer_state=tuple(name(v) for v in slots),
+            optimizer_state_bytes=sum(_var_bytes(sig, v) for v in slots),
+            shared=tuple(name(v) for v in by_order(v for v, st in {**shared, **slot_shared}.items() if i in st)),
+            inputs=tuple(sorted(inputs[i]))))
+
+    crossing: List[List[Tuple[str, int]]] = [[] for _ in cuts]
+    for lo, hi, b, t in _forward_intervals(s):
+        for c, p in enumerate(cuts):
+            if lo < p <= hi:
+                crossing[c].append((str(t), b))
+    grad_bytes = [0] * len(cuts)
+    for n in s.backward:
+        for t in g.outputs(n):
+            a = s.tensor_anchor(t)
+            if a is None:
+                continue
+            where = [x for c, slot in g.consumers(t) for x in [s.reader_anchor(c, slot)] if x is not None]
+            lo, hi = min(where + [a]), max(where + [a])
+            for c, p in enumerate(cuts):
+                if lo < p <= hi:
+                    grad_bytes[c] += tensor_bytes(g, t)
+    cut_list = tuple(Cut(index=c + 1, after=s.order[p - 1], before=s.order[p], tensors=tuple(sorted(crossing[c])),
+                         bytes=sum(b for _, b in crossing[c]), gradient_bytes=grad_bytes[c])
+                     for c, p in enumerate(cuts))
+    return StagePlan(
+        signature=sig.key, function=g.name, stages=tuple(stage_list), cuts=cut_list, chosen=chosen,
+        shared=tuple(SharedVariable(name(v), st, _var_bytes(sig, v)) for v, st in
+                     ((v, shared[v]) for v in by_order(shared))),
+        replicated=tuple(name(r) for r in replicated), replicated_bytes=sum(_var_bytes(sig, r) for r in replicated),
+        placement=counts, misplaced=tuple(misplaced), order=tuple(s.order), node_stage=node_stage,
+        split_nodes=split_nodes)
