@@ -92,6 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("model", help="a model, as for 'rewrite'")
     i.add_argument("--train-signature", default="", metavar="NAME", help="the training signature (default: found)")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--stages", type=int, metavar="K",
+                   help="also plan cutting the training step into K pipeline stages: forward and backward ops, "
+                        "variables, optimizer state, estimated FLOPs per stage and the bytes crossing each cut")
+    i.add_argument("--split-at", metavar="OP,...",
+                   help="with --stages: the forward ops that start stages 2..K, instead of the balanced choice")
     _tf1_options(i)
 
     d = command("diff", "canonical unified diff of two models, variables included (exit 1 when they differ)")
@@ -273,12 +278,26 @@ def cmd_inspect(args) -> int:
     from vfgraph.ir.functions import function_dependencies
     from vfgraph.ir.graph import FunctionGraph
 
+    split_at = [op.strip() for op in args.split_at.split(",") if op.strip()] if args.split_at else []
+    stages = args.stages if args.stages is not None else (len(split_at) + 1 if split_at else None)
+    if stages is not None and stages < 1:
+        raise InputError(f"--stages {stages}: give at least 1 stage")
     item = vfgraph.load(args.model, checkpoint=args.checkpoint, loss=args.loss)
     lib = item.library
     report = {"model": item.source, "signatures": {}, "rewrites": records.rewrites(item),
               "history": item.metadata.get("history", [])}
     split, reduced = records.get(item, VirtualNodes), records.get(item, Allreduce)
     train = item.training_signature(args.train_signature or None)
+    if stages is not None:
+        option = "--stages" if args.stages is not None else "--split-at"
+        if train is None:
+            raise InputError(f"{option}: {item.source} has no training signature "
+                             f"{args.train_signature or 'train'!r} to cut into stages (signatures: "
+                             f"{', '.join(sorted(item.signatures)) or 'none'}); pass --train-signature NAME")
+        if train.key in split:
+            raise InputError(f"{option}: signature {train.key!r} was rewritten with virtual nodes already; plan the "
+                             "stages of the model before the rewrite")
+    plan = None
     for key, sig in sorted(item.signatures.items()):
         g = FunctionGraph(lib[sig.function], lib)
         hist = collections.Counter(n.op for f in function_dependencies(sig.function, lib) for n in lib[f].node_def)
@@ -300,6 +319,11 @@ def cmd_inspect(args) -> int:
                 "optimizer_state": [name(r) for r in step.optimizer_state],
                 "per_vnode_nodes": len(step.vnode_nodes),
             }
+            if stages is not None:
+                from vfgraph.analysis.stages import plan_stages
+
+                plan = plan_stages(g, step, stages, split_at)
+                report["stages"] = plan.to_json()
         report["signatures"][key] = entry
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
@@ -335,7 +359,46 @@ def cmd_inspect(args) -> int:
             print(f"  batch-dependent updates: {', '.join(t['batch_dependent_updates']) or 'none'}")
         top = list(e["ops"].items())[:12]
         print(f"  ops: {', '.join(f'{k} {v}' for k, v in top)}{' ...' if len(e['ops']) > 12 else ''}")
+    if plan is not None:
+        _print_stages(plan)
     return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _print_stages(plan) -> None:
+    """The stage plan as a small table."""
+    how = "split at the given ops" if plan.chosen == "split-at" else "balanced by estimated cost"
+    print(f"\nstages of signature {plan.signature!r}: {len(plan.stages)} ({how}; FLOPs and bytes per example, "
+          "estimated from static shapes)")
+    rows = [("stage", "fwd ops", "bwd ops", "est. FLOPs", "params", "opt state", "first op")]
+    for st in plan.stages:
+        rows.append((str(st.index), str(st.forward_ops), str(st.backward_ops), f"{st.flops:,}",
+                     f"{len(st.variables)} ({_size(st.parameter_bytes)})",
+                     f"{len(st.optimizer_state)} ({_size(st.optimizer_state_bytes)})", st.first))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        cells = [c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        print("  " + "  ".join(cells + [r[-1]]))
+    for c in plan.cuts:
+        names = ", ".join(t for t, _ in c.tensors[:3]) + (" ..." if len(c.tensors) > 3 else "")
+        print(f"  cut {c.index}|{c.index + 1}: {len(c.tensors)} tensor(s), {_size(c.bytes)} ({names})")
+    share = max(st.flops for st in plan.stages) / max(plan.flops, 1)
+    print(f"  largest stage: {share:.0%} of {plan.flops:,} estimated FLOPs")
+    if plan.replicated:
+        print(f"  on every stage: {', '.join(plan.replicated)} ({_size(plan.replicated_bytes)})")
+    for v in plan.shared:
+        print(f"  shared: {v.name} is read by stages {', '.join(map(str, v.stages))} ({_size(v.bytes)})")
+    placed = ", ".join(f"{n} {k}" for k, n in plan.placement.items() if n)
+    print(f"  backward ops placed by: {placed or 'none'}")
+    for t, got, want in plan.misplaced:
+        print(f"  note: gradient {t} is computed on stage {got}, its variable is on stage {want}")
 
 
 def cmd_diff(args) -> int:

@@ -176,3 +176,47 @@ def test_cost_estimates():
 
     assert _elements([-1, 8, 16]) == 128 and _elements(None) == 1
     assert _einsum_size("abc,cde->abde", [[-1, 8, 16], [16, 2, 8]]) == 8 * 16 * 2 * 8
+
+
+def inspect(capsys, *argv):
+    """``vfgraph inspect ARGV`` in this process: (exit code, stdout)."""
+    from vfgraph import cli
+
+    capsys.readouterr()
+    code = cli.main(["inspect", *map(str, argv)])
+    return code, capsys.readouterr().out
+
+
+def test_inspect_prints_the_plan(models, step_of, capsys):
+    import json
+
+    code, out = inspect(capsys, models("mlp:adam"), "--stages", 2)
+    assert code == 0
+    table = out[out.index("stages of signature 'train': 2"):].splitlines()
+    assert table[1].split()[:4] == ["stage", "fwd", "ops", "bwd"]
+    assert [r.split()[0] for r in table[2:4]] == ["1", "2"] and table[4].startswith("  cut 1|2: 1 tensor(s), 128 B")
+    assert "on every stage: adam/learning_rate, adam/iteration" in out and "unplaced" not in out
+    second = [n for n in plan(step_of, "mlp:adam", 1).order if n.endswith("/MatMul")][1]  # the output layer
+    code, out = inspect(capsys, models("mlp:adam"), "--split-at", second, "--json")
+    assert code == 0
+    got = json.loads(out)["stages"]
+    assert got["count"] == 2 and got["chosen"] == "split-at" and got["stages"][1]["first"] == second
+    (crossing,) = got["cuts"][0]["tensors"]
+    assert crossing["tensor"].endswith("/Relu:activations:0") and crossing["bytes"] == 32 * 4
+    assert [v.rsplit("/", 1)[1] for v in got["stages"][0]["variables"]] == ["kernel", "bias"]
+    assert got == plan(step_of, "mlp:adam", 2, [second]).to_json()
+
+
+def test_inspect_refuses_bad_stages(models, capsys):
+    from vfgraph.testing.cli import error_line, run_in_process
+
+    mlp = models("mlp:sgd")
+    for argv, want in [(["--stages", 0], "--stages 0: give at least 1 stage"),
+                       (["--stages", 99], "99 stages: signature 'train' has only"),
+                       (["--stages", 2, "--split-at", "nope"], "split at 'nope': not a forward op"),
+                       (["--stages", 3, "--split-at", "Mean"], "1 split point(s) for 3 stages"),
+                       (["--stages", 2, "--train-signature", "nope"], "--stages: ")]:
+        code, err = run_in_process(capsys, "inspect", mlp, *argv)
+        assert code == 2 and want in error_line(err), (argv, err)
+    code, err = run_in_process(capsys, "inspect", mlp, "--split-at", "Mean", "--train-signature", "nope")
+    assert code == 2 and "--split-at: " in error_line(err) and "no training signature 'nope'" in error_line(err)
