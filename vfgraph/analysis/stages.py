@@ -407,14 +407,7 @@ class _Step:
 
         readers: Dict[str, List[int]] = {}
         for n, p in self.pos.items():
-            got = set()
-            for t in g.data_inputs(n):
-                if t.is_function_arg:
-                    if t.node in self.resources:
-                        got.add(t.node)
-                elif t.node not in dep:
-                    got |= vars_of(t.node)
-            for v in got:
+            for v in vars_of(n):  # (the variables its inputs read: its own memo entry)
                 readers.setdefault(v, []).append(p)
         self._readers = readers
         return readers
