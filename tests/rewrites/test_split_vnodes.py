@@ -281,3 +281,34 @@ def test_stepwise_signatures_match_the_loop(rewritten, name):
     assert variable_values(stepped.signatures["train"]).keys() == a.keys()
     for k, v in variable_values(stepped.signatures["train"]).items():
         np.testing.assert_array_equal(v, b[k], err_msg=f"{k} changed by a refused apply")
+
+
+def test_adam_on_a_dense_layer_over_a_sequence_averages_gradients_not_their_squares(tmp_path):
+    """A Dense layer on rank-3 input (Tensordot) exports its kernel gradient without a static
+    shape; the shape is recovered from the optimizer's update, so the cut is the gradient
+    itself, not Adam's squared gradient after it (averaging squares over virtual nodes would
+    change the step)."""
+    import keras
+    import tensorflow as tf
+
+    import export
+    import vfgraph
+    from vfgraph.analysis.train_step import analyze_train_step
+    from vfgraph.ir.graph import FunctionGraph
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4, 8)), keras.layers.Dense(16, activation="relu"), keras.layers.Flatten(),
+                              keras.layers.Dense(10)])
+    specs = {"x": tf.TensorSpec([None, 4, 8], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
+    m = export.build_module(model, specs, "adam", 0.01, export.sparse_ce)
+    src = str(tmp_path / "m")
+    tf.saved_model.save(m, src, signatures={"train": m.train, "serving_default": m.serve})
+    item = vfgraph.load(src)
+    sig = item.training_signature()
+    step = analyze_train_step(FunctionGraph.over(item.function(sig.function), item.library), sig)
+    kernel = next(a for a, v in sig.variables.items() if v.shape == [8, 16] and v.name.endswith("/kernel"))
+    cut = [c for c in step.cut if c.variable == kernel]
+    assert len(cut) == 1 and cut[0].shape == [8, 16], [(str(c.ref), c.variable, c.shape) for c in step.cut]
+    out = vfgraph.save(vfgraph.rewrite(item, vnodes=4, allreduce="none"), tmp_path / "v4")
+    rep = compare_models(src, out, steps=3, batch=32)
+    assert rep.worst_param < 1e-5, rep.params

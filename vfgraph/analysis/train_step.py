@@ -198,12 +198,23 @@ def refine_shapes(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, List[s
     through shape-preserving ops (gradients through a Tensordot lose their static shape on
     export, but the update that consumes them does not)."""
     found: Dict[TensorRef, List[int]] = {}
+    seen: Set[TensorRef] = set()
     stack: List[TensorRef] = []
 
     def learn(ref: TensorRef, shape: List[int]) -> None:
-        if ref not in found and not _known(g.shape(ref)):
+        """``ref`` has ``shape``: recorded when the export left it unknown (and it agrees with
+        what was recorded), and followed further up either way (an update's known shape
+        carries through to the gradient it is computed from)."""
+        if ref in seen:
+            return
+        recorded = g.shape(ref)
+        if not _known(recorded):
+            if recorded is not None and (len(recorded) != len(shape) or
+                                         any(0 <= d != e for d, e in zip(recorded, shape))):
+                return
             found[ref] = shape
-            stack.append(ref)
+        seen.add(ref)
+        stack.append(ref)
 
     for res, ws in writes.items():
         vshape = sig.variables[res].shape if res in sig.variables else None
@@ -216,7 +227,7 @@ def refine_shapes(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, List[s
         ref = stack.pop()
         if ref.is_function_arg:
             continue
-        op, shape = g.nodes[ref.node].op, found[ref]
+        op, shape = g.nodes[ref.node].op, found.get(ref) or g.shape(ref)
         inputs = g.data_inputs(ref.node)
         if op in _SAME_SHAPE:
             learn(inputs[0], shape)
