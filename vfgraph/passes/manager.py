@@ -50,7 +50,7 @@ class PassManager:
             where = f"pass {p.name}" + (f" (after {', '.join(done)})" if done else "")
             missing = [r for r in p.requires if not records.get(item, r)]
             if missing:
-                raise PipelineError(f"{where}: needs {_what(missing[0])}; {_remedy(missing[0])}")
+                raise PipelineError(f"{where}: needs the {missing[0].__name__} record; {_remedy(missing[0])}")
             if p.edits and not owned:
                 item, owned = item.copy(), True
             try:
@@ -79,10 +79,6 @@ class PassManager:
             if self.after_each is not None:
                 self.after_each(p, item)
         return item, notes
-
-
-def _what(record: Type) -> str:
-    return f"the {record.__name__} record"
 
 
 def _remedy(record: Type) -> str:
