@@ -17,7 +17,7 @@ from tensorflow.core.framework import types_pb2
 
 from vfgraph import records
 from vfgraph.analysis.train_step import (TrainStep, analyze_train_step, check_batch_inputs, static_batch,
-                                         with_dynamic_batch)
+                                         training_signature, with_dynamic_batch)
 from vfgraph.errors import DetectionError, PipelineError
 from vfgraph.io.signatures import (add_graph_signature, add_graph_variables, add_object_variables, add_signature,
                                    entry_header, has_object_graph, signature_wrapper)
@@ -28,7 +28,7 @@ from vfgraph.ir.loops import LoopLayout, append, condition, next_index, reserve,
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult, option, register
-from vfgraph.records import Gradient, VirtualNodes
+from vfgraph.records import Gradient, Stages, VirtualNodes
 
 
 @register
@@ -51,12 +51,7 @@ class SplitVnodesPass(Pass):
             raise PipelineError(f"vnodes={self.vnodes}: the number of virtual nodes must be at least 1")
         if self.vnode_batch < 0:
             raise PipelineError(f"vnode-batch={self.vnode_batch}: must be positive (or 0 to derive it)")
-        sig = item.training_signature(self.signature or None)
-        if sig is None:
-            known = ", ".join(sorted(item.signatures)) or "none"
-            want = repr(self.signature) if self.signature else "'train'"
-            raise DetectionError(f"{item.source}: no training signature {want} (signatures: {known}); "
-                                 "export one named 'train' or pass --train-signature NAME")
+        sig = training_signature(item, self.signature)
         if sig.key in records.get(item, VirtualNodes):
             return PassResult(item, False, [f"signature {sig.key!r} already has virtual nodes"])
         # Read in place (no copy): the function is replaced last, once nothing reads it.
@@ -82,7 +77,9 @@ class SplitVnodesPass(Pass):
                          drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))
         reduce_fn = function_name(sig.function, "reduce")
         item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step)))
-        loop = _Loop(g, step, vdef, self.vnodes, b, item.library, item.new_function)
+        stages = records.get(item, Stages).get(sig.key)
+        in_flight = 1 if stages is None else stages.in_flight(self.vnodes)
+        loop = _Loop(g, step, vdef, self.vnodes, b, item.library, item.new_function, in_flight)
         stepped = _step_function(item, g, step, loop, udef, reduce_fn)
         verify_function_def(stepped, item.library)
         stepwise, notes = add_stepwise(item, g, step, loop, udef, reduce_fn) if self.stepwise else (False, [])
@@ -160,10 +157,14 @@ class _Loop:
     adds its gradients to the loop-carried sums (sparse rows and per-example outputs go to
     tensor lists). Its body and condition are library functions, written once into the empty
     entries ``new_function(name)`` gives; :meth:`emit` writes the loop into a function under
-    construction."""
+    construction. ``in_flight``: how many virtual nodes may run at once (pipeline stages work
+    on consecutive virtual nodes at the same time); each sum is added on the device of the
+    value it adds, where a pass placed that value."""
 
-    def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library, new_function):
+    def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library, new_function,
+                 in_flight: int = 1):
         self.g, self.step, self.vdef, self.vnodes, self.b = g, step, vdef, vnodes, b
+        self.in_flight = in_flight
         sig = step.signature
         self.keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
         self.vnode_outs = [o for o in step.outputs if o.side == "vnode"]
@@ -172,6 +173,8 @@ class _Loop:
         # what each loop-carried value holds: (combine, dtype, shape)
         self.carried = ([(o.combine, t, g.shape(o.ref)) for o, t in zip(self.vnode_outs, self.v_types)] +
                         [(c.combine, t, c.shape) for c, t in zip(step.cut, self.v_types[n_out:])])
+        self.devices = [("" if r.is_function_arg else g.nodes[r.node].device)
+                        for r in [o.ref for o in self.vnode_outs] + [c.ref for c in step.cut]]
         self.batch_types = [g.dtype(TensorRef(a)) for a in sig.batch_args]
         # loop variables: i, carried..., nv, then per, batch..., resources...
         self.layout = LoopLayout.of(
@@ -208,7 +211,9 @@ class _Loop:
         new = []
         for k, ((combine, t, shape), acc) in enumerate(zip(self.carried, carried)):
             if combine == "mean":
-                new.append(fb.op("AddV2", [acc, call[k]], name="sum", T=type_attr(t), shapes=[shape])[0])
+                add = fb.op("AddV2", [acc, call[k]], name="sum", T=type_attr(t), shapes=[shape])
+                add.proto.device = self.devices[k]
+                new.append(add[0])
             else:
                 new.append(append(fb, acc, i, call[k], t))
         for k, (ref, t) in enumerate(zip(self.layout.join(next_index(fb, i), new, nv, fixed), self.layout.types)):
@@ -247,7 +252,7 @@ class _Loop:
             else:
                 inits.append(reserve(fb, nv, t))
         loop = while_loop(fb, self.layout, inits, nv, [per] + batch + res, self.cond_name, self.body_name,
-                          "vnodes_loop", lower=True)
+                          "vnodes_loop", lower=True, parallel_iterations=self.in_flight)
         _, carried, _, _ = self.layout.split(loop.outputs())
         n_out = len(self.vnode_outs)
         return carried[:n_out], carried[n_out:], nv, loop

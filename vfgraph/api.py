@@ -52,8 +52,16 @@ def _is_saved_model_text(path: str) -> bool:
 
 
 def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "",
-                     has_training: bool = True, allreduce: bool = False, fusion_mb: float = 4) -> str:
+                     has_training: bool = True, allreduce: bool = False, fusion_mb: float = 4,
+                     stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
+                     schedule: str = "1f1b") -> str:
     parts = []
+    if has_training and (stages > 1 or devices or split_at):
+        opts = [f"stages={stages}", "devices=" + ";".join(devices)]
+        opts += ["split-at=" + ";".join(split_at)] if split_at else []
+        opts += [f"schedule={schedule}"] if schedule != "1f1b" else []
+        opts += [f"signature={train_signature}"] if train_signature else []
+        parts.append("partition-stages{" + ",".join(opts) + "}")
     if has_training:
         opts = [f"vnodes={vnodes}"] + ([f"vnode-batch={vnode_batch}"] if vnode_batch else [])
         if train_signature:
@@ -69,7 +77,8 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
             train_signature: str = "", after_each: Optional[AfterEach] = None,
             outputs: Optional[Sequence[str]] = None, allreduce: str = "mpi", fusion_mb: float = 4,
             checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False,
-            verify_each: bool = False) -> GraphItem:
+            verify_each: bool = False, stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
+            schedule: str = "1f1b") -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
     With ``in_place``, a loaded item is rewritten itself and returned, without the copy (a
     model's size in memory and the time to copy it): for an item loaded only to be rewritten
@@ -81,12 +90,17 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     only on the input and the options: where the ops cannot be built, "mpi" is an error. ``after_each(pass, item)``
     sees each pass's result before the next pass edits it in place (``item.copy()`` keeps one).
     ``verify_each``: verify after every pass, not only at the end (names the pass that broke
-    the graph; costs a verify per pass)."""
+    the graph; costs a verify per pass).
+
+    ``stages`` > 1 cuts the training step into that many pipeline stages, stage k placed on
+    ``devices[k]`` (partition-stages: ``split_at`` names the forward ops that start stages
+    2..K, ``schedule`` "1f1b" keeps at most K virtual nodes in flight, "gpipe" all)."""
     if allreduce not in ("mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi' or 'none'")
     with _gc_paused():
         return _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce,
-                        fusion_mb, checkpoint, loss, in_place, verify_each)
+                        fusion_mb, checkpoint, loss, in_place, verify_each,
+                        dict(stages=stages, devices=tuple(devices), split_at=tuple(split_at), schedule=schedule))
 
 
 @contextlib.contextmanager
@@ -104,14 +118,15 @@ def _gc_paused():
 
 
 def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce, fusion_mb,
-             checkpoint, loss, in_place, verify_each) -> GraphItem:
+             checkpoint, loss, in_place, verify_each, partition=None) -> GraphItem:
     owned = in_place or not isinstance(model, GraphItem)  # loaded here: held by nothing else
     item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
     if pipeline is None:
         has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
         if item.kind != "saved_model":  # TF1 and GraphDef outputs train on one process
             allreduce = "none"
-        pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, allreduce == "mpi", fusion_mb)
+        pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, allreduce == "mpi", fusion_mb,
+                                    **(partition or {}))
     source_fingerprint = savedmodel.source_fingerprint(item.source, item.variables_prefix)
     seq = PassManager(parse_pipeline(pipeline), verify_each=verify_each, after_each=after_each)
     out, notes = seq.run(item, owned=owned)

@@ -15,6 +15,7 @@ import vfgraph
 from vfgraph import records
 from vfgraph.errors import InputError, Quiet, VfgraphError
 from vfgraph.io import outputs
+from vfgraph.ir.names import canonical_device
 from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.runtime.supervise import is_worker, supervise
 from vfgraph.runtime.world import launched_by_mpi
@@ -86,6 +87,18 @@ def _parser() -> argparse.ArgumentParser:
                         "none: no collectives)")
     r.add_argument("--fusion-mb", type=float, default=4, metavar="MIB",
                    help="largest fused all-reduce buffer, MiB (default 4)")
+    r.add_argument("--stages", type=int, metavar="K",
+                   help="model parallelism: cut the training step into K pipeline stages, stage k on the k-th of "
+                        "--devices, its virtual nodes the pipeline's micro-batches (default 1: no cut)")
+    r.add_argument("--devices", metavar="D1,D2,...",
+                   help="with --stages: the device of each stage, e.g. /GPU:0,/GPU:1 (or /CPU:0,/CPU:1: "
+                        "'vfgraph train' makes logical CPU devices where there are fewer)")
+    r.add_argument("--split-at", metavar="OP,...",
+                   help="with --stages: the forward ops that start stages 2..K (default: the cuts that balance "
+                        "the estimated cost; 'vfgraph inspect MODEL --stages K' shows them)")
+    r.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                   help="with --stages: 1f1b (default) keeps at most K virtual nodes in flight, so at most K "
+                        "virtual nodes' activations; gpipe runs all of a step's at once")
     _tf1_options(r)
 
     i = command("inspect", "show what vfgraph detects in a model")
@@ -244,6 +257,7 @@ def cmd_rewrite(args) -> int:
         raise InputError(f"--vnode-batch {vnode_batch}: give the examples per virtual node (0: derived)")
     if args.fusion_mb <= 0:
         raise InputError(f"--fusion-mb {args.fusion_mb:g}: give a positive buffer size in MiB")
+    partition = _partition_options(args)
     stem, ext = os.path.splitext(os.path.normpath(args.model))
     out = args.output or (stem + f"_vf{ext}" if ext in (".pb", ".pbtxt") else
                           stem + ("" if ext == ".meta" else ext) + f"_vnodes{vnodes}")
@@ -264,13 +278,39 @@ def cmd_rewrite(args) -> int:
                            pipeline=args.pipeline, train_signature=args.train_signature, after_each=after,
                            outputs=args.outputs.split(",") if args.outputs else None,
                            allreduce=args.allreduce, fusion_mb=args.fusion_mb, checkpoint=args.checkpoint,
-                           loss=args.loss, verify_each=args.verify_each)
+                           loss=args.loss, verify_each=args.verify_each, **partition)
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
     reduced = bool(records.get(item, Allreduce))
     print(f"wrote {path} (all-reduce: {'mpi' if reduced else 'none'}; {item.metadata['history'][-1]['pipeline']})")
     return 0
+
+
+def _partition_options(args) -> dict:
+    """``vfgraph.rewrite``'s pipeline-stage options from --stages, --devices, --split-at and
+    --schedule (checked before any work)."""
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else []
+    split_at = [op.strip() for op in args.split_at.split(",") if op.strip()] if args.split_at else []
+    if args.stages is None and not devices and not split_at:
+        return {}
+    stages = args.stages if args.stages is not None else len(devices)
+    if args.pipeline is not None:
+        raise InputError("--stages, --devices and --split-at with --pipeline: give them in the pipeline instead, "
+                         "e.g. 'partition-stages{stages=2,devices=/GPU:0;/GPU:1},split-vnodes{vnodes=8}'")
+    if stages < 1:
+        raise InputError(f"--stages {stages}: give at least 1 stage")
+    if len(devices) != stages:
+        raise InputError(f"--stages {stages} with {len(devices)} device(s): give one device per stage, e.g. "
+                         "--devices " + ",".join(f"/GPU:{k}" for k in range(stages)))
+    if split_at and len(split_at) != stages - 1:
+        raise InputError(f"--split-at names {len(split_at)} op(s): give the {stages - 1} forward op(s) that start "
+                         f"stages 2..{stages}")
+    try:
+        devices = [canonical_device(d) for d in devices]
+    except ValueError as e:
+        raise InputError(f"--devices: {e}") from None
+    return {"stages": stages, "devices": devices, "split_at": split_at, "schedule": args.schedule}
 
 
 def cmd_inspect(args) -> int:

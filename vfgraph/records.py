@@ -126,8 +126,73 @@ class Microbatch:
                    d.get("executor", "default"))
 
 
-Record = Union[VirtualNodes, Allreduce, Microbatch]
-R = TypeVar("R", VirtualNodes, Allreduce, Microbatch)
+@dataclass(frozen=True)
+class StagePart:
+    """One pipeline stage of a partitioned training step: its device, the variables it
+    holds (parameters, then optimizer state) and their bytes, its estimated cost."""
+
+    device: str
+    variables: Tuple[str, ...] = ()
+    parameter_bytes: int = 0
+    optimizer_state: Tuple[str, ...] = ()
+    optimizer_state_bytes: int = 0
+    flops: int = 0       # estimated per example, forward and backward
+    ops: int = 0         # ops placed on it
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "variables": list(self.variables), "parameter_bytes": self.parameter_bytes,
+                "optimizer_state": list(self.optimizer_state), "optimizer_state_bytes": self.optimizer_state_bytes,
+                "flops": self.flops, "ops": self.ops}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "StagePart":
+        return cls(d["device"], tuple(d.get("variables", ())), d.get("parameter_bytes", 0),
+                   tuple(d.get("optimizer_state", ())), d.get("optimizer_state_bytes", 0), d.get("flops", 0),
+                   d.get("ops", 0))
+
+
+@dataclass(frozen=True)
+class Stages:
+    """partition-stages: training function ``function`` is cut into ``len(parts)`` pipeline
+    stages, stage k's ops and variables placed on ``parts[k].device``; ``schedule`` ("gpipe"
+    or "1f1b") bounds how many virtual nodes are in flight at once; ``cut_bytes`` are the
+    activation bytes per example crossing each cut; ``shared`` the variables several stages
+    read, ``replicated`` those no stage owns (step counters, learning rates)."""
+
+    PASS: ClassVar[str] = "partition-stages"
+    function: str
+    parts: Tuple[StagePart, ...]
+    schedule: str = "1f1b"
+    split_at: Tuple[str, ...] = ()   # the first forward op of stages 2..K
+    cut_bytes: Tuple[int, ...] = ()
+    shared: Tuple[str, ...] = ()
+    replicated: Tuple[str, ...] = ()
+
+    @property
+    def count(self) -> int:
+        return len(self.parts)
+
+    def in_flight(self, vnodes: int) -> int:
+        """Virtual nodes a loop of ``vnodes`` runs at once: all of them (GPipe), or one per
+        stage (1F1B: at most K virtual nodes' activations alive)."""
+        if self.count < 2:
+            return 1
+        return max(vnodes, self.count) if self.schedule == "gpipe" else self.count
+
+    def to_json(self) -> dict:
+        return {"function": self.function, "parts": [p.to_json() for p in self.parts], "schedule": self.schedule,
+                "split_at": list(self.split_at), "cut_bytes": list(self.cut_bytes), "shared": list(self.shared),
+                "replicated": list(self.replicated)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Stages":
+        return cls(d["function"], tuple(StagePart.from_json(p) for p in d.get("parts", ())), d.get("schedule", "1f1b"),
+                   tuple(d.get("split_at", ())), tuple(d.get("cut_bytes", ())), tuple(d.get("shared", ())),
+                   tuple(d.get("replicated", ())))
+
+
+Record = Union[VirtualNodes, Allreduce, Microbatch, Stages]
+R = TypeVar("R", VirtualNodes, Allreduce, Microbatch, Stages)
 
 
 def _metadata(source: Union["GraphItem", Mapping[str, Any], None]) -> Mapping[str, Any]:

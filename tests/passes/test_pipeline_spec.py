@@ -75,7 +75,7 @@ def test_a_malformed_spec_names_the_column_and_what_was_expected(text, column, p
 
 
 @pytest.mark.parametrize("text, message", [
-    ("nonsense", "unknown pass 'nonsense'; known passes: insert-allreduce, microbatch-inference, split-vnodes"),
+    ("nonsense", "unknown pass 'nonsense'; known passes: insert-allreduce, microbatch-inference, partition-stages, split-vnodes"),
     ("split-vnodes{vnodez=2}", "pass 'split-vnodes' has no option 'vnodez'; options: vnodes, vnode-batch, "
                                "signature, stepwise"),
     ("split-vnodes{vnodes=eight}", "pass 'split-vnodes': option vnodes='eight' is not a valid int; give a whole "

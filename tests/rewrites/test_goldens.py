@@ -35,6 +35,7 @@ OPTIONS = {  # pass -> options used for every case of that pass
     "split-vnodes": "{vnodes=4,vnode-batch=2}",
     "microbatch-inference": "{vnode-batch=2}",
     "insert-allreduce": "{fusion-mb=0.00001}",  # tiny buffers: more than one, in a chain
+    "partition-stages": "{stages=2,devices=/CPU:0;/CPU:1}",
 }
 PREFIX = {  # passes that rewrite what another pass made
     "insert-allreduce": "split-vnodes{vnodes=4,vnode-batch=2},",

@@ -20,7 +20,7 @@ from tensorflow.core.framework import types_pb2
 
 from vfgraph.errors import DetectionError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
-from vfgraph.item import SignatureInfo
+from vfgraph.item import GraphItem, SignatureInfo
 
 FLOAT_TYPES = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE}
 _WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter",
@@ -308,6 +308,18 @@ def _walk_back(g: FunctionGraph, ref: TensorRef, through: Set[str], dep: Set[str
             break
         ref = batchy[0]
     return ref
+
+
+def training_signature(item: GraphItem, key: str = "") -> SignatureInfo:
+    """Training signature ``key`` of ``item`` (default: 'train', or the one found);
+    DetectionError naming the signatures there are when there is none."""
+    sig = item.training_signature(key or None)
+    if sig is None:
+        known = ", ".join(sorted(item.signatures)) or "none"
+        want = repr(key) if key else "'train'"
+        raise DetectionError(f"{item.source}: no training signature {want} (signatures: {known}); "
+                             "export one named 'train' or pass --train-signature NAME")
+    return sig
 
 
 def check_batch_inputs(g: FunctionGraph, sig: SignatureInfo) -> None:

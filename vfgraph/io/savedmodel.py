@@ -190,13 +190,18 @@ def _single_call(fdef, library):
     return node, callee
 
 
-def load_to_run(path: str, tags=None):
+def load_to_run(path: str, tags=None, variable_devices: bool = False):
     """``tf.saved_model.load`` for running a model (training, comparing): a model TensorFlow
-    cannot load (a truncated checkpoint, an op this TensorFlow lacks) is one line naming it."""
+    cannot load (a truncated checkpoint, an op this TensorFlow lacks) is one line naming it.
+    ``variable_devices``: create each variable on the device the model saved for it (a model
+    partitioned into pipeline stages)."""
     import tensorflow as tf
 
+    policy = tf.saved_model.experimental.VariablePolicy
+    options = tf.saved_model.LoadOptions(
+        experimental_variable_policy=policy.SAVE_VARIABLE_DEVICES if variable_devices else policy.NONE)
     try:
-        return tf.saved_model.load(path, tags=tags) if tags else tf.saved_model.load(path)
+        return tf.saved_model.load(path, tags=tags, options=options)
     except (tf.errors.OpError, IndexError, ValueError, KeyError) as e:
         first = (str(getattr(e, "message", "") or e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise InputError(f"{path}: TensorFlow cannot load this SavedModel ({first}); if its files were copied, copy "

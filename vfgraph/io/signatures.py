@@ -13,7 +13,7 @@ function spec and bound variables, and the same graph tensors fed to its call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 from tensorflow.core.framework import attr_value_pb2, function_pb2, types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
@@ -280,3 +280,22 @@ def _clear_kwonly(spec) -> None:
     for v in spec.fullargspec.named_tuple_value.values:
         if v.key == "kwonlyargs":
             del v.value.list_value.values[:]
+
+
+def set_variable_devices(item: GraphItem, key: str, devices: Mapping[str, str]) -> int:
+    """Place the variables that TF2 signature ``key``'s function takes as resource arguments
+    where ``devices`` says (argument -> device), in the object graph that
+    ``tf.saved_model.load`` creates them from (it honours the device with
+    ``LoadOptions(experimental_variable_policy=VariablePolicy.SAVE_VARIABLE_DEVICES)`` and
+    ignores it by default). Returns how many variables were placed."""
+    wrapper = signature_wrapper(item, key)
+    if wrapper is None:
+        return 0
+    og = item.meta_graph.object_graph_def
+    placed = 0
+    for arg, node_id in zip(wrapper.bound_args, og.concrete_functions[wrapper.function].bound_inputs):
+        obj = og.nodes[node_id]
+        if arg in devices and obj.WhichOneof("kind") == "variable":
+            obj.variable.device = devices[arg]
+            placed += 1
+    return placed

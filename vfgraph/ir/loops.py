@@ -111,10 +111,12 @@ def same_batch(g: FunctionGraph, batch: Sequence[Ref], types: Sequence[int], key
 
 
 def while_loop(g: FunctionGraph, layout: LoopLayout, carried: Sequence[Ref], count: Ref, fixed: Sequence[Ref],
-               cond: str, body: str, name: str, lower: bool) -> Node:
-    """The ``While`` node running library functions ``cond`` and ``body`` from ``i = 0``, one
-    iteration after another; ``lower``: TensorFlow may lower it to TF1 control flow."""
+               cond: str, body: str, name: str, lower: bool, parallel_iterations: int = 1) -> Node:
+    """The ``While`` node running library functions ``cond`` and ``body`` from ``i = 0``, at
+    most ``parallel_iterations`` iterations at once (lowered, TensorFlow starts iteration i+1
+    while i is still running where the dataflow allows); ``lower``: TensorFlow may lower it to
+    TF1 control flow."""
     i = g.const(0, I32, "zero")[0]
     return g.op("While", layout.join(i, carried, count, fixed), name=name, T=types_attr(layout.types),
                 cond=func_attr(cond), body=func_attr(body), output_shapes=shapes_attr(layout.shapes),
-                parallel_iterations=1, _lower_using_switch_merge=lower)
+                parallel_iterations=parallel_iterations, _lower_using_switch_merge=lower)

@@ -54,3 +54,16 @@ def data_inputs(node) -> List[str]:
 def control_inputs(node) -> List[str]:
     """The control inputs of a NodeDef (``^node``), in order."""
     return [s for s in node.input if s.startswith("^")]
+
+
+_DEVICE = re.compile(r"(?P<prefix>(/job:[A-Za-z0-9_.-]+)?(/replica:\d+)?(/task:\d+)?)"
+                     r"/(device:)?(?P<type>[A-Za-z_]+):(?P<index>\d+)")
+
+
+def canonical_device(text: str) -> str:
+    """Device ``text`` as TensorFlow spells it (``/gpu:1`` -> ``/device:GPU:1``, a job, replica
+    and task kept); ValueError when it names no single device."""
+    m = _DEVICE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"device {text!r}: give a device type and index, such as /GPU:0 or /CPU:1")
+    return f"{m['prefix']}/device:{m['type'].upper()}:{int(m['index'])}"

@@ -21,6 +21,7 @@ from vfgraph import records
 from vfgraph.errors import InputError, Quiet, VfgraphError
 from vfgraph.io import outputs, savedmodel, serving
 from vfgraph.records import Allreduce, VirtualNodes
+from vfgraph.runtime.devices import prepare_devices, stages_of
 from vfgraph.runtime.world import place_threads, shares, world
 
 log = logging.getLogger("vfgraph.train")
@@ -276,7 +277,9 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         raise InputError(f"{model}: not a SavedModel directory")
     b, reduces = vnode_layout(model, signature)
     w = world(need_mpi=reduces)
-    threads = w.agree(lambda: place_threads(w, threads))
+    stages = stages_of(model, signature)
+    threads = w.agree(lambda: place_threads(w, threads, stages.count if stages else 1))
+    prepare_devices(stages)
     out = os.path.abspath(out)
     ckpt_dir = out + ".ckpt"
     data_files = sorted(glob.glob(data_path)) if glob.has_magic(data_path) else [data_path]
@@ -286,7 +289,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     from tqdm import tqdm
 
     def open_model():
-        loaded = savedmodel.load_to_run(model)
+        loaded = savedmodel.load_to_run(model, variable_devices=stages is not None)
         if signature not in loaded.signatures:
             raise InputError(f"{model}: no signature {signature!r} (has: {', '.join(sorted(loaded.signatures))}); "
                              "pass --train-signature NAME")
@@ -411,7 +414,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         bar.close()
     if not w.is_root:
         return None
-    _save_trained(loaded, model, out, losses)
+    _save_trained(loaded, model, out, losses, variable_devices=stages is not None)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return TrainResult(out, steps, losses)
 
@@ -457,13 +460,17 @@ def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Opt
             shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
 
-def _save_trained(loaded, model: str, out: str, losses: List[float]) -> None:
+def _save_trained(loaded, model: str, out: str, losses: List[float], variable_devices: bool = False) -> None:
+    """``variable_devices``: keep each variable's device (a model partitioned into stages)."""
     import tensorflow as tf
 
     out = os.path.abspath(out)
     tmp = outputs.temp_dir(os.path.dirname(out), ".vfgraph-train-")
+    policy = tf.saved_model.experimental.VariablePolicy
+    options = tf.saved_model.SaveOptions(
+        experimental_variable_policy=policy.SAVE_VARIABLE_DEVICES if variable_devices else policy.NONE)
     with outputs.writing(out, tmp):
-        tf.saved_model.save(loaded, tmp, signatures=dict(loaded.signatures))
+        tf.saved_model.save(loaded, tmp, signatures=dict(loaded.signatures), options=options)
         meta = records.read_metadata(model) or {}
         meta["training"] = {"steps": len(losses), "losses": losses}
         os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)

@@ -114,10 +114,11 @@ def threads_per_rank(visible: int, total: int, local_ranks: int) -> int:
     return max(1, total // max(1, local_ranks))
 
 
-def place_threads(w: World, threads: Optional[int] = None) -> int:
+def place_threads(w: World, threads: Optional[int] = None, stages: int = 1) -> int:
     """Give this process's TensorFlow ``threads`` intra-op threads (by default
-    :func:`threads_per_rank`) and one inter-op thread, before TensorFlow starts its runtime;
-    returns the intra-op threads TensorFlow has. Ranks that share a host would otherwise each
+    :func:`threads_per_rank`, shared by ``stages`` pipeline stages) and one inter-op thread
+    per stage, before TensorFlow starts its runtime; returns the intra-op threads TensorFlow
+    has. Ranks that share a host would otherwise each
     start a thread pool per CPU and spin against each other. One inter-op thread: a rewritten
     step runs its virtual nodes in sequence, the collectives in a fixed chain, and each op
     spreads over the intra-op threads (CPU tuning guides for TensorFlow advise about one
@@ -133,12 +134,12 @@ def place_threads(w: World, threads: Optional[int] = None) -> int:
             local = shared.Get_size()
             shared.Free()
         visible = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = threads_per_rank(visible, os.cpu_count() or visible, local)
+        threads = max(1, threads_per_rank(visible, os.cpu_count() or visible, local) // max(stages, 1))
     import tensorflow as tf
 
     try:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(max(stages, 1))
     except RuntimeError:  # TensorFlow already running in this process (the embedding program chose)
         pass
     return tf.config.threading.get_intra_op_parallelism_threads()

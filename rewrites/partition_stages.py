@@ -1,0 +1,138 @@
+"""partition-stages: cut a training step into K pipeline stages placed on K devices.
+
+The forward computation is cut into K consecutive stages (:mod:`vfgraph.analysis.stages`:
+balanced by estimated cost, or where ``split-at`` says); every backward op goes on the stage
+of the forward op it differentiates, every variable, its update and its optimizer state on
+the stage whose forward ops read it. The pass writes where each op runs (the ``device`` of
+its node) and where each variable lives (the object graph's saved device), and nothing else:
+the step computes what it computed, and TensorFlow's own partitioner sends the tensors that
+cross a cut between devices.
+
+It runs before ``split-vnodes``, which then lets the virtual-node loop keep several virtual
+nodes in flight, so that stage k works on virtual node i+1 while stage k+1 works on virtual
+node i: the virtual nodes are the pipeline's micro-batches. ``schedule=1f1b`` keeps at most K
+in flight (at most K virtual nodes' activations alive), ``schedule=gpipe`` all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Dict, Tuple
+
+from vfgraph import records
+from vfgraph.analysis.stages import StagePlan, plan_stages
+from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, training_signature
+from vfgraph.errors import PipelineError
+from vfgraph.io.signatures import has_object_graph, set_variable_devices
+from vfgraph.ir.graph import FunctionGraph
+from vfgraph.ir.names import canonical_device
+from vfgraph.item import GraphItem
+from vfgraph.passes.base import Pass, PassResult, option, register
+from vfgraph.records import StagePart, Stages, VirtualNodes
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@register
+@dataclass(frozen=True)
+class PartitionStagesPass(Pass):
+    """Cut the training step into K pipeline stages on K devices (model parallelism): each
+    stage's forward ops, the backward ops that differentiate them, its variables and their
+    optimizer state on its device. Run it before split-vnodes, whose virtual nodes become
+    the pipeline's micro-batches."""
+
+    name: ClassVar[str] = "partition-stages"
+    produces: ClassVar[tuple] = (Stages,)
+    stages: int = option(2, "pipeline stages (K)")
+    devices: str = option("", "the device of each stage, separated by ';' (e.g. /GPU:0;/GPU:1)")
+    split_at: str = option("", "the forward ops that start stages 2..K, separated by ';' (default: the cuts that "
+                               "balance the estimated cost)")
+    schedule: str = option("1f1b", "1f1b: at most K virtual nodes in flight; gpipe: all of a step's")
+    signature: str = option("", "the training signature (default: 'train', or the one found)")
+
+    def call(self, item: GraphItem) -> PassResult:
+        devices = self._devices()
+        split_at = tuple(s.strip() for s in self.split_at.split(";")) if self.split_at.strip() else ()
+        if self.schedule not in SCHEDULES:
+            raise PipelineError(f"schedule={self.schedule!r}: choose {' or '.join(SCHEDULES)}")
+        if not has_object_graph(item):
+            raise PipelineError(f"{item.source}: partition-stages takes TF2 SavedModels (with an object graph); this "
+                                f"is a {item.kind.replace('_', ' ')}: export the model with tf.saved_model.save")
+        sig = training_signature(item, self.signature)
+        if sig.key in records.get(item, VirtualNodes):
+            raise PipelineError(f"signature {sig.key!r} already runs virtual nodes: partition-stages cuts the "
+                                "original step, so run it before split-vnodes (rewrite the original model)")
+        if sig.key in records.get(item, Stages):
+            return PassResult(item, False, [f"signature {sig.key!r} is already partitioned"])
+        fdef = item.function(sig.function)
+        g = FunctionGraph.over(fdef, item.library)
+        g.verify()
+        check_batch_inputs(g, sig)
+        step = analyze_train_step(g, sig)
+        plan = plan_stages(g, step, self.stages, split_at)
+        owner = _variable_stages(plan, sig)
+        where = place(g, step, plan, owner)
+        ops = [0] * len(plan.stages)
+        for node in fdef.node_def:
+            k = where.get(node.name)
+            if k:
+                node.device = devices[k - 1]
+                ops[k - 1] += 1
+        set_variable_devices(item, sig.key, {a: devices[k - 1] for a, k in owner.items()})
+        parts = tuple(StagePart(devices[s.index - 1], s.variables, s.parameter_bytes, s.optimizer_state,
+                                s.optimizer_state_bytes, s.flops, ops[s.index - 1]) for s in plan.stages)
+        records.put(item, sig.key, Stages(
+            function=sig.function, parts=parts, schedule=self.schedule,
+            split_at=tuple(c.before for c in plan.cuts),
+            cut_bytes=tuple(c.bytes for c in plan.cuts), shared=tuple(v.name for v in plan.shared),
+            replicated=plan.replicated))
+        notes = [f"signature {sig.key!r}: {len(plan.stages)} stages on {', '.join(devices)}"]
+        if plan.shared:
+            notes.append(f"signature {sig.key!r}: variables read by several stages stay where the loader puts them: "
+                         + ", ".join(v.name for v in plan.shared[:3]) + (" ..." if len(plan.shared) > 3 else ""))
+        return PassResult(item, True, notes)
+
+    def _devices(self) -> Tuple[str, ...]:
+        if self.stages < 1:
+            raise PipelineError(f"stages={self.stages}: a pipeline needs at least 1 stage")
+        given = [d.strip() for d in self.devices.split(";") if d.strip()]
+        if len(given) != self.stages:
+            raise PipelineError(f"{self.stages} stages need {self.stages} devices, one per stage, e.g. devices="
+                                + ";".join(f"/GPU:{k}" for k in range(self.stages)) + f" (given: {len(given)})")
+        try:
+            out = tuple(canonical_device(d) for d in given)
+        except ValueError as e:
+            raise PipelineError(str(e)) from None
+        if len(set(out)) != len(out):
+            raise PipelineError(f"devices={self.devices}: a device is named twice; give each stage its own")
+        return out
+
+
+def _variable_stages(plan: StagePlan, sig) -> Dict[str, int]:
+    """Resource argument -> the stage that owns the variable (its parameters and optimizer
+    state); shared and replicated variables are absent."""
+    by_name: Dict[str, int] = {}
+    for s in plan.stages:
+        for v in s.variables + s.optimizer_state:
+            by_name[v] = s.index
+    return {a: by_name[v.name] for a, v in sig.variables.items() if v.name in by_name}
+
+
+def place(g: FunctionGraph, step: TrainStep, plan: StagePlan, owner: Dict[str, int]) -> Dict[str, int]:
+    """Node -> stage for the ops of the step: the per-example ops as the plan places them;
+    an op reading an owned variable on that variable's stage; any other op on the stage of
+    every op that reads its outputs when they agree (a variable's read, its update's
+    arithmetic); the rest (shared counters, ops between stages) where TensorFlow puts them."""
+    where: Dict[str, int] = dict(plan.node_stage)
+    for n in reversed(g.topological_order()):
+        if n in where or n in plan.split_nodes:
+            continue
+        held = {owner[t.node] for t in g.data_inputs(n) if t.is_function_arg and t.node in owner}
+        if held:
+            if len(held) == 1:
+                where[n] = held.pop()
+            continue
+        readers = {where.get(c) for t in g.outputs(n) for c, _ in g.consumers(t)}
+        if len(readers) == 1 and None not in readers:
+            where[n] = readers.pop()
+    return where
+
