@@ -16,7 +16,7 @@ from vfgraph import records
 from vfgraph.errors import InputError, Quiet, VfgraphError
 from vfgraph.io import outputs
 from vfgraph.ir.names import canonical_device
-from vfgraph.records import Allreduce, VirtualNodes
+from vfgraph.records import Allreduce, Stages, VirtualNodes
 from vfgraph.runtime.supervise import is_worker, supervise
 from vfgraph.runtime.world import launched_by_mpi
 from vfgraph.version import __version__
@@ -327,6 +327,7 @@ def cmd_inspect(args) -> int:
     report = {"model": item.source, "signatures": {}, "rewrites": records.rewrites(item),
               "history": item.metadata.get("history", [])}
     split, reduced = records.get(item, VirtualNodes), records.get(item, Allreduce)
+    partitioned = records.get(item, Stages)
     train = item.training_signature(args.train_signature or None)
     if stages is not None:
         option = "--stages" if args.stages is not None else "--split-at"
@@ -382,6 +383,14 @@ def cmd_inspect(args) -> int:
             print(f"  virtual nodes: V={rw.vnodes} b={rw.vnode_batch or 'fed batch / V'}")
             if rw.stepwise:
                 print(f"  step-wise: signatures {key + '_accumulate'!r} (repeat) and {key + '_apply'!r}")
+        st = partitioned.get(key)
+        if st:
+            print(f"  pipeline stages: {st.count} ({st.schedule}: at most "
+                  f"{st.in_flight(rw.vnodes if rw else st.count)} virtual nodes in flight)")
+            for k, part in enumerate(st.parts, 1):
+                cut = f"; {_size(st.cut_bytes[k - 1])}/example to stage {k + 1}" if k <= len(st.cut_bytes) else ""
+                print(f"    stage {k} on {part.device}: {part.ops} ops, {len(part.variables)} variables "
+                      f"({_size(part.parameter_bytes)}), optimizer state {_size(part.optimizer_state_bytes)}{cut}")
         ar = reduced.get(key)
         if ar:
             fused = [b for b in ar.buffers[0] if b[0].startswith("sum_")]

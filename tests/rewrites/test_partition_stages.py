@@ -173,3 +173,61 @@ def test_tf1_models_are_refused_by_name(models):
 
     with pytest.raises(PipelineError, match="partition-stages takes TF2 SavedModels"):
         vfgraph.rewrite(models("tf1"), vnodes=2, stages=2, devices=_devices(2))
+
+
+def test_command_line_rewrite_train_inspect_and_serve(models, digits, tmp_path):
+    """``vfgraph rewrite --stages 2 --devices /CPU:0,/CPU:1``, then ``vfgraph train`` in a fresh
+    process (it makes the second logical CPU device) trains it to the parameters of the
+    unpartitioned rewrite trained the same way; the result loads in stock TensorFlow, its
+    variables keep their devices, and its serving export serves."""
+    from vfgraph.testing.cli import vf
+
+    src = models("mlp:sgd")
+    out = tmp_path / "k2"
+    res = vf("rewrite", src, "--vnodes", 4, "--vnode-batch", 8, "--allreduce", "none", "--stages", 2,
+             "--devices", "/CPU:0,/CPU:1", "-o", out)
+    assert res.returncode == 0, res.stderr
+    assert "partition-stages{devices=/device:CPU:0;/device:CPU:1},split-vnodes" in res.stdout
+    ins = vf("inspect", out)
+    assert ins.returncode == 0 and "pipeline stages: 2 (1f1b" in ins.stdout, ins.stdout + ins.stderr
+    assert "stage 2 on /device:CPU:1" in ins.stdout
+    base = tmp_path / "base"
+    assert vf("rewrite", src, "--vnodes", 4, "--vnode-batch", 8, "--allreduce", "none", "-o", base).returncode == 0
+    common = ["--data", digits["train"], "--steps", 4, "--batch-size", 32, "--no-progress"]
+    for model, trained in ((out, tmp_path / "trained"), (base, tmp_path / "trained_base")):
+        res = vf("train", model, *common, "-o", trained)
+        assert res.returncode == 0, res.stderr[-2000:]
+    code = ("import json, sys, tensorflow as tf\n"
+            "pol = tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES\n"
+            "ma = tf.saved_model.load(sys.argv[1]); a = ma.signatures['train']\n"
+            "mb = tf.saved_model.load(sys.argv[2], options=tf.saved_model.LoadOptions("
+            "experimental_variable_policy=pol)); b = mb.signatures['train']\n"
+            "want = {v.name: v.numpy() for v in a.variables}\n"
+            "print(json.dumps({'diff': max(float(abs(want[v.name] - v.numpy()).max()) for v in b.variables),"
+            " 'devices': sorted({v.device.split('/device:')[-1] for v in b.variables})}))\n")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "trained_base"), str(tmp_path / "trained")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    # loaded without logical devices, a variable saved on CPU:1 lands on CPU:0 (soft placement)
+    assert got["diff"] == 0.0 and got["devices"] == ["CPU:0"], got
+    assert os.path.isdir(tmp_path / "trained.serving" / "1")
+    import vfgraph
+
+    saved = vfgraph.load(tmp_path / "trained").meta_graph.object_graph_def
+    kept = {o.variable.device.split("/device:")[-1] for o in saved.nodes if o.WhichOneof("kind") == "variable"}
+    assert kept >= {"CPU:0", "CPU:1"}, kept
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--stages", 2], "--stages 2 with 0 device(s)"),
+    (["--stages", 2, "--devices", "/CPU:0,CPU"], "--devices: device 'CPU'"),
+    (["--stages", 3, "--devices", "/CPU:0,/CPU:1,/CPU:2", "--split-at", "a"], "--split-at names 1 op(s)"),
+    (["--stages", 2, "--devices", "/CPU:0,/CPU:1", "--pipeline", "split-vnodes"], "give them in the pipeline"),
+])
+def test_command_line_mistakes_are_one_line(models, tmp_path, capsys, argv, match):
+    from vfgraph.testing.cli import error_line, run_in_process
+
+    code, err = run_in_process(capsys, "rewrite", models("mlp:sgd"), *argv, "-o", tmp_path / "o")
+    assert code == 2 and match in error_line(err), err
+    assert not (tmp_path / "o").exists()
