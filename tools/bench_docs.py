@@ -272,9 +272,37 @@ def render_fusion(r: dict) -> str:
                 ["buffers", "collectives", "ms", "one op per tensor / this"], rows))
 
 
+def render_pipeline(r: dict) -> str:
+    """tools/bench_pipeline.py: K stages x M virtual nodes against one device, GPipe's bound."""
+    c = r["config"]
+    rows = []
+    for row in r["results"]:
+        rows.append([str(row["vnodes"]), num(row["one-core"]["step_s"] * 1000, 1),
+                     num(row["two-threads"]["step_s"] * 1000, 1), num(row["two-ops"]["step_s"] * 1000, 1),
+                     num(row["1f1b"]["step_s"] * 1000, 1),
+                     num(row["gpipe"]["step_s"] * 1000, 1), num(row["speedup"]), num(row["bound"]),
+                     num(row["efficiency"]), num(row["speedup_over_two_ops"])])
+    last = r["results"][-1]
+    mem = table(["M", "one device", "1F1B", "GPipe"], [[str(last["vnodes"])] + [
+        f"{num(last[m]['peak_rise_bytes'] / MIB, 1)} MiB" for m in ("one-core", "1f1b", "gpipe")]])
+    total = r["parameter_bytes"]
+    share = table(["stage", "device", "parameters", "share of the model"], [
+        [str(k), s["device"], f"{num(s['parameter_bytes'] / MIB)} MiB", f"{s['parameter_bytes'] / total:.0%}"]
+        for k, s in enumerate(r["stages"], 1)])
+    return (f"MLP of {c['layers']} Dense layers of {c['width']} units, SGD, {c['vnode_batch']} examples per virtual "
+            f"node, {c['stages']} stages; step time in ms, median of {c['steps']} steps, each configuration in a "
+            "fresh process.\n\n" + table(
+                ["M", "one core", "2 intra-op threads", "2 inter-op threads", "1F1B", "GPipe",
+                 "speed-up over one core", "GPipe bound", "efficiency (target >= 0.9 at M >= 8)",
+                 "speed-up over 2 inter-op threads"], rows)
+            + f"\nPeak memory rise during a step at M={last['vnodes']}:\n\n" + mem
+            + "\nParameters per stage:\n\n" + share)
+
+
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
+    "pipeline": render_pipeline,
 }
 
 

@@ -1,0 +1,179 @@
+"""Pipeline stages in one process: step time of a model cut into K=2 stages on two logical CPU
+devices (one core each) against the same model's unpartitioned step, for M = 2, 4, 8, 16
+virtual nodes (the pipeline's micro-batches), next to GPipe's bound; and the peak memory of
+the 1F1B and GPipe schedules at the largest M.
+
+The model is an MLP of ``--layers`` equal Dense layers (``--width`` units, ReLU) and a
+10-class head, trained with SGD; a virtual node holds ``--vnode-batch`` examples, so a step
+of M virtual nodes trains M * b examples. Every configuration runs in a fresh process:
+
+  one-core    the unpartitioned rewrite, one intra-op and one inter-op thread (one device)
+  two-threads the unpartitioned rewrite, two intra-op threads (the same two cores, each op
+              spread over both)
+  two-ops     the unpartitioned rewrite, one intra-op thread and two inter-op threads (the
+              same two cores, two independent ops of a virtual node at once)
+  1f1b, gpipe the rewrite with --stages 2 --devices /CPU:0,/CPU:1 and that schedule, one
+              intra-op thread and one inter-op thread per stage
+
+GPipe's bound on the speed-up of K stages over one device is K * M / (M + K - 1) (the
+pipeline's bubble); efficiency is the measured speed-up (one-core time / pipeline time) over
+that bound. Peak memory is the rise of the process's resident high-water mark over the
+model's first step (VmHWM, reset before the timed steps). Parameter bytes per stage come from
+the rewrite's stage record.
+
+    python tools/bench_pipeline.py [--quick] [--json docs/results/bench_pipeline.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchlib import ROOT, git_state, write_report
+
+K = 2
+
+
+def export_model(path: str, layers: int, width: int) -> None:
+    import keras
+    import tensorflow as tf
+
+    import export
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="relu")
+                                                        for _ in range(layers)] + [keras.layers.Dense(10)])
+    specs = {"x": tf.TensorSpec([None, width], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
+    m = export.build_module(model, specs, "sgd", 0.01, export.sparse_ce)
+    tf.saved_model.save(m, path, signatures={"train": m.train, "serving_default": m.serve})
+
+
+def worker(args) -> None:
+    """One configuration, in this process: prints a JSON line of step times and memory."""
+    import numpy as np
+    import tensorflow as tf
+
+    from benchlib import proc_status, reset_hwm
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if args.mode in ("1f1b", "gpipe"):
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * K)
+        tf.config.threading.set_inter_op_parallelism_threads(K)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    else:
+        tf.config.threading.set_inter_op_parallelism_threads(2 if args.mode == "two-ops" else 1)
+        tf.config.threading.set_intra_op_parallelism_threads(2 if args.mode == "two-threads" else 1)
+    from vfgraph.io.savedmodel import load_to_run
+
+    loaded = load_to_run(args.model, variable_devices=args.mode in ("1f1b", "gpipe"))
+    fn = loaded.signatures["train"]
+    rng = np.random.default_rng(0)
+    n = args.vnodes * args.vnode_batch
+    feed = {"x": tf.constant(rng.normal(size=(n, args.width)).astype(np.float32)),
+            "y": tf.constant(rng.integers(0, 10, n).astype(np.int32))}
+    fn(**feed)
+    base = proc_status("VmRSS")
+    reset_hwm()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        fn(**feed)["loss"].numpy()
+        times.append(time.perf_counter() - t)
+    print(json.dumps({"step_s": statistics.median(times), "times": times,
+                      "peak_rise_bytes": proc_status("VmHWM") - base}))
+
+
+def run_worker(model: str, mode: str, vnodes: int, a) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--mode", mode,
+           "--vnodes", str(vnodes), "--vnode-batch", str(a.vnode_batch), "--width", str(a.width),
+           "--steps", str(a.steps)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    if res.returncode:
+        raise SystemExit(f"{mode} M={vnodes} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="M = 2, 8 only, fewer steps")
+    p.add_argument("--json", default="", help="write the report here")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--vnode-batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--vnodes", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    if a.quick:
+        a.steps = 3
+    counts = [2, 8] if a.quick else [2, 4, 8, 16]
+    import tensorflow as tf
+
+    import vfgraph
+    from vfgraph import records
+    from vfgraph.records import Stages
+
+    tmp = tempfile.mkdtemp(prefix="bench_pipeline_")
+    src = os.path.join(tmp, "mlp")
+    export_model(src, a.layers, a.width)
+    results, stages_info = [], None
+    print(f"{'M':>3} {'one-core s':>10} {'two-thr s':>10} {'two-ops s':>10} {'1f1b s':>8} {'gpipe s':>8} "
+          f"{'speed-up':>8} {'bound':>6} {'efficiency':>10}")
+    for m in counts:
+        paths = {}
+        for mode in ("base", "1f1b", "gpipe"):
+            kw = {} if mode == "base" else dict(stages=K, devices=[f"/CPU:{i}" for i in range(K)], schedule=mode)
+            item = vfgraph.rewrite(src, vnodes=m, vnode_batch=a.vnode_batch, allreduce="none", **kw)
+            paths[mode] = os.path.join(tmp, f"{mode}_{m}")
+            vfgraph.save(item, paths[mode])
+            if mode == "1f1b" and stages_info is None:
+                rec = records.get(item, Stages)["train"]
+                stages_info = [{"device": s.device, "parameter_bytes": s.parameter_bytes, "ops": s.ops,
+                                "flops": s.flops} for s in rec.parts]
+        row = {"vnodes": m,
+               "one-core": run_worker(paths["base"], "one-core", m, a),
+               "two-threads": run_worker(paths["base"], "two-threads", m, a),
+               "two-ops": run_worker(paths["base"], "two-ops", m, a),
+               "1f1b": run_worker(paths["1f1b"], "1f1b", m, a),
+               "gpipe": run_worker(paths["gpipe"], "gpipe", m, a)}
+        best = min(row["1f1b"]["step_s"], row["gpipe"]["step_s"])
+        row["speedup"] = row["one-core"]["step_s"] / best
+        row["speedup_1f1b"] = row["one-core"]["step_s"] / row["1f1b"]["step_s"]
+        row["speedup_over_two_threads"] = row["two-threads"]["step_s"] / best
+        row["speedup_over_two_ops"] = row["two-ops"]["step_s"] / best
+        row["bound"] = K * m / (m + K - 1)
+        row["efficiency"] = row["speedup"] / row["bound"]
+        results.append(row)
+        print(f"{m:>3} {row['one-core']['step_s']:>10.3f} {row['two-threads']['step_s']:>10.3f} "
+              f"{row['two-ops']['step_s']:>10.3f} "
+              f"{row['1f1b']['step_s']:>8.3f} {row['gpipe']['step_s']:>8.3f} {row['speedup']:>8.2f} "
+              f"{row['bound']:>6.2f} {row['efficiency']:>10.2f}")
+    last = results[-1]
+    mib = float(1 << 20)
+    print(f"\npeak memory rise at M={last['vnodes']}: one-core {last['one-core']['peak_rise_bytes'] / mib:.1f} MiB, "
+          f"1f1b {last['1f1b']['peak_rise_bytes'] / mib:.1f} MiB, gpipe {last['gpipe']['peak_rise_bytes'] / mib:.1f} "
+          "MiB")
+    total = sum(s["parameter_bytes"] for s in stages_info)
+    for k, s in enumerate(stages_info, 1):
+        print(f"stage {k} on {s['device']}: {s['parameter_bytes'] / mib:.2f} MiB of parameters "
+              f"({s['parameter_bytes'] / total:.0%} of the model)")
+    if a.json:
+        write_report(a.json, {
+            "config": {"layers": a.layers, "width": a.width, "vnode_batch": a.vnode_batch, "stages": K,
+                       "steps": a.steps, "quick": a.quick, "tensorflow": tf.__version__,
+                       "cpu_count": os.cpu_count(), "python": platform.python_version(), "git": git_state()},
+            "results": results, "stages": stages_info, "parameter_bytes": total})
+
+
+if __name__ == "__main__":
+    main()
