@@ -271,6 +271,55 @@ def collectives(model_dir):
     check("check after failures still in step",
           lambda: equal(ops.allreduce(tf.constant([rank], tf.int64)).numpy(), np.array([1], np.int64)))
 
+    # send/recv between the two stages of one pipeline (rank r is stage r): every dtype and
+    # shape there and back, messages matched by tag whatever order they are posted in
+    peer = 1 - rank
+    for dt in byte_types + [tf.int16, tf.uint16]:
+        def there_and_back(dt=dt):
+            value = np.arange(6).reshape(2, 3) % 2 if dt == tf.bool else np.arange(6).reshape(2, 3)
+            x = tf.constant(value, dt)
+            if rank == 0:
+                ops.send(x, 7, stage=1, stages=2)
+                back = ops.recv(8, dt, stage=1, stages=2, shape=[None, 3])
+            else:
+                got = ops.recv(7, dt, stage=0, stages=2)
+                ops.send(got, 8, stage=0, stages=2)
+                back = got
+            return equal(back.numpy(), x.numpy()) and back.shape == (2, 3)
+        check(f"send/recv {dt.name}", there_and_back)
+    check("send/recv empty and scalar", lambda: all(
+        equal(ops.recv(t, tf.float32, stage=peer, stages=2).numpy(), v)
+        for t, v in ((20, np.zeros((0, 4), np.float32)), (21, np.float32(3)))
+        if ops.send(tf.constant(v), t, stage=peer, stages=2) is None))
+
+    def large_crossed():
+        """Two 12 MB messages each way, the second received first. A send completes when its
+        receive is posted, so the sends must not wait for each other, as in a pipeline's
+        rewritten graph: a TF1 graph (tf.function would chain the stateful ops in program
+        order)."""
+        g = tf.Graph()
+        with g.as_default():
+            x = tf.range(3_000_000, dtype=tf.float32) * float(rank + 1)
+            sends = [ops.send(x, 30, stage=peer, stages=2), ops.send(x + 1.0, 31, stage=peer, stages=2)]
+            b = ops.recv(31, tf.float32, stage=peer, stages=2, shape=[None])
+            with tf.control_dependencies([b]):
+                a = ops.recv(30, tf.float32, stage=peer, stages=2, shape=[None])
+        with tf.compat.v1.Session(graph=g) as sess:
+            a, b, _ = sess.run([a, b, sends])
+        want = np.arange(3_000_000, dtype=np.float32) * float(peer + 1)
+        return equal(a, want) and equal(b, want + 1.0)
+
+    check("send/recv 12 MB each way, crossed", large_crossed)
+    check("recv of another dtype", lambda: expect_error(
+        lambda: (ops.send(tf.constant([1.0]), 40, stage=peer, stages=2),
+                 ops.recv(40, tf.int32, stage=peer, stages=2)),
+        tf.errors.InvalidArgumentError, "sent float where this graph expects int32"))
+    check("stages the ranks cannot hold", lambda: expect_error(
+        lambda: ops.send(tf.constant(1.0), 41, stage=0, stages=3), tf.errors.FailedPreconditionError,
+        "runs 3 pipeline stages, which 2 ranks cannot hold"))
+    check("send/recv then collectives in step",
+          lambda: equal(ops.allreduce(tf.constant([rank], tf.int64)).numpy(), np.array([1], np.int64)))
+
     # communicators: one per rank (each alone), a duplicate of the world, then the world again
     def communicators():
         alone = comm.Split(color=rank, key=0)

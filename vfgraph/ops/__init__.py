@@ -13,10 +13,16 @@ Ops (registered by the library this package builds and loads):
 - ``VfCheck(fingerprint: string, what: string)``: no inputs or outputs; fails on every rank
   unless every rank has the same ``fingerprint`` (used as a control dependency).
 - ``VfRank() -> int32``, ``VfSize() -> int32``: this process's rank, the number of ranks.
+- ``VfSend(input: T, tag: int32, stage: int, stages: int)``: no outputs; sends ``input`` as
+  message ``tag`` to the rank of pipeline stage ``stage`` in this rank's group of ``stages``
+  consecutive ranks (T: the above, int16, uint16).
+- ``VfRecv(tag: int32, T: type, stage: int, stages: int, shape: shape) -> output: T``: receives
+  message ``tag`` from the rank of stage ``stage`` (its shape travels with it).
 
 Every op is stateful, runs on the CPU and uses one communicator per process (MPI_COMM_WORLD
 unless :func:`set_communicator` chose another). Ranks must issue their collectives in the same
-order, which a graph ensures with control dependencies. MPI itself is initialised and finalised
+order, which a graph ensures with control dependencies. VfSend and VfRecv are asynchronous and
+matched by tag, in any order (they need MPI_THREAD_MULTIPLE, mpi4py's default). MPI itself is initialised and finalised
 by mpi4py, which :func:`load` imports.
 
 The library is compiled for this process's TensorFlow and MPI and cached (see
@@ -43,7 +49,7 @@ from vfgraph.ops.toolchain import OpsUnavailableError, cache_dir
 __all__ = [
     "OpsUnavailableError", "allgather", "allreduce", "available", "broadcast", "build",
     "build_ops_main", "cache_dir", "check", "library_path", "load", "rank", "register_at_import",
-    "set_communicator", "size",
+    "recv", "send", "set_communicator", "size",
 ]
 
 log = logging.getLogger("vfgraph.ops")
@@ -183,6 +189,20 @@ def rank(name: Optional[str] = None):
 def size(name: Optional[str] = None):
     """The number of ranks in the communicator, as an int32 scalar tensor (a ``VfSize`` op)."""
     return load().vf_size(name=name)
+
+
+def send(x, tag, stage: int, stages: int, name: Optional[str] = None):
+    """Send ``x`` as message ``tag`` to pipeline stage ``stage`` of this rank's group of
+    ``stages`` ranks (a ``VfSend`` op). Returns the operation in a graph, None eagerly."""
+    return load().vf_send(x, tag, stage=stage, stages=stages, name=name)
+
+
+def recv(tag, dtype, stage: int, stages: int, shape=None, name: Optional[str] = None):
+    """Message ``tag`` of ``dtype`` from pipeline stage ``stage`` of this rank's group of
+    ``stages`` ranks (a ``VfRecv`` op); ``shape``: what is known of its shape statically."""
+    import tensorflow as tf
+
+    return load().vf_recv(tag, T=dtype, stage=stage, stages=stages, shape=tf.TensorShape(shape), name=name)
 
 
 def register_at_import() -> None:

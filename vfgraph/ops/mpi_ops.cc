@@ -1,7 +1,7 @@
 // MPI collective operations for TensorFlow graphs.
 //
 // Ops: VfAllreduce, VfBroadcast, VfBroadcastVariables, VfAllgather, VfCheck, VfRank,
-// VfSize.
+// VfSize; VfSend and VfRecv (point to point, between pipeline stages).
 //
 // Every kernel runs its collective on one process-global communicator
 // (MPI_COMM_WORLD unless vf_mpi_set_comm chose another), under one process-global
@@ -9,6 +9,11 @@
 // never overlap. The order of collectives across ranks is the graph's business
 // (control dependencies); the library never initialises or finalises MPI: mpi4py
 // owns MPI_Init and MPI_Finalize.
+//
+// VfSend and VfRecv are asynchronous kernels: each message is sent or received on a
+// thread of its own, outside the collective mutex, matched by its tag, so a stage
+// waiting for a gradient never keeps the rest of the step from running (and the
+// order in which concurrent iterations post them does not matter).
 
 #include <mpi.h>
 #include <sys/mman.h>
@@ -21,6 +26,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -39,6 +45,7 @@
 namespace vfgraph {
 namespace {
 
+using ::tensorflow::AsyncOpKernel;
 using ::tensorflow::DataType;
 using ::tensorflow::DataTypeString;
 using ::tensorflow::OpKernel;
@@ -776,6 +783,148 @@ class CommInfoOp : public OpKernel {
   }
 };
 
+// ---------------------------------------------------------------------------
+// VfSend, VfRecv: a tensor from one rank to another. A message is a header (the
+// dtype, the rank and the dimensions, int64, tag 2*tag) and the data (bytes, tag
+// 2*tag+1, in pieces of at most kMaxCount bytes); messages of the same tag between
+// two ranks arrive in the order they were sent (MPI's non-overtaking rule).
+
+// The peer's rank: `stage` of the group of `stages` consecutive ranks this rank
+// belongs to (one replica of a pipeline).
+absl::Status PeerComm(const std::string& op, const std::string& node, int stage, int stages,
+                      int tag, Comm* comm, int* peer) {
+  {
+    std::lock_guard<std::mutex> lock(CollectiveMutex());
+    absl::Status status = AcquireComm(op, node, comm);
+    if (!status.ok()) return status;
+  }
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  if (level < MPI_THREAD_MULTIPLE) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, " (node '", node, "'): MPI was initialised with thread support level ", level,
+        ", but pipeline stages send and receive from several threads at once and need "
+        "MPI_THREAD_MULTIPLE; keep mpi4py's default thread level (mpi4py.rc.thread_level = "
+        "'multiple')"));
+  }
+  if (stages < 1 || comm->size % stages != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, " (node '", node, "'): the model runs ", stages, " pipeline stages, which ",
+        comm->size, " ranks cannot hold; start a multiple of ", stages, " ranks"));
+  }
+  if (stage < 0 || stage >= stages) {
+    return absl::InvalidArgumentError(absl::StrCat(op, " (node '", node, "'): stage ", stage,
+                                                   " is not one of the ", stages, " stages"));
+  }
+  void* attr = nullptr;
+  int found = 0;
+  MPI_Comm_get_attr(comm->comm, MPI_TAG_UB, &attr, &found);
+  const int64_t ub = found ? *static_cast<int*>(attr) : 32767;
+  if (tag < 0 || 2 * int64_t{tag} + 1 > ub) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        op, " (node '", node, "'): message tag ", tag, " is out of the MPI library's range (",
+        "largest ", ub, "); run fewer virtual nodes per step"));
+  }
+  *peer = comm->rank - comm->rank % stages + stage;
+  return absl::OkStatus();
+}
+
+class SendOp : public AsyncOpKernel {
+ public:
+  explicit SendOp(OpKernelConstruction* context) : AsyncOpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("stage", &stage_));
+    OP_REQUIRES_OK(context, context->GetAttr("stages", &stages_));
+  }
+
+  void ComputeAsync(OpKernelContext* context, DoneCallback done) override {
+    const Tensor input = context->input(0);
+    const int tag = context->input(1).scalar<int32_t>()();
+    Comm comm;
+    int peer = -1;
+    OP_REQUIRES_OK_ASYNC(context, PeerComm("VfSend", name(), stage_, stages_, tag, &comm, &peer),
+                         done);
+    std::thread([this, context, done, input, tag, comm, peer]() {
+      std::vector<int64_t> header = {static_cast<int64_t>(input.dtype()), input.dims()};
+      for (int d = 0; d < input.dims(); ++d) header.push_back(input.dim_size(d));
+      int rc = MPI_Send(header.data(), static_cast<int>(header.size()), MPI_INT64_T, peer, 2 * tag,
+                        comm.comm);
+      const char* data = static_cast<const char*>(input.tensor_data().data());
+      const int64_t bytes = static_cast<int64_t>(input.TotalBytes());
+      for (int64_t at = 0; rc == MPI_SUCCESS && at < bytes; at += kMaxCount) {
+        const int n = static_cast<int>(std::min(kMaxCount, bytes - at));
+        rc = MPI_Send(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm);
+      }
+      if (rc != MPI_SUCCESS) {
+        context->SetStatus(MpiFailure("VfSend", name(), "MPI_Send", rc, comm));
+      }
+      done();
+    }).detach();
+  }
+
+ private:
+  int stage_ = 0;
+  int stages_ = 1;
+};
+
+class RecvOp : public AsyncOpKernel {
+ public:
+  explicit RecvOp(OpKernelConstruction* context) : AsyncOpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("stage", &stage_));
+    OP_REQUIRES_OK(context, context->GetAttr("stages", &stages_));
+    OP_REQUIRES_OK(context, context->GetAttr("T", &dtype_));
+  }
+
+  void ComputeAsync(OpKernelContext* context, DoneCallback done) override {
+    const int tag = context->input(0).scalar<int32_t>()();
+    Comm comm;
+    int peer = -1;
+    OP_REQUIRES_OK_ASYNC(context, PeerComm("VfRecv", name(), stage_, stages_, tag, &comm, &peer),
+                         done);
+    std::thread([this, context, done, tag, comm, peer]() {
+      context->SetStatus(Receive(context, tag, comm, peer));
+      done();
+    }).detach();
+  }
+
+ private:
+  absl::Status Receive(OpKernelContext* context, int tag, const Comm& comm, int peer) {
+    MPI_Status status;
+    int rc = MPI_Probe(peer, 2 * tag, comm.comm, &status);
+    if (rc != MPI_SUCCESS) return MpiFailure("VfRecv", name(), "MPI_Probe", rc, comm);
+    int words = 0;
+    MPI_Get_count(&status, MPI_INT64_T, &words);
+    std::vector<int64_t> header(static_cast<size_t>(std::max(words, 2)));
+    rc = MPI_Recv(header.data(), words, MPI_INT64_T, peer, 2 * tag, comm.comm, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return MpiFailure("VfRecv", name(), "MPI_Recv", rc, comm);
+    TensorShape shape;
+    for (int64_t d = 0; d < header[1] && 2 + d < words; ++d) {
+      absl::Status s = shape.AddDimWithStatus(header[2 + d]);
+      if (!s.ok()) return s;
+    }
+    if (static_cast<DataType>(header[0]) != dtype_ || words != 2 + header[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "VfRecv (node '", name(), "'): rank ", peer, " sent ", DataTypeString(static_cast<DataType>(header[0])),
+          " where this graph expects ", DataTypeString(dtype_),
+          " (message ", tag, "); every rank must run the same rewritten model"));
+    }
+    Tensor* output = nullptr;
+    absl::Status s = context->allocate_output(0, shape, &output);
+    if (!s.ok()) return s;
+    char* data = const_cast<char*>(output->tensor_data().data());
+    const int64_t bytes = static_cast<int64_t>(output->TotalBytes());
+    for (int64_t at = 0; at < bytes; at += kMaxCount) {
+      const int n = static_cast<int>(std::min(kMaxCount, bytes - at));
+      rc = MPI_Recv(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return MpiFailure("VfRecv", name(), "MPI_Recv", rc, comm);
+    }
+    return absl::OkStatus();
+  }
+
+  int stage_ = 0;
+  int stages_ = 1;
+  DataType dtype_;
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -854,6 +1003,42 @@ REGISTER_OP("VfSize")
     .SetShapeFn(shape_inference::ScalarShape)
     .Doc("The number of ranks in the communicator.");
 
+REGISTER_OP("VfSend")
+    .Input("input: T")
+    .Input("tag: int32")
+    .Attr("T: {half, bfloat16, float, double, int8, int16, int32, int64, uint8, uint16, bool}")
+    .Attr("stage: int")
+    .Attr("stages: int")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Sends `input` to the rank running pipeline stage `stage` of this rank's group of
+`stages` consecutive ranks, as message `tag`; a VfRecv with the same tag there
+receives it. Asynchronous: the send runs on a thread of its own.
+)doc");
+
+REGISTER_OP("VfRecv")
+    .Input("tag: int32")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double, int8, int16, int32, int64, uint8, uint16, bool}")
+    .Attr("stage: int")
+    .Attr("stages: int")
+    .Attr("shape: shape")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      ::tensorflow::PartialTensorShape shape;
+      TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
+      shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Receives message `tag` from the rank running pipeline stage `stage` of this rank's
+group of `stages` consecutive ranks (its dtype and shape travel with it; `shape`
+is what the graph knows of it statically).
+)doc");
+
 #define VF_REGISTER_ALLREDUCE(T)                                             \
   REGISTER_KERNEL_BUILDER(                                                   \
       Name("VfAllreduce").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), \
@@ -889,6 +1074,8 @@ REGISTER_KERNEL_BUILDER(Name("VfBroadcastVariables").Device(::tensorflow::DEVICE
 REGISTER_KERNEL_BUILDER(Name("VfCheck").Device(::tensorflow::DEVICE_CPU), CheckOp);
 REGISTER_KERNEL_BUILDER(Name("VfRank").Device(::tensorflow::DEVICE_CPU), CommInfoOp<true>);
 REGISTER_KERNEL_BUILDER(Name("VfSize").Device(::tensorflow::DEVICE_CPU), CommInfoOp<false>);
+REGISTER_KERNEL_BUILDER(Name("VfSend").Device(::tensorflow::DEVICE_CPU), SendOp);
+REGISTER_KERNEL_BUILDER(Name("VfRecv").Device(::tensorflow::DEVICE_CPU), RecvOp);
 
 }  // namespace vfgraph
 
