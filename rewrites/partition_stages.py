@@ -12,24 +12,35 @@ It runs before ``split-vnodes``, which then lets the virtual-node loop keep seve
 nodes in flight, so that stage k works on virtual node i+1 while stage k+1 works on virtual
 node i: the virtual nodes are the pipeline's micro-batches. ``schedule=1f1b`` keeps at most K
 in flight (at most K virtual nodes' activations alive), ``schedule=gpipe`` all of them.
+
+Without ``devices`` the stages are MPI ranks: rank k of ``mpiexec -n K`` runs stage k+1. The
+pass then marks each op with its stage (the ``_vf_stage`` attribute, which TensorFlow
+ignores) instead of a device, and ``split-vnodes`` adds one training signature per stage
+(``train_stage_1`` ...) whose virtual-node loop runs that stage's ops only, receiving the
+tensors other stages compute with ``VfRecv`` and sending its own with ``VfSend``.
+
+An ``IdentityN`` whose outputs belong to different stages (Keras passes the gradients
+through one) becomes one ``Identity`` per output, each on its output's stage.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Tuple
+from typing import ClassVar, Dict, Optional, Tuple
 
 from vfgraph import records
 from vfgraph.analysis.stages import StagePlan, plan_stages
 from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, training_signature
 from vfgraph.errors import PipelineError
 from vfgraph.io.signatures import has_object_graph, set_variable_devices
-from vfgraph.ir.graph import FunctionGraph
+from vfgraph.ir.attrs import type_attr
+from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.ir.names import canonical_device
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult, option, register
 from vfgraph.records import StagePart, Stages, VirtualNodes
 
 SCHEDULES = ("1f1b", "gpipe")
+STAGE_ATTR = "_vf_stage"  # a node's stage (0-based) when the stages are MPI ranks
 
 
 @register
@@ -43,7 +54,8 @@ class PartitionStagesPass(Pass):
     name: ClassVar[str] = "partition-stages"
     produces: ClassVar[tuple] = (Stages,)
     stages: int = option(2, "pipeline stages (K)")
-    devices: str = option("", "the device of each stage, separated by ';' (e.g. /GPU:0;/GPU:1)")
+    devices: str = option("", "the device of each stage, separated by ';' (e.g. /GPU:0;/GPU:1); none: "
+                              "stage k runs on MPI rank k-1")
     split_at: str = option("", "the forward ops that start stages 2..K, separated by ';' (default: the cuts that "
                                "balance the estimated cost)")
     schedule: str = option("1f1b", "1f1b: at most K virtual nodes in flight; gpipe: all of a step's")
@@ -63,29 +75,39 @@ class PartitionStagesPass(Pass):
                                 "original step, so run it before split-vnodes (rewrite the original model)")
         if sig.key in records.get(item, Stages):
             return PassResult(item, False, [f"signature {sig.key!r} is already partitioned"])
-        fdef = item.function(sig.function)
-        g = FunctionGraph.over(fdef, item.library)
+        g = FunctionGraph.over(item.function(sig.function), item.library)
         g.verify()
         check_batch_inputs(g, sig)
         step = analyze_train_step(g, sig)
         plan = plan_stages(g, step, self.stages, split_at)
+        if not devices and plan.shared:
+            raise PipelineError(f"signature {sig.key!r}: variable {plan.shared[0].name!r} is read by stages "
+                                f"{', '.join(map(str, plan.shared[0].stages))}, which MPI ranks cannot share; give "
+                                "--devices to run the stages in one process, or --split-at to keep its readers on one "
+                                "stage")
         owner = _variable_stages(plan, sig)
         where = place(g, step, plan, owner)
+        fdef = _split_identity_n(item, sig.function, plan, where)
         ops = [0] * len(plan.stages)
         for node in fdef.node_def:
             k = where.get(node.name)
             if k:
-                node.device = devices[k - 1]
+                if devices:
+                    node.device = devices[k - 1]
+                else:
+                    node.attr[STAGE_ATTR].i = k - 1
                 ops[k - 1] += 1
-        set_variable_devices(item, sig.key, {a: devices[k - 1] for a, k in owner.items()})
-        parts = tuple(StagePart(devices[s.index - 1], s.variables, s.parameter_bytes, s.optimizer_state,
+        if devices:
+            set_variable_devices(item, sig.key, {a: devices[k - 1] for a, k in owner.items()})
+        parts = tuple(StagePart(devices[s.index - 1] if devices else "", s.variables, s.parameter_bytes, s.optimizer_state,
                                 s.optimizer_state_bytes, s.flops, ops[s.index - 1]) for s in plan.stages)
         records.put(item, sig.key, Stages(
             function=sig.function, parts=parts, schedule=self.schedule,
             split_at=tuple(c.before for c in plan.cuts),
             cut_bytes=tuple(c.bytes for c in plan.cuts), shared=tuple(v.name for v in plan.shared),
             replicated=plan.replicated))
-        notes = [f"signature {sig.key!r}: {len(plan.stages)} stages on {', '.join(devices)}"]
+        notes = [f"signature {sig.key!r}: {len(plan.stages)} stages on "
+                 + (", ".join(devices) if devices else f"MPI ranks 0..{len(plan.stages) - 1}")]
         if plan.shared:
             notes.append(f"signature {sig.key!r}: variables read by several stages stay where the loader puts them: "
                          + ", ".join(v.name for v in plan.shared[:3]) + (" ..." if len(plan.shared) > 3 else ""))
@@ -95,6 +117,8 @@ class PartitionStagesPass(Pass):
         if self.stages < 1:
             raise PipelineError(f"stages={self.stages}: a pipeline needs at least 1 stage")
         given = [d.strip() for d in self.devices.split(";") if d.strip()]
+        if not given:
+            return ()
         if len(given) != self.stages:
             raise PipelineError(f"{self.stages} stages need {self.stages} devices, one per stage, e.g. devices="
                                 + ";".join(f"/GPU:{k}" for k in range(self.stages)) + f" (given: {len(given)})")
@@ -136,3 +160,29 @@ def place(g: FunctionGraph, step: TrainStep, plan: StagePlan, owner: Dict[str, i
             where[n] = readers.pop()
     return where
 
+
+
+def _split_identity_n(item: GraphItem, function: str, plan: StagePlan, where: Dict[str, int]):
+    """Replace each ``IdentityN`` whose outputs the plan puts on several stages by one
+    ``Identity`` per output on that output's stage (``where`` gets them); returns the
+    training function as it now is."""
+    fdef = item.function(function)
+    split = {n: st for n, st in plan.split_nodes.items() if len(set(st)) > 1}
+    if not split:
+        return fdef
+    g = FunctionGraph(fdef, item.library)
+    for n in sorted(split):
+        types = g.nodes[n].attr["T"].list.type
+        for k, (ref, t) in enumerate(zip(g.outputs(n), types)):
+            name = f"{n}/vf_stage_output_{k}"
+            g.replace_all_uses_with(ref, TensorRef(name, "output", 0))
+            g.op("Identity", [ref], name=name, T=type_attr(t))
+            if split[n][k]:
+                where[name] = split[n][k]
+    item.set_function(g.finish())
+    return item.function(function)
+
+
+def stage_of(node) -> Optional[int]:
+    """The stage (0-based) partition-stages gave NodeDef ``node`` for MPI ranks, None when none."""
+    return node.attr[STAGE_ATTR].i if STAGE_ATTR in node.attr else None

@@ -9,7 +9,7 @@ the number of virtual nodes a process runs is read from the batch it is fed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from typing import ClassVar, List, Tuple
 
@@ -18,7 +18,7 @@ from tensorflow.core.framework import types_pb2
 from vfgraph import records
 from vfgraph.analysis.train_step import (TrainStep, analyze_train_step, check_batch_inputs, static_batch,
                                          training_signature, with_dynamic_batch)
-from vfgraph.errors import DetectionError, PipelineError
+from vfgraph.errors import DetectionError, PipelineError, VerifyError
 from vfgraph.io.signatures import (add_graph_signature, add_graph_variables, add_object_variables, add_signature,
                                    entry_header, has_object_graph, signature_wrapper)
 from vfgraph.ir.attrs import func_attr, tensor_attr, type_attr, types_attr
@@ -29,6 +29,7 @@ from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult, option, register
 from vfgraph.records import Gradient, Stages, VirtualNodes
+from vfgraph.rewrites.partition_stages import stage_of
 
 
 @register
@@ -85,6 +86,9 @@ class SplitVnodesPass(Pass):
         stepwise, notes = add_stepwise(item, g, step, loop, udef, reduce_fn) if self.stepwise else (False, [])
         item.set_function(stepped)
         item.preserve.add(sig.function)
+        if stages is not None and stages.on_ranks and stages.count > 1:
+            records.put(item, sig.key, replace(stages, signatures=add_stage_steps(
+                item, g, step, vdef, udef, self.vnodes, b, stages)))
         gradients = tuple(Gradient(str(c.ref), sig.variables[c.variable].name if c.variable else None, c.role,
                                    None if c.shape is None else tuple(c.shape)) for c in step.cut)
         records.put(item, sig.key, VirtualNodes(
@@ -106,6 +110,7 @@ class SplitVnodesPass(Pass):
         return 0
 
 
+MESSAGE_BASE = "vf_message_base"  # argument of a stage's virtual-node function: its first message tag
 _STATELESS_RANDOM = ("StatelessRandom", "StatelessTruncatedNormal", "StatelessMultinomial",
                      "StatelessParameterizedTruncatedNormal")
 VNODE_INDEX = "vnode_index"
@@ -162,9 +167,9 @@ class _Loop:
     value it adds, where a pass placed that value."""
 
     def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library, new_function,
-                 in_flight: int = 1):
+                 in_flight: int = 1, tag: str = "", messages: int = 0):
         self.g, self.step, self.vdef, self.vnodes, self.b = g, step, vdef, vnodes, b
-        self.in_flight = in_flight
+        self.in_flight, self.messages = in_flight, messages
         sig = step.signature
         self.keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
         self.vnode_outs = [o for o in step.outputs if o.side == "vnode"]
@@ -184,8 +189,8 @@ class _Loop:
             [(g.dtype(TensorRef(a)), g.arg_shape(a)) for a in sig.captured_args])
         lib = dict(library)
         lib[vdef.signature.name] = vdef
-        self.body_name = function_name(sig.function, "vnodes", "body")
-        self.cond_name = function_name(sig.function, "vnodes", "cond")
+        self.body_name = function_name(sig.function, "vnodes", tag, "body")
+        self.cond_name = function_name(sig.function, "vnodes", tag, "cond")
         body = self._body(lib, new_function(self.body_name))
         condition(self.cond_name, body, self.layout, lib, new_function(self.cond_name))
 
@@ -205,9 +210,14 @@ class _Loop:
         if VNODE_INDEX in v_args:
             by_name[VNODE_INDEX] = fb.op("Cast", [i], name="index", SrcT=type_attr(I32),
                                          DstT=type_attr(types_pb2.DT_INT64), Truncate=False)[0]
+        if MESSAGE_BASE in v_args:  # the first tag of this virtual node's messages between stages
+            by_name[MESSAGE_BASE] = fb.op("Mul", [i, fb.const(self.messages, I32, "messages")[0]], name="tags",
+                                          T=type_attr(I32))[0]
         call = fb.op("StatefulPartitionedCall", [by_name[a] for a in v_args], name="vnode",
                      Tin=types_attr([a.type for a in self.vdef.signature.input_arg]), Tout=types_attr(self.v_types),
                      f=func_attr(self.vdef.signature.name))
+        if self.vdef.signature.control_output:  # (a stage's sends: kept when the call is inlined)
+            fb.control_ret(call)
         new = []
         for k, ((combine, t, shape), acc) in enumerate(zip(self.carried, carried)):
             if combine == "mean":
@@ -482,3 +492,159 @@ def _accumulate(fb: FunctionGraph, acc: TensorRef, value: TensorRef, c) -> Node:
     new = list_concat(fb, value, c.dtype)
     rows = fb.op("ConcatV2", [old, new, fb.const(0, I32, "axis")[0]], name="append", N=2, T=t, Tidx=type_attr(I32))
     return fb.op("AssignVariableOp", [acc, rows[0]], name="accumulate", dtype=t)
+
+
+# --------------------------------------------------------------------------- stages on MPI ranks
+def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int,
+                    stages: Stages) -> Tuple[str, ...]:
+    """Add ``<train>_stage_1`` .. ``<train>_stage_K``: the training step of each pipeline stage
+    partition-stages marked for MPI ranks (rank k runs stage k+1). Each runs the virtual-node
+    loop over its stage's part of the virtual-node function, whose tensors from other stages
+    arrive by ``VfRecv`` and whose tensors for other stages leave by ``VfSend`` (tag: the
+    virtual node's index times the messages per virtual node, plus the message's place in
+    a fixed order); then its part of the update, once, on its own gradients' means; then it
+    returns the step's outputs, broadcast from the stage that computes them. Returns the
+    signature keys."""
+    from vfgraph import ops as mpi_ops
+
+    sig = step.signature
+    key = sig.key
+    wrapper = signature_wrapper(item, key)
+    if wrapper is None:
+        raise PipelineError(f"signature {key!r} has no wrapper vfgraph can add stage signatures like; pipeline "
+                            "stages on MPI ranks need a TF2 SavedModel")
+    odd = [o.name for o in step.outputs if o.side != "vnode" or o.combine != "mean" or not _static(g.shape(o.ref))]
+    if odd:
+        raise PipelineError(f"signature {key!r}: output {odd[0]!r} is not a mean over virtual nodes of a static "
+                            "shape, which pipeline stages on MPI ranks broadcast from the stage computing it; "
+                            "give --devices to run the stages in one process")
+    mpi_ops.load()  # VfSend, VfRecv and VfBroadcast are written below
+    k_count = stages.count
+    lib = item.library
+    gv = FunctionGraph(vdef, lib)
+    where = {n: stage_of(node) for n, node in gv.nodes.items()}
+    owner_var = {}
+    for k, part in enumerate(stages.parts):
+        for name in part.variables + part.optimizer_state:
+            owner_var[name] = k
+    n_out = sum(1 for o in step.outputs if o.side == "vnode")
+    rets = gv.output_refs()  # out_<name>... then grad_<k>..., as outlined
+
+    def owner(k: int, ref: TensorRef) -> int:
+        if not ref.is_function_arg and where.get(ref.node) is not None:
+            return where[ref.node]
+        if k >= n_out:
+            c = step.cut[k - n_out]
+            name = sig.variables[c.variable].name if c.variable in sig.variables else None
+            return owner_var.get(name, 0)
+        return k_count - 1
+    owners = [owner(k, r) for k, (_, r) in enumerate(rets)]
+    needed, messages = _stage_parts(gv, where, rets, owners, k_count)
+    names = []
+    for s in range(k_count):
+        tag = f"stage{s + 1}"
+        vdef_s = _stage_vnode_function(item, gv, where, rets, owners, needed[s], messages, s, k_count, tag)
+        mine = [k for k, o in enumerate(owners) if o == s]
+        view = TrainStep(sig, step.function, [step.cut[k - n_out] for k in mine if k >= n_out], step.vnode_nodes,
+                         step.writes, [o for k, o in enumerate(step.outputs) if k in mine], step.batch_dependent)
+        loop = _Loop(g, view, vdef_s, vnodes, b, lib, item.new_function, stages.in_flight(vnodes), tag,
+                     len(messages))
+        udef_s = _stage_update_function(item, udef, sig, step, [k - n_out for k in mine if k >= n_out], s, tag)
+        fn = function_name(sig.function, tag, "0")
+        header = entry_header(g, fn, list(wrapper.args), (), list(wrapper.outputs),
+                              [g.dtype(o.ref) for o in step.outputs])
+        fb, args = FunctionGraph.like(header, lib, into=item.new_function(fn))
+        by = dict(zip(wrapper.args, args))
+        res = [by[a] for a in sig.invariant_args]
+        outs, sums, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
+        count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
+        results = iter(loop.outputs(fb, outs, count, nv))
+        call, _ = _update(fb, udef_s, _means(fb, view, sums, count), res, after=[done])
+        last = call
+        for k, (o, a) in enumerate(zip(step.outputs, header.signature.output_arg)):
+            t, shape = a.type, g.shape(o.ref)
+            value = next(results) if owners[k] == s else zeros(fb, shape, t, "not_computed_here")
+            last = fb.op("VfBroadcast", [value], name="from_stage", deps=[last], T=type_attr(t), root=owners[k])
+            fb.ret(a.name, fb.op("Identity", [last[0]], name="result", T=type_attr(t), shapes=[shape])[0], t)
+        fb.control_ret(last)
+        verify_function_def(fb.finish(), lib)
+        names.append(f"{key}_stage_{s + 1}")
+        add_signature(item, names[-1], fn, wrapper, takes_inputs=True)
+    return tuple(names)
+
+
+def _static(shape) -> bool:
+    return shape is not None and all(d >= 0 for d in shape)
+
+
+def _stage_parts(gv: FunctionGraph, where, rets, owners, k_count: int):
+    """For each stage, the nodes of the virtual-node function it runs (its own, and the
+    unmarked ones they read: constants, variable reads); and every tensor a stage reads from
+    another as (tensor, from stage, to stage), in a fixed order."""
+    needed: List[set] = []
+    crossing = set()
+    for s in range(k_count):
+        roots = [n for n, st in where.items() if st == s]
+        roots += [r.node for (_, r), o in zip(rets, owners) if o == s and not r.is_function_arg]
+        seen: set = set()
+        stack = list(roots)
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            for t, ctl in gv.inputs(n):
+                if t.is_function_arg:
+                    continue
+                st = where.get(t.node)
+                if st is None or st == s:
+                    stack.append(t.node)
+                elif not ctl:
+                    crossing.add((t, st, s))
+        needed.append(seen)
+    return needed, sorted(crossing, key=lambda m: (m[1], m[2], str(m[0])))
+
+
+def _stage_vnode_function(item: GraphItem, gv: FunctionGraph, where, rets, owners, needed: set, messages,
+                          s: int, k_count: int, tag: str):
+    """Stage ``s``'s part of the virtual-node function: its nodes, ``VfRecv`` for what it
+    reads from other stages, ``VfSend`` (control outputs) for what they read from it; its
+    outputs are those it computes."""
+    from tensorflow.core.framework import attr_value_pb2
+
+    from vfgraph.ir.attrs import shape_proto
+
+    gc = FunctionGraph(gv.to_function_def(), gv.library)
+    base = gc.arg(MESSAGE_BASE, I32, [])
+    for m, (ref, src, dst) in enumerate(messages):
+        if s not in (src, dst):
+            continue
+        t = gv.dtype(ref)
+        at = gc.op("AddV2", [base, gc.const(m, I32, "message")[0]], name=f"vf/stage/tag_{m}", T=type_attr(I32))[0]
+        if dst == s:
+            name = f"vf/stage/recv_{m}"
+            gc.replace_all_uses_with(ref, TensorRef(name, "output", 0))
+            gc.op("VfRecv", [at], name=name, T=type_attr(t), stage=src, stages=k_count,
+                  shape=attr_value_pb2.AttrValue(shape=shape_proto(gv.shape(ref))))
+        else:
+            gc.op("VfSend", [ref, at], name=f"vf/stage/send_{m}", T=type_attr(t), stage=dst, stages=k_count)
+    drop = frozenset(n for n in gv.nodes if n not in needed)
+    outputs = [(name, ref) for (name, ref), o in zip(rets, owners) if o == s]
+    name = function_name(gv.name, tag)
+    return gc.outline(name, outputs, drop=drop, side_effects=True, into=item.new_function(name))
+
+
+def _stage_update_function(item: GraphItem, udef, sig, step: TrainStep, mine: List[int], s: int, tag: str):
+    """Stage ``s``'s part of the update function: the ops partition-stages marked with its
+    stage and the unmarked ones (shared counters), taking only its own gradients."""
+    gu = FunctionGraph(udef, item.library)
+    drop = frozenset(n for n, node in gu.nodes.items() if stage_of(node) not in (None, s))
+    name = function_name(gu.name, tag)
+    outputs = [(a.name, gu.output_refs()[k][1]) for k, a in enumerate(udef.signature.output_arg)]
+    try:
+        return gu.outline(name, outputs, keep_args=[f"grad_{k}" for k in mine] + list(sig.invariant_args),
+                          drop=drop, side_effects=True, into=item.new_function(name))
+    except VerifyError as e:
+        raise PipelineError(f"signature {sig.key!r}: the update of stage {s + 1} reads what other stages compute "
+                            f"({e}); an update that mixes the stages' gradients (clipping by their global norm) "
+                            "needs one process: give --devices") from None

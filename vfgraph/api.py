@@ -57,7 +57,7 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
                      schedule: str = "1f1b") -> str:
     parts = []
     if has_training and (stages > 1 or devices or split_at):
-        opts = [f"stages={stages}", "devices=" + ";".join(devices)]
+        opts = [f"stages={stages}"] + (["devices=" + ";".join(devices)] if devices else [])
         opts += ["split-at=" + ";".join(split_at)] if split_at else []
         opts += [f"schedule={schedule}"] if schedule != "1f1b" else []
         opts += [f"signature={train_signature}"] if train_signature else []

@@ -15,7 +15,6 @@ import vfgraph
 from vfgraph import records
 from vfgraph.errors import InputError, Quiet, VfgraphError
 from vfgraph.io import outputs
-from vfgraph.ir.names import canonical_device
 from vfgraph.records import Allreduce, Stages, VirtualNodes
 from vfgraph.runtime.supervise import is_worker, supervise
 from vfgraph.runtime.world import launched_by_mpi
@@ -89,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="largest fused all-reduce buffer, MiB (default 4)")
     r.add_argument("--stages", type=int, metavar="K",
                    help="model parallelism: cut the training step into K pipeline stages, stage k on the k-th of "
-                        "--devices, its virtual nodes the pipeline's micro-batches (default 1: no cut)")
+                        "--devices, or without --devices on MPI rank k-1 of 'mpiexec -n K vfgraph train'; its "
+                        "virtual nodes are the pipeline's micro-batches (default 1: no cut)")
     r.add_argument("--devices", metavar="D1,D2,...",
                    help="with --stages: the device of each stage, e.g. /GPU:0,/GPU:1 (or /CPU:0,/CPU:1: "
                         "'vfgraph train' makes logical CPU devices where there are fewer)")
@@ -300,12 +300,15 @@ def _partition_options(args) -> dict:
                          "e.g. 'partition-stages{stages=2,devices=/GPU:0;/GPU:1},split-vnodes{vnodes=8}'")
     if stages < 1:
         raise InputError(f"--stages {stages}: give at least 1 stage")
-    if len(devices) != stages:
+    if devices and len(devices) != stages:
         raise InputError(f"--stages {stages} with {len(devices)} device(s): give one device per stage, e.g. "
-                         "--devices " + ",".join(f"/GPU:{k}" for k in range(stages)))
+                         "--devices " + ",".join(f"/GPU:{k}" for k in range(stages)) + " (or none: stage k on MPI "
+                         "rank k-1)")
     if split_at and len(split_at) != stages - 1:
         raise InputError(f"--split-at names {len(split_at)} op(s): give the {stages - 1} forward op(s) that start "
                          f"stages 2..{stages}")
+    from vfgraph.ir.names import canonical_device  # (vfgraph.ir imports TensorFlow)
+
     try:
         devices = [canonical_device(d) for d in devices]
     except ValueError as e:

@@ -128,8 +128,9 @@ class Microbatch:
 
 @dataclass(frozen=True)
 class StagePart:
-    """One pipeline stage of a partitioned training step: its device, the variables it
-    holds (parameters, then optimizer state) and their bytes, its estimated cost."""
+    """One pipeline stage of a partitioned training step: its device ("" when the stages are
+    MPI ranks), the variables it holds (parameters, then optimizer state) and their bytes,
+    its estimated cost."""
 
     device: str
     variables: Tuple[str, ...] = ()
@@ -157,7 +158,9 @@ class Stages:
     stages, stage k's ops and variables placed on ``parts[k].device``; ``schedule`` ("gpipe"
     or "1f1b") bounds how many virtual nodes are in flight at once; ``cut_bytes`` are the
     activation bytes per example crossing each cut; ``shared`` the variables several stages
-    read, ``replicated`` those no stage owns (step counters, learning rates)."""
+    read, ``replicated`` those no stage owns (step counters, learning rates). On MPI ranks
+    (no devices), ``signatures`` are the training signatures of stages 1..K (rank k runs
+    stage k+1)."""
 
     PASS: ClassVar[str] = "partition-stages"
     function: str
@@ -167,10 +170,16 @@ class Stages:
     cut_bytes: Tuple[int, ...] = ()
     shared: Tuple[str, ...] = ()
     replicated: Tuple[str, ...] = ()
+    signatures: Tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
         return len(self.parts)
+
+    @property
+    def on_ranks(self) -> bool:
+        """Whether the stages are MPI ranks rather than devices of one process."""
+        return not any(p.device for p in self.parts)
 
     def in_flight(self, vnodes: int) -> int:
         """Virtual nodes a loop of ``vnodes`` runs at once: all of them (GPipe), or one per
@@ -182,13 +191,13 @@ class Stages:
     def to_json(self) -> dict:
         return {"function": self.function, "parts": [p.to_json() for p in self.parts], "schedule": self.schedule,
                 "split_at": list(self.split_at), "cut_bytes": list(self.cut_bytes), "shared": list(self.shared),
-                "replicated": list(self.replicated)}
+                "replicated": list(self.replicated), "signatures": list(self.signatures)}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Stages":
         return cls(d["function"], tuple(StagePart.from_json(p) for p in d.get("parts", ())), d.get("schedule", "1f1b"),
                    tuple(d.get("split_at", ())), tuple(d.get("cut_bytes", ())), tuple(d.get("shared", ())),
-                   tuple(d.get("replicated", ())))
+                   tuple(d.get("replicated", ())), tuple(d.get("signatures", ())))
 
 
 Record = Union[VirtualNodes, Allreduce, Microbatch, Stages]

@@ -220,7 +220,7 @@ def test_command_line_rewrite_train_inspect_and_serve(models, digits, tmp_path):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--stages", 2], "--stages 2 with 0 device(s)"),
+    (["--stages", 2, "--devices", "/CPU:0"], "--stages 2 with 1 device(s)"),
     (["--stages", 2, "--devices", "/CPU:0,CPU"], "--devices: device 'CPU'"),
     (["--stages", 3, "--devices", "/CPU:0,/CPU:1,/CPU:2", "--split-at", "a"], "--split-at names 1 op(s)"),
     (["--stages", 2, "--devices", "/CPU:0,/CPU:1", "--pipeline", "split-vnodes"], "give them in the pipeline"),

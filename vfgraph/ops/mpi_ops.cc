@@ -13,7 +13,10 @@
 // VfSend and VfRecv are asynchronous kernels: each message is sent or received on a
 // thread of its own, outside the collective mutex, matched by its tag, so a stage
 // waiting for a gradient never keeps the rest of the step from running (and the
-// order in which concurrent iterations post them does not matter).
+// order in which concurrent iterations post them does not matter). They wait by
+// polling nonblocking calls: a blocking MPI call can hold the MPI library's own lock
+// while it waits, which would stop every other thread's MPI call, the other
+// messages' among them.
 
 #include <mpi.h>
 #include <sys/mman.h>
@@ -26,6 +29,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -829,6 +833,36 @@ absl::Status PeerComm(const std::string& op, const std::string& node, int stage,
   return absl::OkStatus();
 }
 
+// Waits for `request` by testing it, yielding and then sleeping between tests (at most
+// 200 us), so that the MPI library's lock is free between them.
+int WaitPolling(MPI_Request* request, MPI_Status* status) {
+  for (int spins = 0;; ++spins) {
+    int flag = 0;
+    const int rc = MPI_Test(request, &flag, status);
+    if (rc != MPI_SUCCESS || flag) return rc;
+    if (spins < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, spins - 60)));
+    }
+  }
+}
+
+// Sends `count` elements of `type` at `data` to `peer` as message `tag`, polling.
+int SendPolling(const void* data, int count, MPI_Datatype type, int peer, int tag, MPI_Comm comm) {
+  MPI_Request request;
+  const int rc = MPI_Isend(data, count, type, peer, tag, comm, &request);
+  return rc != MPI_SUCCESS ? rc : WaitPolling(&request, MPI_STATUS_IGNORE);
+}
+
+// Receives message `tag` from `peer` into `count` elements of `type` at `data`, polling.
+int RecvPolling(void* data, int count, MPI_Datatype type, int peer, int tag, MPI_Comm comm,
+                MPI_Status* status) {
+  MPI_Request request;
+  const int rc = MPI_Irecv(data, count, type, peer, tag, comm, &request);
+  return rc != MPI_SUCCESS ? rc : WaitPolling(&request, status);
+}
+
 class SendOp : public AsyncOpKernel {
  public:
   explicit SendOp(OpKernelConstruction* context) : AsyncOpKernel(context) {
@@ -846,16 +880,16 @@ class SendOp : public AsyncOpKernel {
     std::thread([this, context, done, input, tag, comm, peer]() {
       std::vector<int64_t> header = {static_cast<int64_t>(input.dtype()), input.dims()};
       for (int d = 0; d < input.dims(); ++d) header.push_back(input.dim_size(d));
-      int rc = MPI_Send(header.data(), static_cast<int>(header.size()), MPI_INT64_T, peer, 2 * tag,
-                        comm.comm);
+      int rc = SendPolling(header.data(), static_cast<int>(header.size()), MPI_INT64_T, peer, 2 * tag,
+                           comm.comm);
       const char* data = static_cast<const char*>(input.tensor_data().data());
       const int64_t bytes = static_cast<int64_t>(input.TotalBytes());
       for (int64_t at = 0; rc == MPI_SUCCESS && at < bytes; at += kMaxCount) {
         const int n = static_cast<int>(std::min(kMaxCount, bytes - at));
-        rc = MPI_Send(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm);
+        rc = SendPolling(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm);
       }
       if (rc != MPI_SUCCESS) {
-        context->SetStatus(MpiFailure("VfSend", name(), "MPI_Send", rc, comm));
+        context->SetStatus(MpiFailure("VfSend", name(), "MPI_Isend", rc, comm));
       }
       done();
     }).detach();
@@ -888,14 +922,19 @@ class RecvOp : public AsyncOpKernel {
 
  private:
   absl::Status Receive(OpKernelContext* context, int tag, const Comm& comm, int peer) {
+    // The header: the dtype, the rank and at most kMaxDims dimensions.
+    constexpr int kMaxDims = 254;
     MPI_Status status;
-    int rc = MPI_Probe(peer, 2 * tag, comm.comm, &status);
-    if (rc != MPI_SUCCESS) return MpiFailure("VfRecv", name(), "MPI_Probe", rc, comm);
+    std::vector<int64_t> header(2 + kMaxDims);
+    int rc = RecvPolling(header.data(), static_cast<int>(header.size()), MPI_INT64_T, peer, 2 * tag,
+                         comm.comm, &status);
+    if (rc != MPI_SUCCESS) return MpiFailure("VfRecv", name(), "MPI_Irecv", rc, comm);
     int words = 0;
     MPI_Get_count(&status, MPI_INT64_T, &words);
-    std::vector<int64_t> header(static_cast<size_t>(std::max(words, 2)));
-    rc = MPI_Recv(header.data(), words, MPI_INT64_T, peer, 2 * tag, comm.comm, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return MpiFailure("VfRecv", name(), "MPI_Recv", rc, comm);
+    if (words < 2) {
+      return absl::InvalidArgumentError(absl::StrCat("VfRecv (node '", name(), "'): message ", tag,
+                                                     " from rank ", peer, " has no tensor header"));
+    }
     TensorShape shape;
     for (int64_t d = 0; d < header[1] && 2 + d < words; ++d) {
       absl::Status s = shape.AddDimWithStatus(header[2 + d]);
@@ -914,8 +953,8 @@ class RecvOp : public AsyncOpKernel {
     const int64_t bytes = static_cast<int64_t>(output->TotalBytes());
     for (int64_t at = 0; at < bytes; at += kMaxCount) {
       const int n = static_cast<int>(std::min(kMaxCount, bytes - at));
-      rc = MPI_Recv(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm, MPI_STATUS_IGNORE);
-      if (rc != MPI_SUCCESS) return MpiFailure("VfRecv", name(), "MPI_Recv", rc, comm);
+      rc = RecvPolling(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return MpiFailure("VfRecv", name(), "MPI_Irecv", rc, comm);
     }
     return absl::OkStatus();
   }

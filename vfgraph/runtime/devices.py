@@ -29,7 +29,7 @@ def prepare_devices(stages: Optional[Stages]) -> None:
     """Make the logical CPU devices ``stages`` name and this process lacks; warn about other
     devices it lacks (TensorFlow then runs their ops where it can: soft placement). Call
     before TensorFlow's runtime starts."""
-    if stages is None:
+    if stages is None or stages.on_ranks:
         return
     import tensorflow as tf
 

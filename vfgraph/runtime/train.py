@@ -276,9 +276,12 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     if not savedmodel.is_saved_model_dir(model):
         raise InputError(f"{model}: not a SavedModel directory")
     b, reduces = vnode_layout(model, signature)
-    w = world(need_mpi=reduces)
     stages = stages_of(model, signature)
-    threads = w.agree(lambda: place_threads(w, threads, stages.count if stages else 1))
+    ranked = stages is not None and stages.on_ranks and stages.count > 1  # one pipeline stage per rank
+    w = world(need_mpi=reduces or ranked)
+    ranked = ranked and w.size > 1
+    in_process = stages.count if stages is not None and not stages.on_ranks else 1  # stages on this process's devices
+    threads = w.agree(lambda: place_threads(w, threads, in_process))
     prepare_devices(stages)
     out = os.path.abspath(out)
     ckpt_dir = out + ".ckpt"
@@ -294,6 +297,12 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             raise InputError(f"{model}: no signature {signature!r} (has: {', '.join(sorted(loaded.signatures))}); "
                              "pass --train-signature NAME")
         fn = loaded.signatures[signature]
+        if ranked:
+            if w.size != stages.count or vnodes_per_rank:
+                raise InputError(f"{model}: its training step is cut into {stages.count} pipeline stages, one per MPI "
+                                 f"rank, each running every virtual node: start {stages.count} ranks (mpiexec -n "
+                                 f"{stages.count}) without --vnodes-per-rank, or one process")
+            fn = loaded.signatures[stages.signatures[w.rank]]
         _, specs = fn.structured_input_signature
         data = check_data(load_data(data_path, specs), specs, data_path, signature)
         keys = sorted(specs)
@@ -305,7 +314,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         if w.size > 1 and f"{signature}_broadcast" not in loaded.signatures:
             raise InputError(f"{model}: no {signature}_broadcast signature to start the ranks from the same "
                              "variables; rewrite it with a SavedModel input and --allreduce mpi")
-        if w.size > 1 or vnodes_per_rank:
+        if (w.size > 1 or vnodes_per_rank) and not ranked:
             if not b:
                 raise InputError(f"{model}: its virtual-node batch is derived from the fed batch, so ranks cannot "
                                  "share a global batch; rewrite it with --vnode-batch B")
@@ -354,8 +363,13 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     def finite() -> bool:  # the same on every rank: all hold the same parameters
         return allow_nonfinite or all(bool(tf.reduce_all(tf.math.is_finite(v))) for v in variables)
 
+    def collect() -> None:  # rank 0 takes each stage's variables from the rank that updates them
+        if ranked:
+            _collect_stages(w, fn, stages)
+
     def save_checkpoint(done: int) -> None:
         nonlocal last_ckpt
+        collect()
         if w.is_root:
             _checkpoint(ckpt, ckpt_dir, done, losses, config)
         last_ckpt = done
@@ -412,11 +426,23 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         raise
     finally:
         bar.close()
+    collect()
     if not w.is_root:
         return None
     _save_trained(loaded, model, out, losses, variable_devices=stages is not None)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return TrainResult(out, steps, losses)
+
+
+def _collect_stages(w, fn, stages) -> None:
+    """Give rank 0 the values of the variables every other rank's pipeline stage updates
+    (its parameters and optimizer state), so that it holds the whole trained model."""
+    owner = {name: k for k, part in enumerate(stages.parts) for name in part.variables + part.optimizer_state}
+    by_name = {v.name.rsplit(":", 1)[0]: v for v in fn.variables}
+    mine = {n: v.numpy() for n, v in by_name.items() if owner.get(n) == w.rank} if w.rank else {}
+    for values in w.comm.gather(mine, root=0) or []:
+        for n, value in values.items():
+            by_name[n].assign(value)
 
 
 def _kept(ckpt_dir: str, last: Optional[int], every: int) -> str:
