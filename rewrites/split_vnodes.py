@@ -586,22 +586,18 @@ def _stage_parts(gv: FunctionGraph, where, rets, owners, k_count: int):
     for s in range(k_count):
         roots = [n for n, st in where.items() if st == s]
         roots += [r.node for (_, r), o in zip(rets, owners) if o == s and not r.is_function_arg]
-        seen: set = set()
-        stack = list(roots)
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
+
+        def inputs(n: str, s: int = s):
+            """Inputs of ``n`` that stage ``s`` computes itself; the others' tensors are crossings."""
             for t, ctl in gv.inputs(n):
                 if t.is_function_arg:
                     continue
                 st = where.get(t.node)
                 if st is None or st == s:
-                    stack.append(t.node)
+                    yield t.node
                 elif not ctl:
                     crossing.add((t, st, s))
-        needed.append(seen)
+        needed.append(gv.reachable(roots, inputs))
     return needed, sorted(crossing, key=lambda m: (m[1], m[2], str(m[0])))
 
 
