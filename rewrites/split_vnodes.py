@@ -528,7 +528,9 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         for name in part.variables + part.optimizer_state:
             owner_var[name] = k
     n_out = sum(1 for o in step.outputs if o.side == "vnode")
-    rets = gv.output_refs()  # out_<name>... then grad_<k>..., as outlined
+    # out_<name>... then grad_<k>..., as outlined; through the unmarked identities that gather
+    # tensors of several stages (Keras' IdentityN of the gradients), so no stage needs them all
+    rets = [(name, _through_identities(gv, ref, where)) for name, ref in gv.output_refs()]
 
     def owner(k: int, ref: TensorRef) -> int:
         if not ref.is_function_arg and where.get(ref.node) is not None:
@@ -571,6 +573,14 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         names.append(f"{key}_stage_{s + 1}")
         add_signature(item, names[-1], fn, wrapper, takes_inputs=True)
     return tuple(names)
+
+
+def _through_identities(gv: FunctionGraph, ref: TensorRef, where) -> TensorRef:
+    """The tensor ``ref`` passes on through unmarked Identity and IdentityN ops."""
+    while not ref.is_function_arg and where.get(ref.node) is None and gv.op_types()[ref.node] in (
+            "Identity", "IdentityN"):
+        ref = gv.data_inputs(ref.node)[gv.flat_index(ref)]
+    return ref
 
 
 def _static(shape) -> bool:

@@ -282,6 +282,14 @@ def render_pipeline(r: dict) -> str:
                      num(row["1f1b"]["step_s"] * 1000, 1),
                      num(row["gpipe"]["step_s"] * 1000, 1), num(row["speedup"]), num(row["bound"]),
                      num(row["efficiency"]), num(row["speedup_over_two_ops"])])
+    ranks = ""
+    if all("ranks" in row for row in r["results"]):
+        ranks = ("\nThe same model with its 2 stages on 2 MPI ranks (`--stages 2`, `mpiexec -n 2`, 1F1B, one "
+                 "intra-op thread per rank; the slower rank's step):\n\n" + table(
+                     ["M", "one core", "2 ranks", "speed-up over one core", "GPipe bound"],
+                     [[str(row["vnodes"]), num(row["one-core"]["step_s"] * 1000, 1),
+                       num(row["ranks"]["step_s"] * 1000, 1), num(row["speedup_ranks"]), num(row["bound"])]
+                      for row in r["results"]]))
     last = r["results"][-1]
     mem = table(["M", "one device", "1F1B", "GPipe"], [[str(last["vnodes"])] + [
         f"{num(last[m]['peak_rise_bytes'] / MIB, 1)} MiB" for m in ("one-core", "1f1b", "gpipe")]])
@@ -295,7 +303,7 @@ def render_pipeline(r: dict) -> str:
                 ["M", "one core", "2 intra-op threads", "2 inter-op threads", "1F1B", "GPipe",
                  "speed-up over one core", "GPipe bound", "efficiency (target >= 0.9 at M >= 8)",
                  "speed-up over 2 inter-op threads"], rows)
-            + f"\nPeak memory rise during a step at M={last['vnodes']}:\n\n" + mem
+            + ranks + f"\nPeak memory rise during a step at M={last['vnodes']}:\n\n" + mem
             + "\nParameters per stage:\n\n" + share)
 
 

@@ -14,6 +14,9 @@ of M virtual nodes trains M * b examples. Every configuration runs in a fresh pr
               same two cores, two independent ops of a virtual node at once)
   1f1b, gpipe the rewrite with --stages 2 --devices /CPU:0,/CPU:1 and that schedule, one
               intra-op thread and one inter-op thread per stage
+  ranks       with --ranks: the rewrite with --stages 2 (no devices, 1F1B), under
+              ``mpiexec -n 2``, each rank running its stage with one intra-op thread (the
+              slower rank's median step)
 
 GPipe's bound on the speed-up of K stages over one device is K * M / (M + K - 1) (the
 pipeline's bubble); efficiency is the measured speed-up (one-core time / pipeline time) over
@@ -62,7 +65,17 @@ def worker(args) -> None:
     from benchlib import proc_status, reset_hwm
 
     cpu = tf.config.list_physical_devices("CPU")[0]
-    if args.mode in ("1f1b", "gpipe"):
+    rank = 0
+    if args.mode == "ranks":
+        from mpi4py import MPI
+
+        import vfgraph.ops
+
+        rank = MPI.COMM_WORLD.Get_rank()
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        vfgraph.ops.load()
+    elif args.mode in ("1f1b", "gpipe"):
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * K)
         tf.config.threading.set_inter_op_parallelism_threads(K)
         tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -72,7 +85,7 @@ def worker(args) -> None:
     from vfgraph.io.savedmodel import load_to_run
 
     loaded = load_to_run(args.model, variable_devices=args.mode in ("1f1b", "gpipe"))
-    fn = loaded.signatures["train"]
+    fn = loaded.signatures[f"train_stage_{rank + 1}" if args.mode == "ranks" else "train"]
     rng = np.random.default_rng(0)
     n = args.vnodes * args.vnode_batch
     feed = {"x": tf.constant(rng.normal(size=(n, args.width)).astype(np.float32)),
@@ -85,12 +98,19 @@ def worker(args) -> None:
         t = time.perf_counter()
         fn(**feed)["loss"].numpy()
         times.append(time.perf_counter() - t)
-    print(json.dumps({"step_s": statistics.median(times), "times": times,
-                      "peak_rise_bytes": proc_status("VmHWM") - base}))
+    report = {"step_s": statistics.median(times), "times": times, "peak_rise_bytes": proc_status("VmHWM") - base}
+    if args.mode == "ranks":
+        reports = MPI.COMM_WORLD.gather(report, root=0)
+        if rank:
+            return
+        report = max(reports, key=lambda r: r["step_s"])
+        report["ranks"] = reports
+    print(json.dumps(report))
 
 
 def run_worker(model: str, mode: str, vnodes: int, a) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--mode", mode,
+    launcher = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(K)] if mode == "ranks" else []
+    cmd = launcher + [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--mode", mode,
            "--vnodes", str(vnodes), "--vnode-batch", str(a.vnode_batch), "--width", str(a.width),
            "--steps", str(a.steps)]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
@@ -107,6 +127,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--vnode-batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--ranks", action="store_true", help="also time the stages on 2 MPI ranks")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -131,9 +152,11 @@ def main() -> None:
           f"{'speed-up':>8} {'bound':>6} {'efficiency':>10}")
     for m in counts:
         paths = {}
-        for mode in ("base", "1f1b", "gpipe"):
-            kw = {} if mode == "base" else dict(stages=K, devices=[f"/CPU:{i}" for i in range(K)], schedule=mode)
-            item = vfgraph.rewrite(src, vnodes=m, vnode_batch=a.vnode_batch, allreduce="none", **kw)
+        for mode in ("base", "1f1b", "gpipe") + (("ranks",) if a.ranks else ()):
+            kw = ({} if mode == "base" else dict(stages=K) if mode == "ranks" else
+                  dict(stages=K, devices=[f"/CPU:{i}" for i in range(K)], schedule=mode))
+            item = vfgraph.rewrite(src, vnodes=m, vnode_batch=a.vnode_batch,
+                                   allreduce="mpi" if mode == "ranks" else "none", **kw)
             paths[mode] = os.path.join(tmp, f"{mode}_{m}")
             vfgraph.save(item, paths[mode])
             if mode == "1f1b" and stages_info is None:
@@ -146,6 +169,9 @@ def main() -> None:
                "two-ops": run_worker(paths["base"], "two-ops", m, a),
                "1f1b": run_worker(paths["1f1b"], "1f1b", m, a),
                "gpipe": run_worker(paths["gpipe"], "gpipe", m, a)}
+        if a.ranks:
+            row["ranks"] = run_worker(paths["ranks"], "ranks", m, a)
+            row["speedup_ranks"] = row["one-core"]["step_s"] / row["ranks"]["step_s"]
         best = min(row["1f1b"]["step_s"], row["gpipe"]["step_s"])
         row["speedup"] = row["one-core"]["step_s"] / best
         row["speedup_1f1b"] = row["one-core"]["step_s"] / row["1f1b"]["step_s"]
@@ -157,7 +183,8 @@ def main() -> None:
         print(f"{m:>3} {row['one-core']['step_s']:>10.3f} {row['two-threads']['step_s']:>10.3f} "
               f"{row['two-ops']['step_s']:>10.3f} "
               f"{row['1f1b']['step_s']:>8.3f} {row['gpipe']['step_s']:>8.3f} {row['speedup']:>8.2f} "
-              f"{row['bound']:>6.2f} {row['efficiency']:>10.2f}")
+              f"{row['bound']:>6.2f} {row['efficiency']:>10.2f}"
+              + (f"   2 ranks {row['ranks']['step_s']:.3f} s, x{row['speedup_ranks']:.2f}" if a.ranks else ""))
     last = results[-1]
     mib = float(1 << 20)
     print(f"\npeak memory rise at M={last['vnodes']}: one-core {last['one-core']['peak_rise_bytes'] / mib:.1f} MiB, "
