@@ -103,7 +103,7 @@ def worker(args) -> None:
         reports = MPI.COMM_WORLD.gather(report, root=0)
         if rank:
             return
-        report = max(reports, key=lambda r: r["step_s"])
+        report = dict(max(reports, key=lambda r: r["step_s"]))
         report["ranks"] = reports
     print(json.dumps(report))
 

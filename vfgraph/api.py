@@ -92,9 +92,11 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     ``verify_each``: verify after every pass, not only at the end (names the pass that broke
     the graph; costs a verify per pass).
 
-    ``stages`` > 1 cuts the training step into that many pipeline stages, stage k placed on
-    ``devices[k]`` (partition-stages: ``split_at`` names the forward ops that start stages
-    2..K, ``schedule`` "1f1b" keeps at most K virtual nodes in flight, "gpipe" all)."""
+    ``stages`` > 1 cuts the training step into that many pipeline stages (partition-stages),
+    stage k placed on ``devices[k]``, or without ``devices`` run by MPI rank k of
+    ``mpiexec -n stages`` (``train_stage_<k+1>`` signatures); ``split_at`` names the forward
+    ops that start stages 2..K, ``schedule`` "1f1b" keeps at most K virtual nodes in flight,
+    "gpipe" all."""
     if allreduce not in ("mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi' or 'none'")
     with _gc_paused():

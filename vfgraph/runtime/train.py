@@ -292,7 +292,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     from tqdm import tqdm
 
     def open_model():
-        loaded = savedmodel.load_to_run(model, variable_devices=stages is not None)
+        loaded = savedmodel.load_to_run(model, variable_devices=in_process > 1)
         if signature not in loaded.signatures:
             raise InputError(f"{model}: no signature {signature!r} (has: {', '.join(sorted(loaded.signatures))}); "
                              "pass --train-signature NAME")
@@ -429,7 +429,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     collect()
     if not w.is_root:
         return None
-    _save_trained(loaded, model, out, losses, variable_devices=stages is not None)
+    _save_trained(loaded, model, out, losses, variable_devices=in_process > 1)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return TrainResult(out, steps, losses)
 
