@@ -392,7 +392,8 @@ def cmd_inspect(args) -> int:
                   f"{st.in_flight(rw.vnodes if rw else st.count)} virtual nodes in flight)")
             for k, part in enumerate(st.parts, 1):
                 cut = f"; {_size(st.cut_bytes[k - 1])}/example to stage {k + 1}" if k <= len(st.cut_bytes) else ""
-                where = part.device or f"MPI rank {k - 1} (signature {st.signatures[k - 1]!r})"
+                where = part.device or f"MPI rank {k - 1}" + (
+                    f" (signature {st.signatures[k - 1]!r})" if k <= len(st.signatures) else "")
                 print(f"    stage {k} on {where}: {part.ops} ops, {len(part.variables)} variables "
                       f"({_size(part.parameter_bytes)}), optimizer state {_size(part.optimizer_state_bytes)}{cut}")
         ar = reduced.get(key)
