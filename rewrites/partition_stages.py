@@ -29,7 +29,7 @@ from typing import ClassVar, Dict, Optional, Tuple
 
 from vfgraph import records
 from vfgraph.analysis.stages import StagePlan, plan_stages
-from vfgraph.analysis.train_step import TrainStep, analyze_train_step, check_batch_inputs, training_signature
+from vfgraph.analysis.train_step import analyze_train_step, check_batch_inputs, training_signature
 from vfgraph.errors import PipelineError
 from vfgraph.io.signatures import has_object_graph, set_variable_devices
 from vfgraph.ir.attrs import type_attr
@@ -86,7 +86,7 @@ class PartitionStagesPass(Pass):
                                 "--devices to run the stages in one process, or --split-at to keep its readers on one "
                                 "stage")
         owner = _variable_stages(plan, sig)
-        where = place(g, step, plan, owner)
+        where = place(g, plan, owner)
         fdef = _split_identity_n(item, sig.function, plan, where)
         ops = [0] * len(plan.stages)
         for node in fdef.node_def:
@@ -141,7 +141,7 @@ def _variable_stages(plan: StagePlan, sig) -> Dict[str, int]:
     return {a: by_name[v.name] for a, v in sig.variables.items() if v.name in by_name}
 
 
-def place(g: FunctionGraph, step: TrainStep, plan: StagePlan, owner: Dict[str, int]) -> Dict[str, int]:
+def place(g: FunctionGraph, plan: StagePlan, owner: Dict[str, int]) -> Dict[str, int]:
     """Node -> stage for the ops of the step: the per-example ops as the plan places them;
     an op reading an owned variable on that variable's stage; any other op on the stage of
     every op that reads its outputs when they agree (a variable's read, its update's
@@ -159,7 +159,6 @@ def place(g: FunctionGraph, step: TrainStep, plan: StagePlan, owner: Dict[str, i
         if len(readers) == 1 and None not in readers:
             where[n] = readers.pop()
     return where
-
 
 
 def _split_identity_n(item: GraphItem, function: str, plan: StagePlan, where: Dict[str, int]):
