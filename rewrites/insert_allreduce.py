@@ -31,7 +31,7 @@ from vfgraph.ir.graph import FunctionGraph, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult, option, register
-from vfgraph.records import Allreduce, VirtualNodes
+from vfgraph.records import Allreduce, Stages, VirtualNodes
 
 DEFAULT_FUSION_MB = 4.0  # MiB; ResNet-50 gradients sum fastest in 1-4 MiB buffers (tools/bench_scaling.py)
 ALIGN = 64  # bytes: TensorFlow's CPU split shares the input buffer for outputs aligned to this
@@ -73,9 +73,11 @@ class InsertAllreducePass(Pass):
         notes: List[str] = []
         for key in todo:
             buffers = []
+            staged = records.get(item, Stages).get(key)
             for fn in split[key].reduce_functions:
+                over = staged.count if staged is not None and fn in staged.reduce_functions else 0
                 functions, groups = reduce_functions(item.function(fn), int(self.fusion_mb * (1 << 20)), item.library,
-                                                     item.new_function)
+                                                     item.new_function, stages=over)
                 for f in functions:
                     item.set_function(f)
                 verify_function_def(item.function(fn), item.library)
@@ -125,10 +127,12 @@ def _elements(shape) -> int:
     return math.prod(shape)  # Python integers: exact, and no numpy call per tensor
 
 
-def reduce_functions(header, limit: int, library, new_function=None):
+def reduce_functions(header, limit: int, library, new_function=None, stages: int = 0):
     """A reduce function's new body and its two branches: ``VfSize() > 1`` picks
     ``<fn>_all`` (fused all-reduce, gathers) over ``<fn>_one`` (identity), so one process
-    runs no collective and copies nothing. Returns (functions to add, argument names per
+    runs no collective and copies nothing. ``stages`` > 0: a pipeline stage's reduce function,
+    summed over the ranks of its stage (the replicas of the pipeline; the identity without
+    replicas). Returns (functions to add, argument names per
     buffer): the new body, and the branches unless ``new_function(name)`` gave the library
     entries they were written into."""
     fn = header.signature.name
@@ -140,6 +144,7 @@ def reduce_functions(header, limit: int, library, new_function=None):
     buffers = _fused_buffers(header, shapes, limit)
     gathers = [i for i, n in enumerate(names) if n.startswith("gather_")]
     i32 = types_pb2.DT_INT32
+    over = {"stages": stages} if stages else {}
 
     b = FunctionGraph.new(f"{fn}_all", library, new_function(f"{fn}_all") if new_function else None)
     xs = [b.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None) for i, a in enumerate(args)]
@@ -165,7 +170,7 @@ def reduce_functions(header, limit: int, library, new_function=None):
                           Tidx=type_attr(i32))
         else:
             packed = b.op("Identity", pieces, name="pack", deps=prev, T=t)
-        summed = b.op("VfAllreduce", [packed[0]], name="allreduce", T=t)
+        summed = b.op("VfAllreduce", [packed[0]], name="allreduce", T=t, **over)
         prev = [summed]
         if len(buf) > 1:
             if static:
@@ -190,7 +195,7 @@ def reduce_functions(header, limit: int, library, new_function=None):
                           shapes=[shapes[i]])[0]
     for i in gathers:
         x = b.op("Identity", [xs[i]], name="gather_input", deps=prev, T=type_attr(types[i]))
-        prev = [b.op("VfAllgather", [x[0]], name="allgather", T=type_attr(types[i]), shapes=[shapes[i]])]
+        prev = [b.op("VfAllgather", [x[0]], name="allgather", T=type_attr(types[i]), shapes=[shapes[i]], **over)]
         out[i] = prev[0][0]
     for name, ref, dtype in zip(outs, out, types):
         b.ret(name, ref, dtype)
@@ -203,7 +208,7 @@ def reduce_functions(header, limit: int, library, new_function=None):
     lib.update({multi.signature.name: multi, one.signature.name: one})
     m = FunctionGraph.new(fn, lib)
     xs = [m.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None) for i, a in enumerate(args)]
-    size = m.op("VfSize", name="size")
+    size = m.op("VfSize", name="size", **over)
     cond = m.op("Greater", [size[0], m.const(1, i32, "one")[0]], name="multi", T=type_attr(i32))
     branch = m.op("If", [cond[0]] + xs, name="reduce", Tcond=type_attr(types_pb2.DT_BOOL), Tin=types_attr(types),
                   Tout=types_attr(types), then_branch=func_attr(multi.signature.name),

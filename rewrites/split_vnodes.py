@@ -86,15 +86,17 @@ class SplitVnodesPass(Pass):
         stepwise, notes = add_stepwise(item, g, step, loop, udef, reduce_fn) if self.stepwise else (False, [])
         item.set_function(stepped)
         item.preserve.add(sig.function)
+        reduce_fns = (reduce_fn,)
         if stages is not None and stages.on_ranks and stages.count > 1:
-            records.put(item, sig.key, replace(stages, signatures=add_stage_steps(
-                item, g, step, vdef, udef, self.vnodes, b, stages)))
+            keys, stage_reduce = add_stage_steps(item, g, step, vdef, udef, self.vnodes, b, stages)
+            records.put(item, sig.key, replace(stages, signatures=keys, reduce_functions=stage_reduce))
+            reduce_fns += stage_reduce
         gradients = tuple(Gradient(str(c.ref), sig.variables[c.variable].name if c.variable else None, c.role,
                                    None if c.shape is None else tuple(c.shape)) for c in step.cut)
         records.put(item, sig.key, VirtualNodes(
             function=sig.function, vnodes=self.vnodes, vnode_batch=b, vnode_function=vnode_fn,
             update_function=update_fn, per_vnode_seeds=tuple(seeded), stepwise=stepwise,
-            reduce_functions=(reduce_fn,), gradients=gradients))
+            reduce_functions=reduce_fns, gradients=gradients))
         return PassResult(item, True, notes)
 
     def _vnode_batch(self, g: FunctionGraph, sig) -> int:
@@ -496,15 +498,16 @@ def _accumulate(fb: FunctionGraph, acc: TensorRef, value: TensorRef, c) -> Node:
 
 # --------------------------------------------------------------------------- stages on MPI ranks
 def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int,
-                    stages: Stages) -> Tuple[str, ...]:
+                    stages: Stages) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """Add ``<train>_stage_1`` .. ``<train>_stage_K``: the training step of each pipeline stage
     partition-stages marked for MPI ranks (rank k runs stage k+1). Each runs the virtual-node
     loop over its stage's part of the virtual-node function, whose tensors from other stages
     arrive by ``VfRecv`` and whose tensors for other stages leave by ``VfSend`` (tag: the
     virtual node's index times the messages per virtual node, plus the message's place in
-    a fixed order); then its part of the update, once, on its own gradients' means; then it
-    returns the step's outputs, broadcast from the stage that computes them. Returns the
-    signature keys."""
+    a fixed order); then its reduce function (identity until ``insert-allreduce`` sums it over
+    the replicas of the stage: ranks r and r + K of ``mpiexec -n K*D``); then its part of the
+    update, once, on its own gradients' means; then it returns the step's outputs, broadcast
+    from the stage that computes them. Returns the signature keys and the reduce functions."""
     from vfgraph import ops as mpi_ops
 
     sig = step.signature
@@ -542,7 +545,7 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         return k_count - 1
     owners = [owner(k, r) for k, (_, r) in enumerate(rets)]
     needed, messages = _stage_parts(gv, where, rets, owners, k_count)
-    names = []
+    names, reducers = [], []
     for s in range(k_count):
         tag = f"stage{s + 1}"
         vdef_s = _stage_vnode_function(item, gv, where, rets, owners, needed[s], messages, s, k_count, tag)
@@ -552,6 +555,9 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         loop = _Loop(g, view, vdef_s, vnodes, b, lib, item.new_function, stages.in_flight(vnodes), tag,
                      len(messages))
         udef_s = _stage_update_function(item, udef, sig, step, [k - n_out for k in mine if k >= n_out], s, tag)
+        reduce_s = function_name(sig.function, tag, "reduce")
+        item.set_function(reduce_function(reduce_s, _reduce_specs(g, view)))
+        reducers.append(reduce_s)
         fn = function_name(sig.function, tag, "0")
         header = entry_header(g, fn, list(wrapper.args), (), list(wrapper.outputs),
                               [g.dtype(o.ref) for o in step.outputs])
@@ -559,7 +565,7 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         by = dict(zip(wrapper.args, args))
         res = [by[a] for a in sig.invariant_args]
         outs, sums, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
-        count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
+        outs, sums, count = loop.reduce(fb, outs, sums, nv, reduce_s)
         results = iter(loop.outputs(fb, outs, count, nv))
         call, _ = _update(fb, udef_s, _means(fb, view, sums, count), res, after=[done])
         last = call
@@ -572,7 +578,7 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         verify_function_def(fb.finish(), lib)
         names.append(f"{key}_stage_{s + 1}")
         add_signature(item, names[-1], fn, wrapper, takes_inputs=True)
-    return tuple(names)
+    return tuple(names), tuple(reducers)
 
 
 def _through_identities(gv: FunctionGraph, ref: TensorRef, where) -> TensorRef:

@@ -391,11 +391,11 @@ def cmd_inspect(args) -> int:
             print(f"  pipeline stages: {st.count} ({st.schedule}: at most "
                   f"{st.in_flight(rw.vnodes if rw else st.count)} virtual nodes in flight)")
             for k, part in enumerate(st.parts, 1):
-                cut = f"; {_size(st.cut_bytes[k - 1])}/example to stage {k + 1}" if k <= len(st.cut_bytes) else ""
+                cut = f"; {outputs.size_text(st.cut_bytes[k - 1])}/example to stage {k + 1}" if k <= len(st.cut_bytes) else ""
                 where = part.device or f"MPI rank {k - 1}" + (
                     f" (signature {st.signatures[k - 1]!r})" if k <= len(st.signatures) else "")
                 print(f"    stage {k} on {where}: {part.ops} ops, {len(part.variables)} variables "
-                      f"({_size(part.parameter_bytes)}), optimizer state {_size(part.optimizer_state_bytes)}{cut}")
+                      f"({outputs.size_text(part.parameter_bytes)}), optimizer state {outputs.size_text(part.optimizer_state_bytes)}{cut}")
         ar = reduced.get(key)
         if ar:
             fused = [b for b in ar.buffers[0] if b[0].startswith("sum_")]
@@ -418,14 +418,6 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _print_stages(plan) -> None:
     """The stage plan as a small table."""
     how = "split at the given ops" if plan.chosen == "split-at" else "balanced by estimated cost"
@@ -434,21 +426,21 @@ def _print_stages(plan) -> None:
     rows = [("stage", "fwd ops", "bwd ops", "est. FLOPs", "params", "opt state", "first op")]
     for st in plan.stages:
         rows.append((str(st.index), str(st.forward_ops), str(st.backward_ops), f"{st.flops:,}",
-                     f"{len(st.variables)} ({_size(st.parameter_bytes)})",
-                     f"{len(st.optimizer_state)} ({_size(st.optimizer_state_bytes)})", st.first))
+                     f"{len(st.variables)} ({outputs.size_text(st.parameter_bytes)})",
+                     f"{len(st.optimizer_state)} ({outputs.size_text(st.optimizer_state_bytes)})", st.first))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         cells = [c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
         print("  " + "  ".join(cells + [r[-1]]))
     for c in plan.cuts:
         names = ", ".join(t for t, _ in c.tensors[:3]) + (" ..." if len(c.tensors) > 3 else "")
-        print(f"  cut {c.index}|{c.index + 1}: {len(c.tensors)} tensor(s), {_size(c.bytes)} ({names})")
+        print(f"  cut {c.index}|{c.index + 1}: {len(c.tensors)} tensor(s), {outputs.size_text(c.bytes)} ({names})")
     share = max(st.flops for st in plan.stages) / max(plan.flops, 1)
     print(f"  largest stage: {share:.0%} of {plan.flops:,} estimated FLOPs")
     if plan.replicated:
-        print(f"  on every stage: {', '.join(plan.replicated)} ({_size(plan.replicated_bytes)})")
+        print(f"  on every stage: {', '.join(plan.replicated)} ({outputs.size_text(plan.replicated_bytes)})")
     for v in plan.shared:
-        print(f"  shared: {v.name} is read by stages {', '.join(map(str, v.stages))} ({_size(v.bytes)})")
+        print(f"  shared: {v.name} is read by stages {', '.join(map(str, v.stages))} ({outputs.size_text(v.bytes)})")
     placed = ", ".join(f"{n} {k}" for k, n in plan.placement.items() if n)
     print(f"  backward ops placed by: {placed or 'none'}")
     for t, got, want in plan.misplaced:

@@ -159,8 +159,9 @@ class Stages:
     or "1f1b") bounds how many virtual nodes are in flight at once; ``cut_bytes`` are the
     activation bytes per example crossing each cut; ``shared`` the variables several stages
     read, ``replicated`` those no stage owns (step counters, learning rates). On MPI ranks
-    (no devices), ``signatures`` are the training signatures of stages 1..K (rank k runs
-    stage k+1)."""
+    (no devices), ``signatures`` are the training signatures of stages 1..K (rank r runs
+    stage r mod K + 1 of replica r // K), ``reduce_functions`` the reduce functions they call
+    (summed over a stage's replicas)."""
 
     PASS: ClassVar[str] = "partition-stages"
     function: str
@@ -171,6 +172,7 @@ class Stages:
     shared: Tuple[str, ...] = ()
     replicated: Tuple[str, ...] = ()
     signatures: Tuple[str, ...] = ()
+    reduce_functions: Tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
@@ -191,13 +193,15 @@ class Stages:
     def to_json(self) -> dict:
         return {"function": self.function, "parts": [p.to_json() for p in self.parts], "schedule": self.schedule,
                 "split_at": list(self.split_at), "cut_bytes": list(self.cut_bytes), "shared": list(self.shared),
-                "replicated": list(self.replicated), "signatures": list(self.signatures)}
+                "replicated": list(self.replicated), "signatures": list(self.signatures),
+                "reduce_functions": list(self.reduce_functions)}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "Stages":
         return cls(d["function"], tuple(StagePart.from_json(p) for p in d.get("parts", ())), d.get("schedule", "1f1b"),
                    tuple(d.get("split_at", ())), tuple(d.get("cut_bytes", ())), tuple(d.get("shared", ())),
-                   tuple(d.get("replicated", ())), tuple(d.get("signatures", ())))
+                   tuple(d.get("replicated", ())), tuple(d.get("signatures", ())),
+                   tuple(d.get("reduce_functions", ())))
 
 
 Record = Union[VirtualNodes, Allreduce, Microbatch, Stages]

@@ -81,6 +81,7 @@ def collectives(model_dir):
     import vfgraph  # noqa: F401  (initialises MPI, builds and loads the ops)
     import vfgraph.ops as ops
     from mpi4py import MPI
+    from vfgraph.errors import VfgraphError
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -332,6 +333,25 @@ def collectives(model_dir):
         ops.set_communicator(MPI.COMM_WORLD)
         return equal(ops.size().numpy(), np.int32(2))
     check("set_communicator", communicators)
+
+    # the ranks of each pipeline stage (rank r in stage r % stages): two stages of one rank
+    # each, then one stage of both ranks; without a split, the ops with stages refuse
+    def stage_communicators():
+        ops.set_communicator(comm.Dup(), stages=2)
+        equal(ops.allreduce(tf.constant([rank + 1.0]), stages=2).numpy(), np.array([rank + 1.0], np.float32))
+        equal(ops.size(stages=2).numpy(), np.int32(1))
+        equal(ops.size().numpy(), np.int32(2))
+        equal(ops.allreduce(tf.constant([rank + 1.0])).numpy(), np.array([3.0], np.float32))
+        ops.set_communicator(comm.Dup(), stages=1)
+        equal(ops.allreduce(tf.constant([rank + 1.0]), stages=1).numpy(), np.array([3.0], np.float32))
+        ops.set_communicator(MPI.COMM_WORLD)
+        return expect_error(lambda: ops.allreduce(tf.constant([1.0]), stages=2), tf.errors.FailedPreconditionError,
+                            "sums over the replicas of each of 2 pipeline stages", "not split into stages")
+    check("stage communicators", stage_communicators)
+    check("stages that do not divide the ranks", lambda: expect_error(
+        lambda: ops.set_communicator(comm.Dup(), stages=3), VfgraphError,
+        "cannot split the ranks into 3 pipeline stages: 2 ranks are not a multiple of 3"))
+    ops.set_communicator(MPI.COMM_WORLD)
     check("set_communicator rejects non-communicators", lambda: expect_error(
         lambda: ops.set_communicator(None), ValueError, "needs an mpi4py communicator"))
 

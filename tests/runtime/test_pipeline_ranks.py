@@ -1,12 +1,17 @@
 """Pipeline stages on MPI ranks under real ``mpiexec``: ``mpiexec -n K vfgraph train`` runs stage
 k on rank k-1, tensors crossing the cuts sent with VfSend / VfRecv, and trains the parameters
-one process trains with the same rewritten model (the unpartitioned step with the same V)."""
+one process trains with the same rewritten model (the unpartitioned step with the same V);
+``mpiexec -n K*D`` runs D replicas of the pipeline."""
+import json
 import os
+import re
+import signal
 import subprocess
+import time
 
 import pytest
 
-from test_mpi_train import ENV, assert_same_params, losses, run_train, train_cmd
+from test_mpi_train import ENV, _rank_pid, assert_same_params, losses, run_train, train_cmd
 
 pytestmark = pytest.mark.mpi
 
@@ -59,3 +64,67 @@ def test_a_wrong_number_of_ranks_is_one_line(staged, digits, tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "cut into 2 pipeline stages, one per MPI rank" in res.stderr and "start 2 ranks" in res.stderr
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_replicas_of_the_stages_train_what_one_process_trains(staged, digits, tmp_path):
+    """2 replicas x 2 stages on 4 ranks: each replica runs half the virtual nodes, each stage's
+    gradients are summed over its two ranks (in another order than one process adds them:
+    momentum, as the data-parallel tests, keeps that rounding within 1e-6)."""
+    model = staged("mlp:momentum", 2, "1f1b")
+    one, ranks = str(tmp_path / "one"), str(tmp_path / "ranks")
+    run_train(0, model, digits["train"], one, 3)
+    res = run_train(4, model, digits["train"], ranks, 3)
+    assert_same_params(one, ranks, 1e-6)
+    for a, b in zip(losses(one), losses(ranks)):
+        assert b == pytest.approx(a, rel=1e-6)
+    held = {int(r): (int(s), int(d), int(n)) for r, s, d, n in re.findall(
+        r"rank (\d) \(stage (\d) of 2, replica (\d)\): holds .* \((\d+) of \d+ bytes\)", res.stderr)}
+    assert sorted(held) == [0, 1, 2, 3], res.stderr[-2000:]
+    assert [(s, d) for s, d, _ in map(held.get, range(4))] == [(1, 1), (2, 1), (1, 2), (2, 2)]
+    assert held[0][2] == held[2][2] and held[1][2] == held[3][2]
+
+
+def test_each_stage_holds_and_checkpoints_only_its_variables(staged, digits, tmp_path):
+    """A stage rank reads only its own variables from the model (the others are never
+    allocated), writes them to its own checkpoint, and --resume restores each stage from its
+    part: the resumed run ends where an uninterrupted one does."""
+    from vfgraph import records
+    from vfgraph.io import savedmodel
+    from vfgraph.records import Stages
+
+    model, steps = staged("mlp:adam", 2, "1f1b"), 600
+    rec = records.read(model, Stages)["train"]
+    whole = savedmodel.variable_bytes(model)
+    out = str(tmp_path / "stopped")
+    state = out + ".ckpt/progress.json"
+    proc = subprocess.Popen(train_cmd(2, model, digits["train"], out, steps, "--checkpoint-every", "5"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.isfile(state) and json.load(open(state))["step"] >= 10:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "training finished before the interruption; raise the step count"
+        os.kill(_rank_pid(1, out), signal.SIGINT)  # one rank's request stops every rank after the step
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    held = dict((int(r), int(n)) for r, n in re.findall(r"rank (\d) \(stage .* \((\d+) of \d+ bytes\)", err))
+    assert sorted(held) == [0, 1] and all(h < 0.75 * whole for h in held.values()), (held, whole)
+    for k, h in held.items():  # its parameters and their Adam slots (and the step counter), no other stage's
+        part = rec.parts[k]
+        assert part.parameter_bytes + part.optimizer_state_bytes <= h <= \
+            part.parameter_bytes + part.optimizer_state_bytes + 64, (k, h, part)
+    with open(state) as f:
+        saved = json.load(f)
+    assert saved["step"] >= 10 and len(saved["stages"]) == 2  # the step it stopped after
+    assert all(os.path.isfile(p + ".index") for p in saved["stages"])
+    total = saved["step"] + 10
+    run_train(2, model, digits["train"], out, total, "--checkpoint-every", "5", "--resume")
+    reference = str(tmp_path / "uninterrupted")
+    run_train(2, model, digits["train"], reference, total, "--checkpoint-every", "5")
+    assert_same_params(reference, out, 1e-6)
+    assert losses(out) == pytest.approx(losses(reference), rel=1e-6)

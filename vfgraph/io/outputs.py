@@ -123,6 +123,15 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def size_text(n: int) -> str:
+    """``n`` bytes for people: ``512 B``, ``24.0 KiB``, ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def tree_bytes(*paths: Optional[str]) -> int:
     """Bytes of the files under ``paths`` (files or directories; missing ones count nothing)."""
     total = 0

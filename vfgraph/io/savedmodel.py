@@ -190,22 +190,85 @@ def _single_call(fdef, library):
     return node, callee
 
 
-def load_to_run(path: str, tags=None, variable_devices: bool = False):
+def load_to_run(path: str, tags=None, variable_devices: bool = False, without_values: bool = False):
     """``tf.saved_model.load`` for running a model (training, comparing): a model TensorFlow
     cannot load (a truncated checkpoint, an op this TensorFlow lacks) is one line naming it.
     ``variable_devices``: create each variable on the device the model saved for it (a model
-    partitioned into pipeline stages)."""
+    partitioned into pipeline stages). ``without_values``: read no variable, leaving each
+    uninitialized (no memory) until :func:`restore_signature_variables` gives it its value."""
     import tensorflow as tf
 
     policy = tf.saved_model.experimental.VariablePolicy
     options = tf.saved_model.LoadOptions(
-        experimental_variable_policy=policy.SAVE_VARIABLE_DEVICES if variable_devices else policy.NONE)
+        experimental_variable_policy=policy.SAVE_VARIABLE_DEVICES if variable_devices else policy.NONE,
+        experimental_skip_checkpoint=without_values)
     try:
         return tf.saved_model.load(path, tags=tags, options=options)
     except (tf.errors.OpError, IndexError, ValueError, KeyError) as e:
         first = (str(getattr(e, "message", "") or e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise InputError(f"{path}: TensorFlow cannot load this SavedModel ({first}); if its files were copied, copy "
                          "the whole directory again") from None
+
+
+def restore_signature_variables(path: str, fn, key: str, names=None) -> list:
+    """Give the variables signature ``key`` (the loaded function ``fn``) captures, or those of
+    them named in ``names``, their values in the checkpoint of the SavedModel at ``path``,
+    reading only those tensors: a process that runs one signature holds only its variables.
+    Returns the variables restored."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    og = read_saved_model_proto(path).meta_graphs[0].object_graph_def
+    nodes = {}
+    for child in og.nodes[0].children:
+        if child.local_name == "signatures":
+            nodes = {c.local_name: c.node_id for c in og.nodes[child.node_id].children}
+    if key not in nodes:
+        raise InputError(f"{path}: no signature {key!r} in its object graph")
+    node = og.nodes[nodes[key]]
+    name = (node.bare_concrete_function.concrete_function_name if node.HasField("bare_concrete_function")
+            else node.function.concrete_functions[0] if node.function.concrete_functions else "")
+    bound = list(og.concrete_functions[name].bound_inputs) if name in og.concrete_functions else []
+    captured = list(fn.captured_inputs)
+    if len(bound) != len(captured):
+        raise InputError(f"{path}: signature {key!r} captures {len(captured)} tensors, its object graph binds "
+                         f"{len(bound)}; re-export the model")
+    prefix = os.path.join(path, "variables", "variables")
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        graph = trackable_object_graph_pb2.TrackableObjectGraph()
+        graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    except (tf.errors.OpError, ValueError) as e:
+        raise InputError(f"{prefix}: not a readable checkpoint ({str(e).splitlines()[0]}); if the model's files "
+                         "were copied, copy the whole directory again") from None
+    by_handle = {id(v.handle): v for v in fn.variables}
+    restored = []
+    for node_id, handle in zip(bound, captured):
+        v = by_handle.get(id(handle))
+        if v is None or og.nodes[node_id].WhichOneof("kind") != "variable":
+            continue  # a captured constant, restored with the function
+        if names is not None and v.name.rsplit(":", 1)[0] not in names:
+            continue
+        keys = [a.checkpoint_key for a in graph.nodes[node_id].attributes if a.name == "VARIABLE_VALUE"]
+        if not keys:
+            raise InputError(f"{prefix}: holds no value for variable {v.name!r}; re-export the model")
+        v.assign(reader.get_tensor(keys[0]))
+        restored.append(v)
+    return restored
+
+
+def variable_bytes(path: str) -> int:
+    """Bytes of every variable of the SavedModel at ``path`` (as its object graph declares them)."""
+    import numpy as np
+    from tensorflow.python.framework import dtypes
+
+    total = 0
+    for node in read_saved_model_proto(path).meta_graphs[0].object_graph_def.nodes:
+        if node.WhichOneof("kind") == "variable":
+            dims = [d.size for d in node.variable.shape.dim]
+            if all(d >= 0 for d in dims):
+                total += int(np.prod(dims, dtype=np.int64)) * dtypes.as_dtype(node.variable.dtype).size
+    return total
 
 
 def source_fingerprint(path: str, variables_prefix: str = "") -> str:

@@ -2,17 +2,21 @@
 
 Ops (registered by the library this package builds and loads):
 
-- ``VfAllreduce(input: T) -> output: T``: elementwise sum over every rank
-  (T: half, bfloat16, float, double, int32, int64).
+- ``VfAllreduce(input: T, stages: int = 0) -> output: T``: elementwise sum over every rank
+  (T: half, bfloat16, float, double, int32, int64); with ``stages`` > 0, over the ranks of
+  this rank's pipeline stage (rank r is in stage r modulo ``stages``: the same stage of every
+  replica of a pipeline), split by :func:`set_communicator`.
 - ``VfBroadcast(input: T, root: int = 0) -> output: T``: rank ``root``'s value on every rank
   (T: the above and uint8, int8, bool).
 - ``VfBroadcastVariables(resources: N * resource, root: int = 0)``: no outputs; assigns rank
   ``root``'s value of each variable to it on every rank, in place (dtypes as VfBroadcast).
-- ``VfAllgather(input: T) -> output: T``: the inputs of all ranks concatenated along dimension 0
-  in rank order; dimension 0 may differ between ranks (T: as VfBroadcast).
+- ``VfAllgather(input: T, stages: int = 0) -> output: T``: the inputs of all ranks concatenated
+  along dimension 0 in rank order; dimension 0 may differ between ranks (T: as VfBroadcast);
+  ``stages`` as VfAllreduce.
 - ``VfCheck(fingerprint: string, what: string)``: no inputs or outputs; fails on every rank
   unless every rank has the same ``fingerprint`` (used as a control dependency).
-- ``VfRank() -> int32``, ``VfSize() -> int32``: this process's rank, the number of ranks.
+- ``VfRank(stages: int = 0) -> int32``, ``VfSize(stages: int = 0) -> int32``: this process's
+  rank, the number of ranks (``stages`` > 0: in its pipeline stage's communicator).
 - ``VfSend(input: T, tag: int32, stage: int, stages: int)``: no outputs; sends ``input`` as
   message ``tag`` to the rank of pipeline stage ``stage`` in this rank's group of ``stages``
   consecutive ranks (T: the above, int16, uint16).
@@ -131,10 +135,12 @@ def _warn_unavailable(e: Exception) -> None:
                     "(`vfgraph build-ops` builds them again)", e)
 
 
-def set_communicator(comm) -> None:
+def set_communicator(comm, stages: int = 0) -> None:
     """Make every op use the mpi4py communicator ``comm`` from now on (the default is
     ``MPI.COMM_WORLD``). Call it before running graphs with these ops, with the same kind of
-    communicator on every rank that takes part."""
+    communicator on every rank that takes part. ``stages`` > 0 also splits it into the ranks
+    of each of that many pipeline stages (rank r in stage r modulo ``stages``), which the ops
+    with that ``stages`` attribute sum over (a collective: every rank calls it alike)."""
     global _communicator
     MPI = _toolchain.import_mpi()
     if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
@@ -149,11 +155,20 @@ def set_communicator(comm) -> None:
             rc, f"MPI error {rc}: {MPI.Get_error_string(rc) if rc > 0 else ''}")
         raise VfgraphError(f"cannot use communicator {comm!r} for vfgraph's MPI ops: {reason}")
     _communicator = comm
+    if stages:
+        lib.vf_mpi_split_stages.argtypes = [ctypes.c_int]
+        lib.vf_mpi_split_stages.restype = ctypes.c_int
+        rc = lib.vf_mpi_split_stages(stages)
+        if rc != 0:
+            reason = {-1: "MPI is not initialized", -3: f"{comm.Get_size()} ranks are not a multiple of {stages}"}.get(
+                rc, f"MPI error {rc}: {MPI.Get_error_string(rc) if rc > 0 else ''}")
+            raise VfgraphError(f"cannot split the ranks into {stages} pipeline stages: {reason}")
 
 
-def allreduce(x, name: Optional[str] = None):
-    """Elementwise sum of ``x`` over all ranks (a ``VfAllreduce`` op)."""
-    return load().vf_allreduce(x, name=name)
+def allreduce(x, name: Optional[str] = None, stages: int = 0):
+    """Elementwise sum of ``x`` over all ranks (a ``VfAllreduce`` op); ``stages`` > 0: over
+    the ranks of this rank's pipeline stage (see :func:`set_communicator`)."""
+    return load().vf_allreduce(x, stages=stages, name=name)
 
 
 def broadcast(x, root: int = 0, name: Optional[str] = None):
@@ -186,9 +201,10 @@ def rank(name: Optional[str] = None):
     return load().vf_rank(name=name)
 
 
-def size(name: Optional[str] = None):
-    """The number of ranks in the communicator, as an int32 scalar tensor (a ``VfSize`` op)."""
-    return load().vf_size(name=name)
+def size(name: Optional[str] = None, stages: int = 0):
+    """The number of ranks in the communicator, as an int32 scalar tensor (a ``VfSize`` op);
+    ``stages`` > 0: in this rank's pipeline stage."""
+    return load().vf_size(stages=stages, name=name)
 
 
 def send(x, tag, stage: int, stages: int, name: Optional[str] = None):

@@ -77,6 +77,8 @@ struct CommState {
   bool user_comm = false;        // vf_mpi_set_comm chose a communicator
   MPI_Comm comm = MPI_COMM_NULL;  // that communicator
   bool errhandler_set = false;   // MPI_ERRORS_RETURN installed on the one in use
+  int stages = 0;                 // vf_mpi_split_stages split it into this many stages
+  MPI_Comm stage_comm = MPI_COMM_NULL;  // this rank's stage: the ranks equal to it modulo stages
 };
 
 CommState& State() {
@@ -133,9 +135,11 @@ absl::Status MpiFailure(const std::string& op, const std::string& node,
 }
 
 // Checks that MPI can be used from this thread and returns the communicator in
-// use, its rank and size. The caller holds CollectiveMutex().
+// use, its rank and size. The caller holds CollectiveMutex(). `stages` > 0: the
+// communicator of this rank's pipeline stage instead (the ranks equal to it modulo
+// `stages`: the same stage of every replica), which vf_mpi_split_stages made.
 absl::Status AcquireComm(const std::string& op, const std::string& node,
-                         Comm* out) {
+                         Comm* out, int stages = 0) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
@@ -162,6 +166,17 @@ absl::Status AcquireComm(const std::string& op, const std::string& node,
   CommState& state = State();
   Comm comm;
   comm.comm = state.user_comm ? state.comm : MPI_COMM_WORLD;
+  if (stages > 0) {
+    if (state.stages != stages) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          op, " (node '", node, "'): sums over the replicas of each of ", stages,
+          " pipeline stages, but this process's ranks are ",
+          state.stages ? absl::StrCat("split into ", state.stages, " stages") : "not split into stages",
+          "; train the model with 'vfgraph train', or call "
+          "vfgraph.ops.set_communicator(comm, stages=", stages, ") first"));
+    }
+    comm.comm = state.stage_comm;
+  }
   if (!state.errhandler_set) {
     const int rc = MPI_Comm_set_errhandler(comm.comm, MPI_ERRORS_RETURN);
     if (rc != MPI_SUCCESS) {
@@ -361,7 +376,9 @@ uint64_t Fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull) 
 template <typename T>
 class AllreduceOp : public OpKernel {
  public:
-  explicit AllreduceOp(OpKernelConstruction* context) : OpKernel(context) {}
+  explicit AllreduceOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("stages", &stages_));
+  }
 
   void Compute(OpKernelContext* context) override {
     const Tensor& input = context->input(0);
@@ -374,7 +391,7 @@ class AllreduceOp : public OpKernel {
     std::lock_guard<std::mutex> lock(CollectiveMutex());
     if (forwarded >= 0) CollapseHugePages(output->data(), output->TotalBytes());
     Comm comm;
-    OP_REQUIRES_OK(context, AcquireComm("VfAllreduce", name(), &comm));
+    OP_REQUIRES_OK(context, AcquireComm("VfAllreduce", name(), &comm, stages_));
     if (kIsHalf<T>) {
       OP_REQUIRES_OK(context, EnsureHalfTypes("VfAllreduce", name(), comm));
     }
@@ -391,6 +408,9 @@ class AllreduceOp : public OpKernel {
       done += n;
     } while (done < count);
   }
+
+ private:
+  int stages_ = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -586,13 +606,15 @@ constexpr int kRecordWords = sizeof(GatherRecord) / sizeof(int64_t);
 
 class AllgatherOp : public OpKernel {
  public:
-  explicit AllgatherOp(OpKernelConstruction* context) : OpKernel(context) {}
+  explicit AllgatherOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("stages", &stages_));
+  }
 
   void Compute(OpKernelContext* context) override {
     const Tensor& input = context->input(0);
     std::lock_guard<std::mutex> lock(CollectiveMutex());
     Comm comm;
-    OP_REQUIRES_OK(context, AcquireComm("VfAllgather", name(), &comm));
+    OP_REQUIRES_OK(context, AcquireComm("VfAllgather", name(), &comm, stages_));
 
     const int ndims = input.dims();
     // One copy of the sizes: dim_sizes() returns a new vector on every call.
@@ -660,6 +682,8 @@ class AllgatherOp : public OpKernel {
   }
 
  private:
+  int stages_ = 0;
+
   // The error for inputs that cannot be concatenated. Collects every rank's
   // shape (a collective all ranks enter, having seen the same records).
   absl::Status ShapeMismatch(const Comm& comm, const std::vector<int64_t>& dims,
@@ -773,18 +797,23 @@ class CheckOp : public OpKernel {
 template <bool kRank>
 class CommInfoOp : public OpKernel {
  public:
-  explicit CommInfoOp(OpKernelConstruction* context) : OpKernel(context) {}
+  explicit CommInfoOp(OpKernelConstruction* context) : OpKernel(context) {
+    OP_REQUIRES_OK(context, context->GetAttr("stages", &stages_));
+  }
 
   void Compute(OpKernelContext* context) override {
     Comm comm;
     {
       std::lock_guard<std::mutex> lock(CollectiveMutex());
-      OP_REQUIRES_OK(context, AcquireComm(kRank ? "VfRank" : "VfSize", name(), &comm));
+      OP_REQUIRES_OK(context, AcquireComm(kRank ? "VfRank" : "VfSize", name(), &comm, stages_));
     }
     Tensor* output = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({}), &output));
     output->scalar<int32_t>()() = kRank ? comm.rank : comm.size;
   }
+
+ private:
+  int stages_ = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -973,11 +1002,13 @@ REGISTER_OP("VfAllreduce")
     .Input("input: T")
     .Output("output: T")
     .Attr("T: {half, bfloat16, float, double, int32, int64}")
+    .Attr("stages: int = 0")
     .SetIsStateful()
     .SetShapeFn(shape_inference::UnchangedShape)
     .Doc(R"doc(
 Elementwise sum of `input` over every rank of the communicator; every rank
-passes the same shape and receives the sum.
+passes the same shape and receives the sum. `stages` > 0: over the ranks of this
+rank's pipeline stage only (those equal to it modulo `stages`).
 )doc");
 
 REGISTER_OP("VfBroadcast")
@@ -1006,6 +1037,7 @@ REGISTER_OP("VfAllgather")
     .Input("input: T")
     .Output("output: T")
     .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, int8, bool}")
+    .Attr("stages: int = 0")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle in;
@@ -1017,7 +1049,8 @@ REGISTER_OP("VfAllgather")
     })
     .Doc(R"doc(
 The inputs of all ranks concatenated along dimension 0, in rank order. Ranks may
-pass different sizes of dimension 0; the other dimensions must agree.
+pass different sizes of dimension 0; the other dimensions must agree. `stages` > 0:
+over the ranks of this rank's pipeline stage only (as VfAllreduce).
 )doc");
 
 REGISTER_OP("VfCheck")
@@ -1031,16 +1064,18 @@ what the fingerprint identifies in the error.
 )doc");
 
 REGISTER_OP("VfRank")
+    .Attr("stages: int = 0")
     .Output("rank: int32")
     .SetIsStateful()
     .SetShapeFn(shape_inference::ScalarShape)
-    .Doc("This process's rank in the communicator.");
+    .Doc("This process's rank in the communicator (`stages` > 0: in its pipeline stage's).");
 
 REGISTER_OP("VfSize")
+    .Attr("stages: int = 0")
     .Output("size: int32")
     .SetIsStateful()
     .SetShapeFn(shape_inference::ScalarShape)
-    .Doc("The number of ranks in the communicator.");
+    .Doc("The number of ranks in the communicator (`stages` > 0: in its pipeline stage's).");
 
 REGISTER_OP("VfSend")
     .Input("input: T")
@@ -1134,5 +1169,36 @@ extern "C" __attribute__((visibility("default"))) int vf_mpi_set_comm(int fortra
   state.comm = comm;
   state.user_comm = true;
   state.errhandler_set = true;
+  if (state.stage_comm != MPI_COMM_NULL) MPI_Comm_free(&state.stage_comm);  // split another one
+  state.stages = 0;
+  return 0;
+}
+
+// Splits the communicator in use into the ranks of each of `stages` pipeline
+// stages (rank r joins stage r modulo `stages`: the same stage of every replica),
+// for the ops whose `stages` attribute names that number. Every rank calls it,
+// with the same `stages`. Returns 0 on success, -1 when MPI is not initialised,
+// -3 when the ranks cannot form that many stages, otherwise the MPI error code.
+extern "C" __attribute__((visibility("default"))) int vf_mpi_split_stages(int stages) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return -1;
+  std::lock_guard<std::mutex> lock(vfgraph::CollectiveMutex());
+  vfgraph::CommState& state = vfgraph::State();
+  MPI_Comm comm = state.user_comm ? state.comm : MPI_COMM_WORLD;
+  int rank = 0, size = 0;
+  int rc = MPI_Comm_rank(comm, &rank);
+  if (rc != MPI_SUCCESS) return rc;
+  rc = MPI_Comm_size(comm, &size);
+  if (rc != MPI_SUCCESS) return rc;
+  if (stages < 1 || size % stages != 0) return -3;
+  MPI_Comm split = MPI_COMM_NULL;
+  rc = MPI_Comm_split(comm, rank % stages, rank, &split);
+  if (rc != MPI_SUCCESS) return rc;
+  rc = MPI_Comm_set_errhandler(split, MPI_ERRORS_RETURN);
+  if (rc != MPI_SUCCESS) return rc;
+  if (state.stage_comm != MPI_COMM_NULL) MPI_Comm_free(&state.stage_comm);
+  state.stage_comm = split;
+  state.stages = stages;
   return 0;
 }

@@ -278,8 +278,11 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     b, reduces = vnode_layout(model, signature)
     stages = stages_of(model, signature)
     ranked = stages is not None and stages.on_ranks and stages.count > 1  # one pipeline stage per rank
-    w = world(need_mpi=reduces or ranked)
+    w = world(need_mpi=reduces or ranked, stages=stages.count if ranked else 0)
     ranked = ranked and w.size > 1
+    k_count = stages.count if ranked else 1
+    # ranked: rank r runs stage r % K of replica r // K; each replica trains on its share of the batch
+    groups, group = (w.size // k_count, w.rank // k_count) if ranked else (w.size, w.rank)
     in_process = stages.count if stages is not None and not stages.on_ranks else 1  # stages on this process's devices
     threads = w.agree(lambda: place_threads(w, threads, in_process))
     prepare_devices(stages)
@@ -291,18 +294,37 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     import tensorflow as tf
     from tqdm import tqdm
 
+    resident_at_start = resident_bytes("VmRSS")  # Python and TensorFlow, before the model
+    held_vars: list = []  # ranked: the variables this rank's stage reads, the only ones it holds
+
     def open_model():
-        loaded = savedmodel.load_to_run(model, variable_devices=in_process > 1)
+        if ranked:
+            if w.size % k_count or vnodes_per_rank:
+                raise InputError(f"{model}: its training step is cut into {k_count} pipeline stages, one per MPI "
+                                 f"rank, each running every virtual node: start {k_count} ranks (mpiexec -n "
+                                 f"{k_count}), or {k_count}*D for D replicas of the pipeline, without "
+                                 "--vnodes-per-rank, or one process")
+            if groups > 1 and not reduces:
+                raise InputError(f"{model}: {groups} replicas of its {k_count} pipeline stages need the all-reduce "
+                                 "between them; rewrite it with --allreduce mpi")
+            _same_model(w, model)
+        # a stage on a rank reads only its own variables: the others stay uninitialized, no memory
+        loaded = savedmodel.load_to_run(model, variable_devices=in_process > 1, without_values=ranked)
         if signature not in loaded.signatures:
             raise InputError(f"{model}: no signature {signature!r} (has: {', '.join(sorted(loaded.signatures))}); "
                              "pass --train-signature NAME")
         fn = loaded.signatures[signature]
         if ranked:
-            if w.size != stages.count or vnodes_per_rank:
-                raise InputError(f"{model}: its training step is cut into {stages.count} pipeline stages, one per MPI "
-                                 f"rank, each running every virtual node: start {stages.count} ranks (mpiexec -n "
-                                 f"{stages.count}) without --vnodes-per-rank, or one process")
-            fn = loaded.signatures[stages.signatures[w.rank]]
+            key = stages.signatures[w.rank % k_count]
+            fn = loaded.signatures[key]
+            part = stages.parts[w.rank % k_count]
+            held_vars[:] = savedmodel.restore_signature_variables(
+                model, fn, key, set(part.variables + part.optimizer_state + stages.replicated))
+            held = sum(v.shape.num_elements() * v.dtype.size for v in held_vars)
+            whole = savedmodel.variable_bytes(model)
+            log.info("rank %d (stage %d of %d, replica %d): holds %s of the model's %s of variables (%d of %d "
+                     "bytes)", w.rank, w.rank % k_count + 1, k_count, group + 1, outputs.size_text(held),
+                     outputs.size_text(whole), held, whole)
         _, specs = fn.structured_input_signature
         data = check_data(load_data(data_path, specs), specs, data_path, signature)
         keys = sorted(specs)
@@ -311,15 +333,15 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {data_path}")
         check_batch(model, signature, batch_size)
         rows = (0, batch_size)
-        if w.size > 1 and f"{signature}_broadcast" not in loaded.signatures:
+        if w.size > 1 and not ranked and f"{signature}_broadcast" not in loaded.signatures:
             raise InputError(f"{model}: no {signature}_broadcast signature to start the ranks from the same "
                              "variables; rewrite it with a SavedModel input and --allreduce mpi")
-        if (w.size > 1 or vnodes_per_rank) and not ranked:
+        if groups > 1 or (vnodes_per_rank and not ranked):
             if not b:
                 raise InputError(f"{model}: its virtual-node batch is derived from the fed batch, so ranks cannot "
                                  "share a global batch; rewrite it with --vnode-batch B")
-            per = shares(batch_size // b, w.size, vnodes_per_rank)
-            rows = (sum(per[:w.rank]) * b, sum(per[:w.rank + 1]) * b)
+            per = shares(batch_size // b, groups, None if ranked else vnodes_per_rank)
+            rows = (sum(per[:group]) * b, sum(per[:group + 1]) * b)
         return loaded, fn, data, keys, rows
 
     loaded, fn, data, keys, (lo, hi) = w.agree(open_model)
@@ -329,49 +351,62 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         config = {"batch_size": batch_size, "seed": seed, "signature": signature,
                   "vnodes": [rec.vnodes, rec.vnode_batch] if rec else [1, 0],
                   "model": savedmodel.source_fingerprint(model, None), "data": data_fingerprint(data)}
-    ckpt = tf.train.Checkpoint(variables=list(fn.variables))
+    held_vars = held_vars if ranked else list(fn.variables)
+    ckpt = tf.train.Checkpoint(variables=held_vars)
     start, losses, last_ckpt = 0, [], None
+    if ranked:  # each stage restores its own part of the checkpoint
+        state = w.bcast(state)
 
     def restore():
         nonlocal start, losses, last_ckpt
         if state is None:
+            if not w.is_root:
+                return
             if resume:
                 log.warning("no checkpoint in %s: training from step 0", ckpt_dir)
             elif os.path.isdir(ckpt_dir):  # --force: the unfinished run's checkpoint is discarded
                 shutil.rmtree(ckpt_dir)
             return
-        changed = _changed(state.get("config", {}), config)
+        changed = _changed(state.get("config", {}), config) if w.is_root else []
         if changed:
             raise InputError(f"--resume: {ckpt_dir} was written by a run with another configuration "
                              f"({'; '.join(changed)}); resume with the same options and data, or pass --force "
                              "(without --resume) to train from the start")
+        path = state["checkpoint"]
+        if ranked:
+            parts = state.get("stages") or []
+            if len(parts) != k_count:
+                raise InputError(f"--resume: {ckpt_dir} holds no checkpoint of each of the {k_count} pipeline stages; "
+                                 "move it away to train from the start")
+            path = parts[w.rank % k_count]
         try:
-            ckpt.read(state["checkpoint"]).assert_consumed()
+            ckpt.read(path).assert_consumed()
         except (tf.errors.OpError, AssertionError, ValueError) as e:
-            raise InputError(f"{state['checkpoint']}: cannot restore the checkpoint ({str(e).splitlines()[0]}); "
+            raise InputError(f"{path}: cannot restore the checkpoint ({str(e).splitlines()[0]}); "
                              f"move {ckpt_dir} away to train from the start") from None
         start, losses, last_ckpt = state["step"], list(state["losses"]), state["step"]
-        log.info("resuming at step %d", start)
+        if w.is_root:
+            log.info("resuming at step %d", start)
 
-    w.agree(lambda: restore() if w.is_root else None)
+    w.agree(lambda: restore() if w.is_root or ranked else None)
     start, losses = w.bcast((start, losses))
     if start > steps:
         raise InputError(f"--steps {steps}: the checkpoint in {ckpt_dir} is at step {start} already; give more steps")
     where = "start"
-    variables = [v for v in fn.variables if v.dtype.is_floating]
+    variables = [v for v in held_vars if v.dtype.is_floating]
 
-    def finite() -> bool:  # the same on every rank: all hold the same parameters
-        return allow_nonfinite or all(bool(tf.reduce_all(tf.math.is_finite(v))) for v in variables)
-
-    def collect() -> None:  # rank 0 takes each stage's variables from the rank that updates them
-        if ranked:
-            _collect_stages(w, fn, stages)
+    def finite() -> bool:  # the same on every rank (each stage checks its own parameters)
+        ok = allow_nonfinite or all(bool(tf.reduce_all(tf.math.is_finite(v))) for v in variables)
+        return all(w.gather(ok)) if ranked else ok
 
     def save_checkpoint(done: int) -> None:
         nonlocal last_ckpt
-        collect()
-        if w.is_root:
-            _checkpoint(ckpt, ckpt_dir, done, losses, config)
+        parts = None
+        if ranked:  # the first replica's stages each write their own variables
+            part = w.agree(lambda: _write_part(ckpt, ckpt_dir, f"step-{done}-stage-{w.rank + 1}")
+                           if w.rank < k_count else None)
+            parts = w.gather(part)[:k_count]
+        w.agree(lambda: _checkpoint(ckpt, ckpt_dir, done, losses, config, parts) if w.is_root else None)
         last_ckpt = done
 
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
@@ -381,7 +416,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             if w.is_root:
                 log.info("%d ranks, %d TensorFlow threads each (intra-op; one inter-op): %s", w.size, threads,
                          "; ".join(table))
-            loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
+            if not ranked:  # (stages read their variables from the same files, checked above)
+                loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
         with _StopRequests() as stop:
             for step in bar:
                 where = f"step {step}"
@@ -426,7 +462,13 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         raise
     finally:
         bar.close()
-    collect()
+    peak = resident_bytes("VmHWM")
+    if peak:
+        log.info("%speak resident memory %s, %s of it above the process before the model loaded (%d bytes)",
+                 f"rank {w.rank}: " if w.size > 1 else "", outputs.size_text(peak),
+                 outputs.size_text(peak - resident_at_start), peak - resident_at_start)
+    if ranked:  # rank 0 takes each stage's variables from the rank that updates them
+        _collect_stages(w, loaded, held_vars, stages, model, signature)
     if not w.is_root:
         return None
     _save_trained(loaded, model, out, losses, variable_devices=in_process > 1)
@@ -434,15 +476,48 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     return TrainResult(out, steps, losses)
 
 
-def _collect_stages(w, fn, stages) -> None:
-    """Give rank 0 the values of the variables every other rank's pipeline stage updates
-    (its parameters and optimizer state), so that it holds the whole trained model."""
+def _collect_stages(w, loaded, held, stages, model: str, signature: str) -> None:
+    """Give rank 0 the whole trained model: the variables every other rank's pipeline stage
+    updates (its parameters and optimizer state, from the first replica), over the model's own
+    values of those no stage reads."""
+    import tensorflow as tf
+
     owner = {name: k for k, part in enumerate(stages.parts) for name in part.variables + part.optimizer_state}
-    by_name = {v.name.rsplit(":", 1)[0]: v for v in fn.variables}
-    mine = {n: v.numpy() for n, v in by_name.items() if owner.get(n) == w.rank} if w.rank else {}
-    for values in w.comm.gather(mine, root=0) or []:
-        for n, value in values.items():
-            by_name[n].assign(value)
+    mine = {v.name.rsplit(":", 1)[0]: v for v in held}
+    sent = {n: v.numpy() for n, v in mine.items() if owner.get(n) == w.rank} if 0 < w.rank < stages.count else {}
+    got = w.comm.gather(sent, root=0)
+    if not w.is_root:
+        return
+    trained = {n: v.numpy() for n, v in mine.items()}
+    for values in got:
+        trained.update(values)
+    tf.train.Checkpoint(root=loaded).read(os.path.join(model, "variables", "variables")).expect_partial()
+    for v in loaded.signatures[signature].variables:
+        name = v.name.rsplit(":", 1)[0]
+        if name in trained:
+            v.assign(trained[name])
+
+
+def resident_bytes(field: str) -> int:
+    """This process's resident memory now (``VmRSS``) or at its peak (``VmHWM``), in bytes; 0
+    where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _same_model(w, model: str) -> None:
+    """Every rank opens the same model (pipeline stages start from its files, not from rank 0)."""
+    fingerprints = w.gather(savedmodel.source_fingerprint(model, None))
+    other = next((r for r, f in enumerate(fingerprints) if f != fingerprints[0]), None)
+    if other is not None:
+        raise InputError(f"rank {other} opened another model than rank 0 at {model}; give every rank the same "
+                         "model (a path on a shared file system)")
 
 
 def _kept(ckpt_dir: str, last: Optional[int], every: int) -> str:
@@ -462,26 +537,43 @@ def _nonfinite_message(step: int, loss: float, feed: Dict[str, np.ndarray], ckpt
             f"{_kept(ckpt_dir, last, every)}; {hint}, or pass --allow-nonfinite to train on")
 
 
-def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Optional[dict]) -> None:
-    """Write the checkpoint of ``step`` steps, then (atomically) the record that names it, then
-    remove older ones: a run stopped at any moment keeps a complete checkpoint."""
+def _write_part(ckpt, ckpt_dir: str, name: str) -> str:
+    """Write ``ckpt`` as ``ckpt_dir/name``; returns its path. A failed write leaves no file of it."""
     os.makedirs(ckpt_dir, exist_ok=True)
-    prefix = os.path.join(ckpt_dir, f"step-{step}")
-    tmp = os.path.join(ckpt_dir, "progress.json.tmp")
+    prefix = os.path.join(ckpt_dir, name)
     try:
         with outputs.writing(ckpt_dir):
-            path = ckpt.write(prefix)
+            return ckpt.write(prefix)
+    except BaseException:
+        for f in os.listdir(ckpt_dir):
+            if f.startswith(name + "."):
+                os.remove(os.path.join(ckpt_dir, f))
+        raise
+
+
+def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Optional[dict],
+                parts: Optional[List[str]] = None) -> None:
+    """Write the checkpoint of ``step`` steps (or take ``parts``, the pipeline stages' own,
+    written already), then (atomically) the record that names it, then remove older ones: a
+    run stopped at any moment keeps a complete checkpoint."""
+    paths = parts or [_write_part(ckpt, ckpt_dir, f"step-{step}")]
+    tmp = os.path.join(ckpt_dir, "progress.json.tmp")
+    record = {"step": step, "checkpoint": paths[0], "losses": losses, "config": config}
+    if parts:
+        record["stages"] = paths
+    try:
+        with outputs.writing(ckpt_dir):
             with open(tmp, "w") as f:
-                json.dump({"step": step, "checkpoint": path, "losses": losses, "config": config}, f)
+                json.dump(record, f)
             os.replace(tmp, os.path.join(ckpt_dir, "progress.json"))
     except BaseException:  # the last complete checkpoint stays the one progress.json names
         for f in os.listdir(ckpt_dir):
-            if f.startswith(os.path.basename(prefix) + ".") or f == os.path.basename(tmp):
+            if any(f.startswith(os.path.basename(p) + ".") for p in paths) or f == os.path.basename(tmp):
                 os.remove(os.path.join(ckpt_dir, f))
         raise
-    keep = os.path.basename(path)
+    keep = tuple(os.path.basename(p) + "." for p in paths)
     for f in os.listdir(ckpt_dir):  # keep only the checkpoint progress.json names
-        if f.startswith("step-") and not f.startswith(keep + "."):
+        if f.startswith("step-") and not f.startswith(keep):
             p = os.path.join(ckpt_dir, f)
             shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 

@@ -74,9 +74,10 @@ class World:
         return [f"rank {r}: {t}" for r, t in enumerate(table)]
 
 
-def world(need_mpi: bool) -> World:
+def world(need_mpi: bool, stages: int = 0) -> World:
     """This run's world. Under an MPI launcher (or when the model contains MPI ops), MPI is
-    started through mpi4py and the ops use a private duplicate of ``COMM_WORLD``."""
+    started through mpi4py and the ops use a private duplicate of ``COMM_WORLD``, split into
+    the ranks of each of ``stages`` pipeline stages when that many stages divide the ranks."""
     if not (need_mpi or launched_by_mpi()):
         return World()
     from vfgraph import ops
@@ -85,8 +86,9 @@ def world(need_mpi: bool) -> World:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    ops.set_communicator(comm.Dup())
-    if comm.Get_size() > 1 and not need_mpi:
+    size = comm.Get_size()
+    ops.set_communicator(comm.Dup(), stages=stages if stages > 1 and size > 1 and size % stages == 0 else 0)
+    if size > 1 and not need_mpi:
         raise InputError("this model has no all-reduce, so its ranks would train separate copies; rewrite it "
                          "with virtual nodes and --allreduce mpi (the default when vfgraph's MPI ops build)")
     return World(comm.Get_rank(), comm.Get_size(), comm)
