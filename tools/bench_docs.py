@@ -307,10 +307,30 @@ def render_pipeline(r: dict) -> str:
             + "\nParameters per stage:\n\n" + share)
 
 
+def render_stage_memory(r: dict) -> str:
+    """tools/bench_stage_memory.py: variables and peak memory per rank, K stages against one process."""
+    m, whole = r["model"], r["model"]["variable_bytes"]
+    one = r["one_process"]
+    rows = [["one process (unpartitioned)"] + _memory_row(one, whole, one)]
+    rows += [[f"{r['stages']} stages: rank {k} (stage {x['stage']})"] + _memory_row(x, whole, one)
+             for k, x in enumerate(r["staged"])]
+    return (f"MLP of {m['layers']} Dense layers of {m['width']} units, Adam: {num(whole / MIB, 1)} MiB of parameters "
+            f"and optimizer state; {r['vnodes']} virtual nodes of {r['vnode_batch']} examples, {r['steps']} steps of "
+            "`vfgraph train` (one intra-op thread per process).\n\n" + table(
+                ["run", "variables held", "share of the model", "peak RSS", "rise over the process before the model",
+                 "rise / one process's"], rows))
+
+
+def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
+    return [f"{num(x['held_bytes'] / MIB, 1)} MiB", f"{x['held_bytes'] / whole:.0%}",
+            f"{num(x['peak_bytes'] / MIB, 0)} MiB", f"{num(x['rise_bytes'] / MIB, 0)} MiB",
+            num(x["rise_bytes"] / one["rise_bytes"])]
+
+
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
-    "pipeline": render_pipeline,
+    "pipeline": render_pipeline, "stage-memory": render_stage_memory,
 }
 
 

@@ -34,12 +34,10 @@ def write_report(path: str, report: dict) -> None:
 
 
 def proc_status(field: str) -> float:
-    """A /proc/self/status memory field in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return float(line.split()[1]) * 1024.0
-    return float("nan")
+    """A /proc/self/status memory field in bytes (VmRSS, VmHWM); NaN where /proc lacks it."""
+    from vfgraph.runtime.world import resident_bytes
+
+    return float(resident_bytes(field) or "nan")
 
 
 def reset_hwm() -> bool:

@@ -242,33 +242,28 @@ def restore_signature_variables(path: str, fn, key: str, names=None) -> list:
         raise InputError(f"{prefix}: not a readable checkpoint ({str(e).splitlines()[0]}); if the model's files "
                          "were copied, copy the whole directory again") from None
     by_handle = {id(v.handle): v for v in fn.variables}
-    restored = []
+    restored, keys = [], []
     for node_id, handle in zip(bound, captured):
         v = by_handle.get(id(handle))
         if v is None or og.nodes[node_id].WhichOneof("kind") != "variable":
             continue  # a captured constant, restored with the function
         if names is not None and v.name.rsplit(":", 1)[0] not in names:
             continue
-        keys = [a.checkpoint_key for a in graph.nodes[node_id].attributes if a.name == "VARIABLE_VALUE"]
-        if not keys:
+        key = [a.checkpoint_key for a in graph.nodes[node_id].attributes if a.name == "VARIABLE_VALUE"]
+        if not key:
             raise InputError(f"{prefix}: holds no value for variable {v.name!r}; re-export the model")
-        v.assign(reader.get_tensor(keys[0]))
         restored.append(v)
+        keys.append(key[0])
+
+    @tf.function(autograph=False)
+    def read():  # each value read into its variable's buffer, not copied through Python
+        for v, key in zip(restored, keys):
+            v.assign(tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[key], shape_and_slices=[""],
+                                          dtypes=[v.dtype])[0])
+
+    if restored:
+        read()
     return restored
-
-
-def variable_bytes(path: str) -> int:
-    """Bytes of every variable of the SavedModel at ``path`` (as its object graph declares them)."""
-    import numpy as np
-    from tensorflow.python.framework import dtypes
-
-    total = 0
-    for node in read_saved_model_proto(path).meta_graphs[0].object_graph_def.nodes:
-        if node.WhichOneof("kind") == "variable":
-            dims = [d.size for d in node.variable.shape.dim]
-            if all(d >= 0 for d in dims):
-                total += int(np.prod(dims, dtype=np.int64)) * dtypes.as_dtype(node.variable.dtype).size
-    return total
 
 
 def source_fingerprint(path: str, variables_prefix: str = "") -> str:

@@ -22,7 +22,7 @@ from vfgraph.errors import InputError, Quiet, VfgraphError
 from vfgraph.io import outputs, savedmodel, serving
 from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.runtime.devices import prepare_devices, stages_of
-from vfgraph.runtime.world import place_threads, shares, world
+from vfgraph.runtime.world import place_threads, resident_bytes, shares, world
 
 log = logging.getLogger("vfgraph.train")
 
@@ -321,10 +321,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             held_vars[:] = savedmodel.restore_signature_variables(
                 model, fn, key, set(part.variables + part.optimizer_state + stages.replicated))
             held = sum(v.shape.num_elements() * v.dtype.size for v in held_vars)
-            whole = savedmodel.variable_bytes(model)
-            log.info("rank %d (stage %d of %d, replica %d): holds %s of the model's %s of variables (%d of %d "
-                     "bytes)", w.rank, w.rank % k_count + 1, k_count, group + 1, outputs.size_text(held),
-                     outputs.size_text(whole), held, whole)
+            whole = sum(p.parameter_bytes + p.optimizer_state_bytes for p in stages.parts)
+            log.info("rank %d (stage %d of %d, replica %d): holds %s of variables, of the model's %s of parameters "
+                     "and optimizer state (%d of %d bytes)", w.rank, w.rank % k_count + 1, k_count, group + 1,
+                     outputs.size_text(held), outputs.size_text(whole), held, whole)
         _, specs = fn.structured_input_signature
         data = check_data(load_data(data_path, specs), specs, data_path, signature)
         keys = sorted(specs)
@@ -496,19 +496,6 @@ def _collect_stages(w, loaded, held, stages, model: str, signature: str) -> None
         name = v.name.rsplit(":", 1)[0]
         if name in trained:
             v.assign(trained[name])
-
-
-def resident_bytes(field: str) -> int:
-    """This process's resident memory now (``VmRSS``) or at its peak (``VmHWM``), in bytes; 0
-    where /proc does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _same_model(w, model: str) -> None:

@@ -107,6 +107,19 @@ def shares(total: int, size: int, given: Optional[List[int]] = None) -> List[int
     return [total // size + (1 if r < total % size else 0) for r in range(size)]
 
 
+def resident_bytes(field: str) -> int:
+    """This process's resident memory now (``VmRSS``) or at its peak (``VmHWM``), in bytes; 0
+    where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def threads_per_rank(visible: int, total: int, local_ranks: int) -> int:
     """TensorFlow threads for one rank: the CPUs it may run on when the launcher bound it to
     fewer than the machine has (``visible`` < ``total``), else the machine's CPUs shared by the
