@@ -285,7 +285,7 @@ def render_pipeline(r: dict) -> str:
     ranks = ""
     if all("ranks" in row for row in r["results"]):
         ranks = ("\nThe same model with its 2 stages on 2 MPI ranks (`--stages 2`, `mpiexec -n 2`, 1F1B, one "
-                 "intra-op thread per rank; the slower rank's step):\n\n" + table(
+                 "intra-op and two inter-op threads per rank, as `vfgraph train` runs it; the slower rank's step):\n\n" + table(
                      ["M", "one core", "2 ranks", "speed-up over one core", "GPipe bound"],
                      [[str(row["vnodes"]), num(row["one-core"]["step_s"] * 1000, 1),
                        num(row["ranks"]["step_s"] * 1000, 1), num(row["speedup_ranks"]), num(row["bound"])]

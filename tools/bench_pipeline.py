@@ -15,8 +15,8 @@ of M virtual nodes trains M * b examples. Every configuration runs in a fresh pr
   1f1b, gpipe the rewrite with --stages 2 --devices /CPU:0,/CPU:1 and that schedule, one
               intra-op thread and one inter-op thread per stage
   ranks       with --ranks: the rewrite with --stages 2 (no devices, 1F1B), under
-              ``mpiexec -n 2``, each rank running its stage with one intra-op thread (the
-              slower rank's median step)
+              ``mpiexec -n 2``, each rank running its stage with one intra-op thread and two
+              inter-op threads, as ``vfgraph train`` runs it (the slower rank's median step)
 
 GPipe's bound on the speed-up of K stages over one device is K * M / (M + K - 1) (the
 pipeline's bubble); efficiency is the measured speed-up (one-core time / pipeline time) over
@@ -72,9 +72,9 @@ def worker(args) -> None:
         import vfgraph.ops
 
         rank = MPI.COMM_WORLD.Get_rank()
-        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(2)  # as vfgraph train gives a stage rank
         tf.config.threading.set_intra_op_parallelism_threads(1)
-        vfgraph.ops.load()
+        vfgraph.ops.set_communicator(MPI.COMM_WORLD.Dup(), stages=K)  # (the stages' reduce runs on it)
     elif args.mode in ("1f1b", "gpipe"):
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * K)
         tf.config.threading.set_inter_op_parallelism_threads(K)

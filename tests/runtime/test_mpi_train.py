@@ -150,7 +150,7 @@ def test_bad_vnodes_per_rank_is_a_clear_error_on_every_rank(v8, digits, tmp_path
 
 def test_ranks_share_the_host_cpus_and_threads_is_checked(v8, digits, tmp_path):
     res = run_train(2, v8("mlp:momentum"), digits["train"], str(tmp_path / "o"), 1)
-    assert f"2 ranks, {max(1, os.cpu_count() // 2)} TensorFlow threads each" in res.stderr
+    assert f"2 ranks, {max(1, os.cpu_count() // 2)} intra-op and 1 inter-op TensorFlow threads each" in res.stderr
     bad = subprocess.run(train_cmd(0, v8("mlp:momentum"), digits["train"], str(tmp_path / "b"), 1, "--threads", "0"),
                          capture_output=True, text=True, env=ENV, timeout=120)
     assert bad.returncode == 2 and "--threads 0" in bad.stderr and "Traceback" not in bad.stderr

@@ -284,7 +284,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     # ranked: rank r runs stage r % K of replica r // K; each replica trains on its share of the batch
     groups, group = (w.size // k_count, w.rank // k_count) if ranked else (w.size, w.rank)
     in_process = stages.count if stages is not None and not stages.on_ranks else 1  # stages on this process's devices
-    threads = w.agree(lambda: place_threads(w, threads, in_process))
+    threads = w.agree(lambda: place_threads(w, threads, in_process, stage_rank=ranked))
     prepare_devices(stages)
     out = os.path.abspath(out)
     ckpt_dir = out + ".ckpt"
@@ -414,8 +414,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         if w.size > 1:
             table = w.describe()
             if w.is_root:
-                log.info("%d ranks, %d TensorFlow threads each (intra-op; one inter-op): %s", w.size, threads,
-                         "; ".join(table))
+                log.info("%d ranks, %d intra-op and %d inter-op TensorFlow threads each: %s", w.size, threads,
+                         tf.config.threading.get_inter_op_parallelism_threads(), "; ".join(table))
             if not ranked:  # (stages read their variables from the same files, checked above)
                 loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
         with _StopRequests() as stop:
