@@ -291,8 +291,11 @@ def render_pipeline(r: dict) -> str:
                        num(row["ranks"]["step_s"] * 1000, 1), num(row["speedup_ranks"]), num(row["bound"])]
                       for row in r["results"]]))
     last = r["results"][-1]
-    mem = table(["M", "one device", "1F1B", "GPipe"], [[str(last["vnodes"])] + [
-        f"{num(last[m]['peak_rise_bytes'] / MIB, 1)} MiB" for m in ("one-core", "1f1b", "gpipe")]])
+    on_ranks = [m for m in ("ranks", "ranks-gpipe") if m in last]
+    mem = table(["M", "one device", "1F1B", "GPipe"] + [
+        f"2 ranks, {'GPipe' if m == 'ranks-gpipe' else '1F1B'} (each rank)" for m in on_ranks], [[str(last["vnodes"])] + [
+            f"{num(last[m]['peak_rise_bytes'] / MIB, 1)} MiB" for m in ("one-core", "1f1b", "gpipe")] + [
+            " / ".join(f"{num(x['peak_rise_bytes'] / MIB, 1)}" for x in last[m]["ranks"]) + " MiB" for m in on_ranks]])
     total = r["parameter_bytes"]
     share = table(["stage", "device", "parameters", "share of the model"], [
         [str(k), s["device"], f"{num(s['parameter_bytes'] / MIB)} MiB", f"{s['parameter_bytes'] / total:.0%}"]

@@ -14,7 +14,8 @@ of M virtual nodes trains M * b examples. Every configuration runs in a fresh pr
               same two cores, two independent ops of a virtual node at once)
   1f1b, gpipe the rewrite with --stages 2 --devices /CPU:0,/CPU:1 and that schedule, one
               intra-op thread and one inter-op thread per stage
-  ranks       with --ranks: the rewrite with --stages 2 (no devices, 1F1B), under
+  ranks       with --ranks: the rewrite with --stages 2 (no devices, 1F1B; at the largest M
+              GPipe too, for its peak memory per rank), under
               ``mpiexec -n 2``, each rank running its stage with one intra-op thread and two
               inter-op threads, as ``vfgraph train`` runs it (the slower rank's median step)
 
@@ -66,7 +67,8 @@ def worker(args) -> None:
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     rank = 0
-    if args.mode == "ranks":
+    ranks = args.mode.startswith("ranks")
+    if ranks:
         from mpi4py import MPI
 
         import vfgraph.ops
@@ -85,7 +87,7 @@ def worker(args) -> None:
     from vfgraph.io.savedmodel import load_to_run
 
     loaded = load_to_run(args.model, variable_devices=args.mode in ("1f1b", "gpipe"))
-    fn = loaded.signatures[f"train_stage_{rank + 1}" if args.mode == "ranks" else "train"]
+    fn = loaded.signatures[f"train_stage_{rank + 1}" if ranks else "train"]
     rng = np.random.default_rng(0)
     n = args.vnodes * args.vnode_batch
     feed = {"x": tf.constant(rng.normal(size=(n, args.width)).astype(np.float32)),
@@ -99,7 +101,7 @@ def worker(args) -> None:
         fn(**feed)["loss"].numpy()
         times.append(time.perf_counter() - t)
     report = {"step_s": statistics.median(times), "times": times, "peak_rise_bytes": proc_status("VmHWM") - base}
-    if args.mode == "ranks":
+    if ranks:
         reports = MPI.COMM_WORLD.gather(report, root=0)
         if rank:
             return
@@ -109,7 +111,8 @@ def worker(args) -> None:
 
 
 def run_worker(model: str, mode: str, vnodes: int, a) -> dict:
-    launcher = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(K)] if mode == "ranks" else []
+    ranks = mode.startswith("ranks")
+    launcher = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(K)] if ranks else []
     cmd = launcher + [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--mode", mode,
            "--vnodes", str(vnodes), "--vnode-batch", str(a.vnode_batch), "--width", str(a.width),
            "--steps", str(a.steps)]
@@ -152,11 +155,13 @@ def main() -> None:
           f"{'speed-up':>8} {'bound':>6} {'efficiency':>10}")
     for m in counts:
         paths = {}
-        for mode in ("base", "1f1b", "gpipe") + (("ranks",) if a.ranks else ()):
-            kw = ({} if mode == "base" else dict(stages=K) if mode == "ranks" else
+        on_ranks = (("ranks",) + (("ranks-gpipe",) if m == counts[-1] else ())) if a.ranks else ()
+        for mode in ("base", "1f1b", "gpipe") + on_ranks:
+            kw = ({} if mode == "base" else dict(stages=K, schedule="gpipe" if mode == "ranks-gpipe" else "1f1b")
+                  if mode.startswith("ranks") else
                   dict(stages=K, devices=[f"/CPU:{i}" for i in range(K)], schedule=mode))
             item = vfgraph.rewrite(src, vnodes=m, vnode_batch=a.vnode_batch,
-                                   allreduce="mpi" if mode == "ranks" else "none", **kw)
+                                   allreduce="mpi" if mode.startswith("ranks") else "none", **kw)
             paths[mode] = os.path.join(tmp, f"{mode}_{m}")
             vfgraph.save(item, paths[mode])
             if mode == "1f1b" and stages_info is None:
@@ -172,6 +177,8 @@ def main() -> None:
         if a.ranks:
             row["ranks"] = run_worker(paths["ranks"], "ranks", m, a)
             row["speedup_ranks"] = row["one-core"]["step_s"] / row["ranks"]["step_s"]
+            if "ranks-gpipe" in paths:
+                row["ranks-gpipe"] = run_worker(paths["ranks-gpipe"], "ranks-gpipe", m, a)
         best = min(row["1f1b"]["step_s"], row["gpipe"]["step_s"])
         row["speedup"] = row["one-core"]["step_s"] / best
         row["speedup_1f1b"] = row["one-core"]["step_s"] / row["1f1b"]["step_s"]
@@ -190,6 +197,10 @@ def main() -> None:
     print(f"\npeak memory rise at M={last['vnodes']}: one-core {last['one-core']['peak_rise_bytes'] / mib:.1f} MiB, "
           f"1f1b {last['1f1b']['peak_rise_bytes'] / mib:.1f} MiB, gpipe {last['gpipe']['peak_rise_bytes'] / mib:.1f} "
           "MiB")
+    if "ranks-gpipe" in last:
+        for mode in ("ranks", "ranks-gpipe"):
+            print(f"  on 2 ranks, {'GPipe' if mode == 'ranks-gpipe' else '1F1B'}, per rank: " + ", ".join(
+                f"{r['peak_rise_bytes'] / mib:.1f} MiB" for r in last[mode]["ranks"]))
     total = sum(s["parameter_bytes"] for s in stages_info)
     for k, s in enumerate(stages_info, 1):
         print(f"stage {k} on {s['device']}: {s['parameter_bytes'] / mib:.2f} MiB of parameters "
