@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 from typing import ClassVar, List, Tuple
 
+import numpy as np
+
 from tensorflow.core.framework import types_pb2
 
 from vfgraph import records
@@ -22,7 +24,7 @@ from vfgraph.errors import DetectionError, PipelineError, VerifyError
 from vfgraph.io.signatures import (add_graph_signature, add_graph_variables, add_object_variables, add_signature,
                                    entry_header, has_object_graph, signature_wrapper)
 from vfgraph.ir.attrs import func_attr, tensor_attr, type_attr, types_attr
-from vfgraph.ir.blocks import I32, check, list_concat, zeros
+from vfgraph.ir.blocks import EXACT_MAX_TERMS, I32, I64, check, exact_add, from_exact, list_concat, zeros
 from vfgraph.ir.graph import FunctionGraph, Node, TensorRef, verify_function_def
 from vfgraph.ir.loops import LoopLayout, append, condition, next_index, reserve, same_batch, slice_reader, while_loop
 from vfgraph.ir.names import function_name
@@ -46,6 +48,8 @@ class SplitVnodesPass(Pass):
     signature: str = option("", "the training signature (default: 'train', or the one found)")
     stepwise: bool = option(True, "also add <key>_accumulate and <key>_apply signatures (one virtual node at a "
                                   "time, for a trainer that feeds them)")
+    deterministic: bool = option(False, "sum the virtual nodes' gradients and outputs exactly (fixed point), so "
+                                         "any layout of the virtual nodes over ranks gives bit-identical results")
 
     def call(self, item: GraphItem) -> PassResult:
         if self.vnodes < 1:
@@ -76,19 +80,32 @@ class SplitVnodesPass(Pass):
         udef = g.outline(update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
                          new_args=cut_args, keep_args=sig.invariant_args,
                          drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))
+        if self.deterministic and self.vnodes > EXACT_MAX_TERMS:
+            raise PipelineError(f"vnodes={self.vnodes}: deterministic sums hold at most {EXACT_MAX_TERMS} virtual "
+                                "nodes per step")
+        if self.deterministic:
+            from vfgraph import ops
+
+            ops.load()  # VfExactAdd: a clear error when the op library cannot be built
         reduce_fn = function_name(sig.function, "reduce")
-        item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step)))
+        item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step, self.deterministic)))
         stages = records.get(item, Stages).get(sig.key)
         in_flight = 1 if stages is None else stages.in_flight(self.vnodes)
-        loop = _Loop(g, step, vdef, self.vnodes, b, item.library, item.new_function, in_flight)
+        loop = _Loop(g, step, vdef, self.vnodes, b, item.library, item.new_function, in_flight,
+                     exact=self.deterministic)
         stepped = _step_function(item, g, step, loop, udef, reduce_fn)
         verify_function_def(stepped, item.library)
-        stepwise, notes = add_stepwise(item, g, step, loop, udef, reduce_fn) if self.stepwise else (False, [])
+        stepwise, notes = False, []
+        if self.stepwise and self.deterministic:
+            notes = ["step-wise signatures: not added (deterministic sums are made in the loop)"]
+        elif self.stepwise:
+            stepwise, notes = add_stepwise(item, g, step, loop, udef, reduce_fn)
         item.set_function(stepped)
         item.preserve.add(sig.function)
         reduce_fns = (reduce_fn,)
         if stages is not None and stages.on_ranks and stages.count > 1:
-            keys, stage_reduce = add_stage_steps(item, g, step, vdef, udef, self.vnodes, b, stages)
+            keys, stage_reduce = add_stage_steps(item, g, step, vdef, udef, self.vnodes, b, stages,
+                                                 self.deterministic)
             records.put(item, sig.key, replace(stages, signatures=keys, reduce_functions=stage_reduce))
             reduce_fns += stage_reduce
         gradients = tuple(Gradient(str(c.ref), sig.variables[c.variable].name if c.variable else None, c.role,
@@ -96,7 +113,7 @@ class SplitVnodesPass(Pass):
         records.put(item, sig.key, VirtualNodes(
             function=sig.function, vnodes=self.vnodes, vnode_batch=b, vnode_function=vnode_fn,
             update_function=update_fn, per_vnode_seeds=tuple(seeded), stepwise=stepwise,
-            reduce_functions=reduce_fns, gradients=gradients))
+            reduce_functions=reduce_fns, gradients=gradients, deterministic=self.deterministic))
         return PassResult(item, True, notes)
 
     def _vnode_batch(self, g: FunctionGraph, sig) -> int:
@@ -156,6 +173,7 @@ def _distinct_seeds(fdef, library) -> List[str]:
 
 
 F32 = types_pb2.DT_FLOAT
+_FLOATS = (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE)
 
 
 class _Loop:
@@ -166,10 +184,13 @@ class _Loop:
     entries ``new_function(name)`` gives; :meth:`emit` writes the loop into a function under
     construction. ``in_flight``: how many virtual nodes may run at once (pipeline stages work
     on consecutive virtual nodes at the same time); each sum is added on the device of the
-    value it adds, where a pass placed that value."""
+    value it adds, where a pass placed that value. ``exact``: the floating-point sums of each
+    dtype are carried as one vector of exact fixed-point words (:func:`vfgraph.ir.blocks.to_exact`,
+    every value of a virtual node converted at once), so that their value does not depend on
+    the order of the additions; they are made floating point after the reduce."""
 
     def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library, new_function,
-                 in_flight: int = 1, tag: str = "", messages: int = 0):
+                 in_flight: int = 1, tag: str = "", messages: int = 0, exact: bool = False):
         self.g, self.step, self.vdef, self.vnodes, self.b = g, step, vdef, vnodes, b
         self.in_flight, self.messages = in_flight, messages
         sig = step.signature
@@ -180,12 +201,17 @@ class _Loop:
         # what each loop-carried value holds: (combine, dtype, shape)
         self.carried = ([(o.combine, t, g.shape(o.ref)) for o, t in zip(self.vnode_outs, self.v_types)] +
                         [(c.combine, t, c.shape) for c, t in zip(step.cut, self.v_types[n_out:])])
+        self.exact = [exact and c == "mean" and t in _FLOATS for c, t, _ in self.carried]
+        self.groups = exact_groups(self.carried, self.exact)  # [(dtype, entries, their sizes)]
         self.devices = [("" if r.is_function_arg else g.nodes[r.node].device)
                         for r in [o.ref for o in self.vnode_outs] + [c.ref for c in step.cut]]
         self.batch_types = [g.dtype(TensorRef(a)) for a in sig.batch_args]
-        # loop variables: i, carried..., nv, then per, batch..., resources...
+        # loop variables: i, carried... (the entries not summed exactly, then a word vector per
+        # exact group), nv, then per, batch..., resources...
+        self.plain = [k for k, e in enumerate(self.exact) if not e]
         self.layout = LoopLayout.of(
-            [(t, s) if c == "mean" else (types_pb2.DT_VARIANT, []) for c, t, s in self.carried],
+            [(t, s) if c == "mean" else (types_pb2.DT_VARIANT, []) for c, t, s in (self.carried[k] for k in self.plain)]
+            + [(I64, [2 * sum(sizes) + 1]) for _, _, sizes in self.groups],
             [(I32, [])] + [(t, g.arg_shape(a)) for a, t in zip(sig.batch_args, self.batch_types)] +
             [(g.dtype(TensorRef(a)), []) for a in sig.resource_args] +
             [(g.dtype(TensorRef(a)), g.arg_shape(a)) for a in sig.captured_args])
@@ -200,7 +226,7 @@ class _Loop:
         sig = self.step.signature
         fb = FunctionGraph.new(self.body_name, lib, into)
         n_batch = len(self.batch_types)
-        args = self.layout.args(fb, ["i"] + [f"carried_{k}" for k in range(len(self.carried))] + ["nv", "per"] +
+        args = self.layout.args(fb, ["i"] + [f"carried_{k}" for k in range(len(self.layout.carried_types))] + ["nv", "per"] +
                                 [f"batch_{k}" for k in range(n_batch)] +
                                 [f"resource_{k}" for k in range(len(sig.invariant_args))])
         i, carried, nv, fixed = self.layout.split(args)
@@ -221,20 +247,24 @@ class _Loop:
         if self.vdef.signature.control_output:  # (a stage's sends: kept when the call is inlined)
             fb.control_ret(call)
         new = []
-        for k, ((combine, t, shape), acc) in enumerate(zip(self.carried, carried)):
+        for k, acc in zip(self.plain, carried):
+            combine, t, shape = self.carried[k]
             if combine == "mean":
                 add = fb.op("AddV2", [acc, call[k]], name="sum", T=type_attr(t), shapes=[shape])
                 add.proto.device = self.devices[k]
                 new.append(add[0])
             else:
                 new.append(append(fb, acc, i, call[k], t))
+        for (t, ks, sizes), acc in zip(self.groups, carried[len(self.plain):]):
+            new.append(exact_add(fb, acc, [call[k] for k in ks], t, sum(sizes)))
         for k, (ref, t) in enumerate(zip(self.layout.join(next_index(fb, i), new, nv, fixed), self.layout.types)):
             fb.ret(f"out_{k}", ref, t)
         return fb.finish()
 
     def emit(self, fb: FunctionGraph, batch: List[TensorRef], res: List[TensorRef]):
         """Run every virtual node of the fed batch; returns (per-output results, gradient sums
-        or tensor lists, number of virtual nodes, the While node)."""
+        or tensor lists (None where summed exactly), the exact groups' word vectors, number of
+        virtual nodes, the While node)."""
         b, vnodes = self.b, self.vnodes
         i32 = type_attr(I32)
         n, checks = same_batch(fb, batch, self.batch_types, self.keys, "training inputs")
@@ -255,19 +285,20 @@ class _Loop:
                                    "vfgraph: the fed batch holds no virtual node"))
         nv = fb.op("Identity", [nv], name="checked_vnodes", deps=checks, T=i32)[0]
         inits = []
-        for combine, t, shape in self.carried:
+        for combine, t, shape in (self.carried[k] for k in self.plain):
             if combine == "mean":
-                if shape is None or any(d < 0 for d in shape):
-                    raise PipelineError(f"signature {self.step.signature.key!r}: a summed value has no static shape "
-                                        f"({shape}); vfgraph cannot size its accumulator")
                 inits.append(zeros(fb, shape, t, shapes=[shape]))
             else:
                 inits.append(reserve(fb, nv, t))
+        inits += [zeros(fb, [2 * sum(sizes) + 1], I64, shapes=[[2 * sum(sizes) + 1]]) for _, _, sizes in self.groups]
         loop = while_loop(fb, self.layout, inits, nv, [per] + batch + res, self.cond_name, self.body_name,
                           "vnodes_loop", lower=True, parallel_iterations=self.in_flight)
         _, carried, _, _ = self.layout.split(loop.outputs())
+        every = [None] * len(self.carried)
+        for k, ref in zip(self.plain, carried):
+            every[k] = ref
         n_out = len(self.vnode_outs)
-        return carried[:n_out], carried[n_out:], nv, loop
+        return every[:n_out], every[n_out:], carried[len(self.plain):], nv, loop
 
     def outputs(self, fb: FunctionGraph, outs: List[TensorRef], count: TensorRef, nv: TensorRef) -> List[TensorRef]:
         """The loop's per-output results: sums divided by ``count`` (float32), concatenations,
@@ -285,23 +316,57 @@ class _Loop:
             results.append(v)
         return results
 
-    def reduce(self, fb: FunctionGraph, outs: List[TensorRef], sums: List[TensorRef], nv: TensorRef, reduce_fn: str):
+    def reduce(self, fb: FunctionGraph, outs: List[TensorRef], sums: List[TensorRef], fused: List[TensorRef],
+               nv: TensorRef, reduce_fn: str):
         """Hand the loop's sums to the step's reduce function (identity on one process; the
-        all-reduce over ranks once ``insert-allreduce`` has run). Returns (output sums,
-        gradient sums or concatenations, number of virtual nodes as float32)."""
+        all-reduce over ranks once ``insert-allreduce`` has run): those summed in floating
+        point, then the exact groups' words, then the number of virtual nodes. Returns (output
+        sums, gradient sums or concatenations, number of virtual nodes as float32)."""
         cut = self.step.cut
         n_out = len(self.vnode_outs)
-        mean_outs = [(v, t) for o, v, (_, t, _s) in zip(self.vnode_outs, outs, self.carried) if o.combine == "mean"]
-        grads = [(a if c.combine == "mean" else list_concat(fb, a, t), t)
-                 for c, a, (_, t, _s) in zip(cut, sums, self.carried[n_out:])]
+        plain = [(v, k) for k, (o, v) in enumerate(zip(self.vnode_outs, outs))
+                 if o.combine == "mean" and not self.exact[k]]
+        plain += [(a if c.combine == "mean" else list_concat(fb, a, self.carried[k][1]), k)
+                  for k, (c, a) in enumerate(zip(cut, sums), n_out) if not self.exact[k]]
         count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
-        args = mean_outs + grads + [(count, F32)]
+        args = [(r, self.carried[k][1]) for r, k in plain] + [(w, I64) for w in fused] + [(count, F32)]
         types = [t for _, t in args]
         got = fb.op("StatefulPartitionedCall", [r for r, _ in args], name="reduce", Tin=types_attr(types),
                     Tout=types_attr(types), f=func_attr(reduce_fn)).outputs()
-        it = iter(got[:len(mean_outs)])
-        outs = [next(it) if o.combine == "mean" else v for o, v in zip(self.vnode_outs, outs)]
-        return outs, got[len(mean_outs):-1], got[-1]
+        every = list(outs) + list(sums)
+        for (_, k), r in zip(plain, got):
+            every[k] = r
+        if self.groups:
+            limit = fb.const(float(EXACT_MAX_TERMS), F32, "most_terms")[0]
+            ok = check(fb, fb.op("LessEqual", [got[-1], limit], name="few", T=type_attr(F32))[0],
+                       f"vfgraph: deterministic sums hold at most {EXACT_MAX_TERMS} virtual nodes per step; feed "
+                       "fewer examples per step")
+            for (t, ks, sizes), words in zip(self.groups, got[len(plain):-1]):
+                words = fb.op("Identity", [words], name="checked", deps=[ok], T=type_attr(I64))[0]
+                values = from_exact(fb, words, t, sum(sizes))
+                parts = [values] if len(ks) == 1 else fb.op(
+                    "SplitV", [values, fb.const(sizes, I32, "sizes")[0], fb.const(0, I32, "axis")[0]],
+                    name="unpack", num_split=len(ks), T=type_attr(t), Tlen=type_attr(I32)).outputs()
+                for k, part in zip(ks, parts):
+                    shape = self.carried[k][2]
+                    every[k] = fb.op("Reshape", [part, fb.const(shape, I32, "shape")[0]], name="sum",
+                                     T=type_attr(t), Tshape=type_attr(I32), shapes=[shape])[0]
+        return every[:n_out], every[n_out:], got[-1]
+
+
+def exact_groups(entries, exact) -> List[Tuple[int, List[int], List[int]]]:
+    """The entries ``(combine, dtype, shape)`` marked ``exact``, grouped by dtype in order of
+    first appearance: (dtype, their indices, their sizes)."""
+    groups = {}
+    for k, ((_, t, shape), e) in enumerate(zip(entries, exact)):
+        if e:
+            if shape is None or any(d < 0 for d in shape):
+                raise PipelineError(f"a summed value has no static shape ({shape}); vfgraph cannot size its "
+                                    "exact accumulator")
+            ks, sizes = groups.setdefault(t, ([], []))
+            ks.append(k)
+            sizes.append(int(np.prod(shape, dtype=np.int64)))
+    return [(t, ks, sizes) for t, (ks, sizes) in groups.items()]
 
 
 def divide(fb: FunctionGraph, value: TensorRef, count: TensorRef, dtype: int, shape=None) -> TensorRef:
@@ -345,8 +410,8 @@ def _step_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Lo
     fb, args = FunctionGraph.like(original, lib)
     by = dict(zip(g.arg_names, args))
     res = [by[a] for a in sig.invariant_args]
-    outs, sums, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
-    outs, sums, count = loop.reduce(fb, outs, sums, nv, reduce_fn)
+    outs, sums, fused, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
+    outs, sums, count = loop.reduce(fb, outs, sums, fused, nv, reduce_fn)
     results = loop.outputs(fb, outs, count, nv)
     call, updated = _update(fb, udef, _means(fb, step, sums, count), res, after=[done])
     for o, a, r in zip(step.outputs, original.signature.output_arg, _assemble(step, results, updated)):
@@ -361,12 +426,18 @@ def _output_sum_specs(g: FunctionGraph, step: TrainStep) -> List[Tuple[int, list
     return [(g.dtype(o.ref), g.shape(o.ref), "sum") for o in step.outputs if o.side == "vnode" and o.combine == "mean"]
 
 
-def _reduce_specs(g: FunctionGraph, step: TrainStep) -> List[Tuple[str, int, list]]:
+def _reduce_specs(g: FunctionGraph, step: TrainStep, exact: bool = False) -> List[Tuple[str, int, list]]:
     """(argument name, dtype, shape) of what a step reduces over processes: the loop's output
     sums, the gradient sums (``sum_k``) or sparse rows (``gather_k``), and the number of
-    virtual nodes (last, float32)."""
+    virtual nodes (last, float32). ``exact``: floating-point sums are int64 words (``[2] +
+    shape``, see :class:`_Loop`)."""
     specs = _output_sum_specs(g, step)
     specs += [(c.dtype, c.shape, "sum" if c.combine == "mean" else "gather") for c in step.cut]
+    if exact:  # as _Loop.reduce passes them: those summed in floating point, then each exact group's words
+        entries = [("mean" if kind == "sum" else kind, dtype, shape) for dtype, shape, kind in specs]
+        marks = [c == "mean" and t in _FLOATS for c, t, _ in entries]
+        specs = [spec for spec, m in zip(specs, marks) if not m] + [
+            (I64, [2 * sum(sizes) + 1], "sum") for _, _, sizes in exact_groups(entries, marks)]
     specs.append((types_pb2.DT_FLOAT, [], "sum"))
     return [(f"{kind}_{k}", dtype, shape) for k, (dtype, shape, kind) in enumerate(specs)]
 
@@ -431,7 +502,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
 
     fb, args = FunctionGraph.like(acc_header, lib, into=item.new_function(acc_fn))
     by = dict(zip(inner + acc_args, args))
-    outs, sums, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.invariant_args])
+    outs, sums, _, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.invariant_args])
     count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
     adds = [_accumulate(fb, by[a], v, c) for a, v, c in zip(acc_args, sums, step.cut)]
     adds.append(fb.op("AssignAddVariableOp", [by["vf_count"], count], name="accumulate", dtype=type_attr(F32)))
@@ -498,7 +569,7 @@ def _accumulate(fb: FunctionGraph, acc: TensorRef, value: TensorRef, c) -> Node:
 
 # --------------------------------------------------------------------------- stages on MPI ranks
 def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int,
-                    stages: Stages) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+                    stages: Stages, exact: bool = False) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """Add ``<train>_stage_1`` .. ``<train>_stage_K``: the training step of each pipeline stage
     partition-stages marked for MPI ranks (rank k runs stage k+1). Each runs the virtual-node
     loop over its stage's part of the virtual-node function, whose tensors from other stages
@@ -553,10 +624,10 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         view = TrainStep(sig, step.function, [step.cut[k - n_out] for k in mine if k >= n_out], step.vnode_nodes,
                          step.writes, [o for k, o in enumerate(step.outputs) if k in mine], step.batch_dependent)
         loop = _Loop(g, view, vdef_s, vnodes, b, lib, item.new_function, stages.in_flight(vnodes), tag,
-                     len(messages))
+                     len(messages), exact)
         udef_s = _stage_update_function(item, udef, sig, step, [k - n_out for k in mine if k >= n_out], s, tag)
         reduce_s = function_name(sig.function, tag, "reduce")
-        item.set_function(reduce_function(reduce_s, _reduce_specs(g, view)))
+        item.set_function(reduce_function(reduce_s, _reduce_specs(g, view, exact)))
         reducers.append(reduce_s)
         fn = function_name(sig.function, tag, "0")
         header = entry_header(g, fn, list(wrapper.args), (), list(wrapper.outputs),
@@ -564,8 +635,8 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         fb, args = FunctionGraph.like(header, lib, into=item.new_function(fn))
         by = dict(zip(wrapper.args, args))
         res = [by[a] for a in sig.invariant_args]
-        outs, sums, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
-        outs, sums, count = loop.reduce(fb, outs, sums, nv, reduce_s)
+        outs, sums, fused, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
+        outs, sums, count = loop.reduce(fb, outs, sums, fused, nv, reduce_s)
         results = iter(loop.outputs(fb, outs, count, nv))
         call, _ = _update(fb, udef_s, _means(fb, view, sums, count), res, after=[done])
         last = call

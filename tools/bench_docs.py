@@ -324,6 +324,16 @@ def render_stage_memory(r: dict) -> str:
                  "rise / one process's"], rows))
 
 
+def render_deterministic(r: dict) -> str:
+    """tools/bench_deterministic.py: step time with exact sums against the default mode."""
+    rows = [[x["model"], str(x["ranks"]), num(x["default_s"] * 1000), num(x["deterministic_s"] * 1000),
+             num(x["ratio"])] for x in r["results"]]
+    return (f"V={r['vnodes']} virtual nodes, global batch {r['batch']}; median step time in ms of {r['steps']} steps, "
+            f"the median over {r['rounds']} alternating rounds, each run a fresh process with one intra-op and one "
+            "inter-op thread.\n\n" + table(
+                ["model", "ranks", "default", "deterministic", "deterministic / default (target < 1.15)"], rows))
+
+
 def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
     return [f"{num(x['held_bytes'] / MIB, 1)} MiB", f"{x['held_bytes'] / whole:.0%}",
             f"{num(x['peak_bytes'] / MIB, 0)} MiB", f"{num(x['rise_bytes'] / MIB, 0)} MiB",
@@ -333,7 +343,7 @@ def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
-    "pipeline": render_pipeline, "stage-memory": render_stage_memory,
+    "pipeline": render_pipeline, "stage-memory": render_stage_memory, "deterministic": render_deterministic,
 }
 
 

@@ -54,7 +54,7 @@ def _is_saved_model_text(path: str) -> bool:
 def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "",
                      has_training: bool = True, allreduce: bool = False, fusion_mb: float = 4,
                      stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
-                     schedule: str = "1f1b") -> str:
+                     schedule: str = "1f1b", deterministic: bool = False) -> str:
     parts = []
     if has_training and (stages > 1 or devices or split_at):
         opts = [f"stages={stages}"] + (["devices=" + ";".join(devices)] if devices else [])
@@ -66,6 +66,8 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
         opts = [f"vnodes={vnodes}"] + ([f"vnode-batch={vnode_batch}"] if vnode_batch else [])
         if train_signature:
             opts.append(f"signature={train_signature}")
+        if deterministic:
+            opts.append("deterministic=true")
         parts.append("split-vnodes{" + ",".join(opts) + "}")
         if allreduce:
             parts.append("insert-allreduce" + (f"{{fusion-mb={fusion_mb:g}}}" if fusion_mb != 4 else ""))
@@ -78,7 +80,7 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
             outputs: Optional[Sequence[str]] = None, allreduce: str = "mpi", fusion_mb: float = 4,
             checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False,
             verify_each: bool = False, stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
-            schedule: str = "1f1b") -> GraphItem:
+            schedule: str = "1f1b", deterministic: bool = False) -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
     With ``in_place``, a loaded item is rewritten itself and returned, without the copy (a
     model's size in memory and the time to copy it): for an item loaded only to be rewritten
@@ -96,13 +98,18 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     stage k placed on ``devices[k]``, or without ``devices`` run by MPI rank k of
     ``mpiexec -n stages`` (``train_stage_<k+1>`` signatures); ``split_at`` names the forward
     ops that start stages 2..K, ``schedule`` "1f1b" keeps at most K virtual nodes in flight,
-    "gpipe" all."""
+    "gpipe" all.
+
+    ``deterministic`` sums the virtual nodes' gradients and outputs exactly (fixed point), so
+    that any layout of the V virtual nodes over ranks (1x8, 2x4, 5+3) trains bit-identical
+    parameters."""
     if allreduce not in ("mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi' or 'none'")
     with _gc_paused():
         return _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce,
                         fusion_mb, checkpoint, loss, in_place, verify_each,
-                        dict(stages=stages, devices=tuple(devices), split_at=tuple(split_at), schedule=schedule))
+                        dict(stages=stages, devices=tuple(devices), split_at=tuple(split_at), schedule=schedule,
+                             deterministic=deterministic))
 
 
 @contextlib.contextmanager
@@ -123,6 +130,9 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
              checkpoint, loss, in_place, verify_each, partition=None) -> GraphItem:
     owned = in_place or not isinstance(model, GraphItem)  # loaded here: held by nothing else
     item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
+    if pipeline is not None and (partition or {}).get("deterministic"):
+        raise InputError("deterministic with a pipeline: give split-vnodes the option instead, "
+                         "e.g. 'split-vnodes{vnodes=8,deterministic=true}'")
     if pipeline is None:
         has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
         if item.kind != "saved_model":  # TF1 and GraphDef outputs train on one process

@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
                    help="with --stages: 1f1b (default) keeps at most K virtual nodes in flight, so at most K "
                         "virtual nodes' activations; gpipe runs all of a step's at once")
+    r.add_argument("--deterministic", action="store_true",
+                   help="sum the virtual nodes' gradients exactly (fixed point): any layout of the virtual nodes "
+                        "over ranks (1x8, 2x4, 5+3) trains bit-identical parameters")
     _tf1_options(r)
 
     i = command("inspect", "show what vfgraph detects in a model")
@@ -278,7 +281,8 @@ def cmd_rewrite(args) -> int:
                            pipeline=args.pipeline, train_signature=args.train_signature, after_each=after,
                            outputs=args.outputs.split(",") if args.outputs else None,
                            allreduce=args.allreduce, fusion_mb=args.fusion_mb, checkpoint=args.checkpoint,
-                           loss=args.loss, verify_each=args.verify_each, **partition)
+                           loss=args.loss, verify_each=args.verify_each, deterministic=args.deterministic,
+                           **partition)
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
@@ -383,7 +387,8 @@ def cmd_inspect(args) -> int:
         print(f"  variables: {len(e['variables'])}")
         rw = split.get(key)
         if rw:
-            print(f"  virtual nodes: V={rw.vnodes} b={rw.vnode_batch or 'fed batch / V'}")
+            print(f"  virtual nodes: V={rw.vnodes} b={rw.vnode_batch or 'fed batch / V'}"
+                  + ("; deterministic (exact) sums" if rw.deterministic else ""))
             if rw.stepwise:
                 print(f"  step-wise: signatures {key + '_accumulate'!r} (repeat) and {key + '_apply'!r}")
         st = partitioned.get(key)

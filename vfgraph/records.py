@@ -53,7 +53,9 @@ class VirtualNodes:
     ``vnode_batch`` examples each (0: the fed batch / V) in a loop over
     ``vnode_function``, sums their gradients through ``reduce_functions`` and runs
     ``update_function`` once. ``stepwise``: the ``<key>_accumulate`` / ``<key>_apply``
-    signatures were added; ``per_vnode_seeds``: the seed reads offset per virtual node."""
+    signatures were added; ``per_vnode_seeds``: the seed reads offset per virtual node;
+    ``deterministic``: floating-point sums are exact (fixed point), the same for any layout of
+    the virtual nodes over ranks."""
 
     PASS: ClassVar[str] = "split-vnodes"
     function: str
@@ -65,18 +67,23 @@ class VirtualNodes:
     stepwise: bool = False
     reduce_functions: Tuple[str, ...] = ()
     gradients: Tuple[Gradient, ...] = ()
+    deterministic: bool = False
 
     def to_json(self) -> dict:
-        return {"function": self.function, "vnodes": self.vnodes, "vnode_batch": self.vnode_batch,
-                "vnode_function": self.vnode_function, "update_function": self.update_function,
-                "per_vnode_seeds": list(self.per_vnode_seeds), "stepwise": self.stepwise,
-                "reduce_functions": list(self.reduce_functions), "gradients": [g.to_json() for g in self.gradients]}
+        d = {"function": self.function, "vnodes": self.vnodes, "vnode_batch": self.vnode_batch,
+             "vnode_function": self.vnode_function, "update_function": self.update_function,
+             "per_vnode_seeds": list(self.per_vnode_seeds), "stepwise": self.stepwise,
+             "reduce_functions": list(self.reduce_functions), "gradients": [g.to_json() for g in self.gradients]}
+        if self.deterministic:
+            d["deterministic"] = True
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "VirtualNodes":
         return cls(d["function"], d.get("vnodes", 1), d.get("vnode_batch", 0), d.get("vnode_function", ""),
                    d.get("update_function", ""), tuple(d.get("per_vnode_seeds", ())), d.get("stepwise", False),
-                   tuple(d.get("reduce_functions", ())), tuple(Gradient.from_json(g) for g in d.get("gradients", ())))
+                   tuple(d.get("reduce_functions", ())), tuple(Gradient.from_json(g) for g in d.get("gradients", ())),
+                   bool(d.get("deterministic", False)))
 
 
 @dataclass(frozen=True)

@@ -60,3 +60,28 @@ def list_concat(g: FunctionGraph, ref: TensorRef, dtype: int, element_shape=-1, 
                                        g.const(np.zeros([0], np.int64), types_pb2.DT_INT64, "leading_dims")[0]],
                 name="concat", element_dtype=type_attr(dtype), shape_type=type_attr(I32),
                 shapes=None if shape is None else [shape, [-1]])[0]
+
+
+# ----------------------------------------------------------------------------- exact sums
+# A floating-point value x, truncated toward zero to a multiple of 2^-60, becomes
+# N = x * 2^60 in two int64 words with the sign of x, hi = N / 2^40 and lo = N % 2^40, exactly
+# (the VfExactAdd op). Integer sums of such words are exact and do not depend on the order of
+# the additions, so a sum over virtual nodes and ranks is the same, bit for bit, however they
+# are laid out; VfExactValue makes a sum floating point: hi * 2^-20 + lo * 2^-60.
+EXACT_MAX_TERMS = 1024  # terms per sum: |hi| < 2^51 each, |lo| < 2^40 each, both sums stay in int64
+EXACT_LIMIT = 2.0 ** 31  # a term holding a larger value (or a non-finite one) makes the sum NaN
+I64 = types_pb2.DT_INT64
+
+
+def exact_add(g: FunctionGraph, acc: TensorRef, values: Sequence[TensorRef], dtype: int, n: int) -> TensorRef:
+    """``acc`` (int64 ``[2n + 1]``) plus the exact words of ``values`` (float ``dtype``, ``n``
+    values in all): one ``VfExactAdd`` op (vfgraph's op library): ``n`` high words, ``n`` low
+    words, and a last word counting the calls that saw a value outside the limit."""
+    return g.op("VfExactAdd", [acc, *values], name="exact_sum", N=len(values), T=type_attr(dtype),
+                shapes=[[2 * n + 1]])[0]
+
+
+def from_exact(g: FunctionGraph, words: TensorRef, dtype: int, n: int) -> TensorRef:
+    """The ``n`` ``dtype`` values of summed words (all NaN when a term was outside the limit):
+    one ``VfExactValue`` op."""
+    return g.op("VfExactValue", [words], name="exact_value", T=type_attr(dtype), shapes=[[n]])[0]

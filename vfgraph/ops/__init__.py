@@ -17,13 +17,15 @@ Ops (registered by the library this package builds and loads):
   unless every rank has the same ``fingerprint`` (used as a control dependency).
 - ``VfRank(stages: int = 0) -> int32``, ``VfSize(stages: int = 0) -> int32``: this process's
   rank, the number of ranks (``stages`` > 0: in its pipeline stage's communicator).
+- ``VfExactAdd(sum: int64, values: N * T) -> output: int64``: no MPI; ``sum`` plus the exact
+  fixed-point words of ``values`` (T: half, bfloat16, float, double), for deterministic sums.
 - ``VfSend(input: T, tag: int32, stage: int, stages: int)``: no outputs; sends ``input`` as
   message ``tag`` to the rank of pipeline stage ``stage`` in this rank's group of ``stages``
   consecutive ranks (T: the above, int16, uint16).
 - ``VfRecv(tag: int32, T: type, stage: int, stages: int, shape: shape) -> output: T``: receives
   message ``tag`` from the rank of stage ``stage`` (its shape travels with it).
 
-Every op is stateful, runs on the CPU and uses one communicator per process (MPI_COMM_WORLD
+Every op runs on the CPU; every op but VfExactAdd is stateful and uses one communicator per process (MPI_COMM_WORLD
 unless :func:`set_communicator` chose another). Ranks must issue their collectives in the same
 order, which a graph ensures with control dependencies. VfSend and VfRecv are asynchronous and
 matched by tag, in any order (they need MPI_THREAD_MULTIPLE, mpi4py's default). MPI itself is initialised and finalised
@@ -52,7 +54,7 @@ from vfgraph.ops.toolchain import OpsUnavailableError, cache_dir
 
 __all__ = [
     "OpsUnavailableError", "allgather", "allreduce", "available", "broadcast", "build",
-    "build_ops_main", "cache_dir", "check", "library_path", "load", "rank", "register_at_import",
+    "build_ops_main", "cache_dir", "check", "exact_add", "library_path", "load", "rank", "register_at_import",
     "recv", "send", "set_communicator", "size",
 ]
 
@@ -205,6 +207,13 @@ def size(name: Optional[str] = None, stages: int = 0):
     """The number of ranks in the communicator, as an int32 scalar tensor (a ``VfSize`` op);
     ``stages`` > 0: in this rank's pipeline stage."""
     return load().vf_size(stages=stages, name=name)
+
+
+def exact_add(total, values, name: Optional[str] = None):
+    """``total`` (int64, ``2 n + 1`` words) plus the exact fixed-point words of ``values`` (a
+    list of float tensors of ``n`` values in all): a ``VfExactAdd`` op. See
+    :mod:`vfgraph.ir.blocks` (``from_exact``) for what the words hold."""
+    return load().vf_exact_add(total, values, name=name)
 
 
 def send(x, tag, stage: int, stages: int, name: Optional[str] = None):

@@ -1,7 +1,8 @@
 // MPI collective operations for TensorFlow graphs.
 //
 // Ops: VfAllreduce, VfBroadcast, VfBroadcastVariables, VfAllgather, VfCheck, VfRank,
-// VfSize; VfSend and VfRecv (point to point, between pipeline stages).
+// VfSize; VfSend and VfRecv (point to point, between pipeline stages); VfExactAdd (no
+// MPI: a virtual node's values added to exact fixed-point sums, for deterministic mode).
 //
 // Every kernel runs its collective on one process-global communicator
 // (MPI_COMM_WORLD unless vf_mpi_set_comm chose another), under one process-global
@@ -22,7 +23,9 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -45,6 +48,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/util/work_sharder.h"
 
 namespace vfgraph {
 namespace {
@@ -993,6 +997,141 @@ class RecvOp : public AsyncOpKernel {
   DataType dtype_;
 };
 
+// ---------------------------------------------------------------------------
+// VfExactAdd: sum + the words of values. A value x is held, truncated toward zero to a
+// multiple of 2^-60, as N = x * 2^60 split into two int64 words, hi = N / 2^40 and
+// lo = N % 2^40 (both with the sign of x), at the position of x among the values (hi
+// words first, then lo words); integer sums of words do not depend on the order of the
+// additions, and the sum is hi * 2^-20 + lo * 2^-60 (vfgraph.ir.blocks.from_exact). A
+// float's words come from its bits alone (exponent and mantissa: integer shifts); a
+// double's from exact double arithmetic. A value that is not finite or whose magnitude
+// reaches 2^31 adds nothing and adds 1 to the last word (the sum is then NaN).
+
+constexpr uint64_t kExactLowMask = (uint64_t{1} << 40) - 1;
+
+// Adds float x's words to *hi and *lo; false when x is outside the limit.
+inline bool AddFloatWords(float x, int64_t* hi, int64_t* lo) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const int e = static_cast<int>((bits >> 23) & 0xff);
+  if (e >= 158) return false;  // |x| >= 2^31, infinities, NaN
+  if (e == 0) return true;     // zero or subnormal: below 2^-60
+  const uint64_t m = (bits & 0x7fffff) | 0x800000;  // x = m * 2^(e - 150), N = m * 2^(e - 90)
+  const int sh = e - 90;
+  uint64_t h = 0, l = 0;
+  if (sh >= 40) {
+    h = m << (sh - 40);
+  } else if (sh >= 0) {
+    const uint64_t n = m << sh;  // < 2^63
+    h = n >> 40;
+    l = n & kExactLowMask;
+  } else if (sh > -24) {
+    l = m >> (-sh);
+  } else {
+    return true;
+  }
+  if (bits >> 31) {
+    *hi -= static_cast<int64_t>(h);
+    *lo -= static_cast<int64_t>(l);
+  } else {
+    *hi += static_cast<int64_t>(h);
+    *lo += static_cast<int64_t>(l);
+  }
+  return true;
+}
+
+// The same for a double: N = trunc(x * 2^60) in two parts, by exact double arithmetic.
+inline bool AddDoubleWords(double x, int64_t* hi, int64_t* lo) {
+  if (!(std::fabs(x) < 2147483648.0)) return false;  // NaN too
+  const double s = x * 1048576.0;            // 2^20: exact
+  const double h = std::trunc(s);
+  *hi += static_cast<int64_t>(h);
+  *lo += static_cast<int64_t>((s - h) * 1099511627776.0);  // 2^40: exact, then truncated
+  return true;
+}
+
+inline bool AddWords(float x, int64_t* hi, int64_t* lo) { return AddFloatWords(x, hi, lo); }
+inline bool AddWords(Eigen::half x, int64_t* hi, int64_t* lo) {
+  return AddFloatWords(static_cast<float>(x), hi, lo);
+}
+inline bool AddWords(Eigen::bfloat16 x, int64_t* hi, int64_t* lo) {
+  return AddFloatWords(static_cast<float>(x), hi, lo);
+}
+inline bool AddWords(double x, int64_t* hi, int64_t* lo) { return AddDoubleWords(x, hi, lo); }
+
+template <typename T>
+class ExactAddOp : public OpKernel {
+ public:
+  explicit ExactAddOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& sum = context->input(0);
+    const int count = context->num_inputs() - 1;
+    int64_t n = 0;
+    for (int k = 0; k < count; ++k) n += context->input(1 + k).NumElements();
+    OP_REQUIRES(context, sum.dims() == 1 && sum.NumElements() == 2 * n + 1,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "VfExactAdd (node '", name(), "'): the sum holds ", sum.NumElements(),
+                    " words, the values need 2 * ", n, " + 1")));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(context, context->forward_input_or_allocate_output({0}, 0, sum.shape(), &out));
+    int64_t* words = out->flat<int64_t>().data();
+    if (out->tensor_data().data() != sum.tensor_data().data()) {
+      std::memcpy(words, sum.flat<int64_t>().data(), sizeof(int64_t) * (2 * n + 1));
+    }
+    std::atomic<bool> bad{false};
+    auto* pool = context->device()->tensorflow_cpu_worker_threads();
+    int64_t at = 0;
+    for (int k = 0; k < count; ++k) {
+      const T* values = context->input(1 + k).flat<T>().data();
+      const int64_t size = context->input(1 + k).NumElements();
+      int64_t* hi = words + at;
+      int64_t* lo = words + n + at;
+      auto work = [values, hi, lo, &bad](int64_t begin, int64_t end) {
+        bool fine = true;
+        for (int64_t i = begin; i < end; ++i) fine &= AddWords(values[i], hi + i, lo + i);
+        if (!fine) bad.store(true, std::memory_order_relaxed);
+      };
+      if (size < 65536) {
+        work(0, size);
+      } else {
+        ::tensorflow::Shard(pool->num_threads, pool->workers, size, /*cost_per_unit=*/8, work);
+      }
+      at += size;
+    }
+    if (bad.load()) words[2 * n] += 1;
+  }
+};
+
+// VfExactValue: the values of summed words (hi * 2^-20 + lo * 2^-60, each rounded once
+// to T), all NaN when the last word says a term was outside the limit.
+template <typename T>
+class ExactValueOp : public OpKernel {
+ public:
+  explicit ExactValueOp(OpKernelConstruction* context) : OpKernel(context) {}
+
+  void Compute(OpKernelContext* context) override {
+    const Tensor& sum = context->input(0);
+    OP_REQUIRES(context, sum.dims() == 1 && sum.NumElements() % 2 == 1,
+                absl::InvalidArgumentError(absl::StrCat("VfExactValue (node '", name(), "'): ",
+                                                        sum.NumElements(), " words are not 2 * n + 1")));
+    const int64_t n = sum.NumElements() / 2;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({n}), &out));
+    const int64_t* words = sum.flat<int64_t>().data();
+    T* values = out->flat<T>().data();
+    const bool bad = words[2 * n] > 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t lo = words[n + i];
+      const int64_t carry = lo >= 0 ? lo >> 40 : -((-lo + static_cast<int64_t>(kExactLowMask)) >> 40);
+      const int64_t hi = words[i] + carry;  // lo - carry * 2^40 is in [0, 2^40)
+      const double v = static_cast<double>(hi) * (1.0 / 1048576.0) +
+                       static_cast<double>(lo - carry * (int64_t{1} << 40)) * (1.0 / 1152921504606846976.0);
+      values[i] = static_cast<T>(bad ? std::nan("") : v);
+    }
+  }
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -1077,6 +1216,35 @@ REGISTER_OP("VfSize")
     .SetShapeFn(shape_inference::ScalarShape)
     .Doc("The number of ranks in the communicator (`stages` > 0: in its pipeline stage's).");
 
+REGISTER_OP("VfExactAdd")
+    .Input("sum: int64")
+    .Input("values: N * T")
+    .Output("output: int64")
+    .Attr("N: int >= 1")
+    .Attr("T: {half, bfloat16, float, double}")
+    .SetShapeFn(shape_inference::UnchangedShape)
+    .Doc(R"doc(
+`sum` plus the exact fixed-point words of `values` (n values in all): n high words,
+n low words, and a last word counting the calls that saw a value that is not finite
+or reaches 2^31 in magnitude. Sums of words are exact, whatever the order.
+)doc");
+
+REGISTER_OP("VfExactValue")
+    .Input("sum: int64")
+    .Output("output: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle in;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &in));
+      const int64_t words = c->Value(c->Dim(in, 0));
+      c->set_output(0, c->Vector(words < 0 ? shape_inference::InferenceContext::kUnknownDim : words / 2));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The n values of `sum`, words VfExactAdd summed (hi * 2^-20 + lo * 2^-60, rounded once
+to T); all NaN when its last word counts a value outside the limit.
+)doc");
+
 REGISTER_OP("VfSend")
     .Input("input: T")
     .Input("tag: int32")
@@ -1150,6 +1318,16 @@ REGISTER_KERNEL_BUILDER(Name("VfRank").Device(::tensorflow::DEVICE_CPU), CommInf
 REGISTER_KERNEL_BUILDER(Name("VfSize").Device(::tensorflow::DEVICE_CPU), CommInfoOp<false>);
 REGISTER_KERNEL_BUILDER(Name("VfSend").Device(::tensorflow::DEVICE_CPU), SendOp);
 REGISTER_KERNEL_BUILDER(Name("VfRecv").Device(::tensorflow::DEVICE_CPU), RecvOp);
+#define VF_EXACT_KERNEL(T) \
+  REGISTER_KERNEL_BUILDER(Name("VfExactAdd").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), \
+                          ExactAddOp<T>); \
+  REGISTER_KERNEL_BUILDER(Name("VfExactValue").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), \
+                          ExactValueOp<T>);
+VF_EXACT_KERNEL(Eigen::half)
+VF_EXACT_KERNEL(Eigen::bfloat16)
+VF_EXACT_KERNEL(float)
+VF_EXACT_KERNEL(double)
+#undef VF_EXACT_KERNEL
 
 }  // namespace vfgraph
 
