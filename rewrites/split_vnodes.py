@@ -185,9 +185,9 @@ class _Loop:
     construction. ``in_flight``: how many virtual nodes may run at once (pipeline stages work
     on consecutive virtual nodes at the same time); each sum is added on the device of the
     value it adds, where a pass placed that value. ``exact``: the floating-point sums of each
-    dtype are carried as one vector of exact fixed-point words (:func:`vfgraph.ir.blocks.to_exact`,
-    every value of a virtual node converted at once), so that their value does not depend on
-    the order of the additions; they are made floating point after the reduce."""
+    dtype are carried as one vector of exact fixed-point words (one ``VfExactAdd`` per virtual
+    node, :func:`vfgraph.ir.blocks.exact_add`), so that their value does not depend on the order
+    of the additions; they are made floating point after the reduce."""
 
     def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library, new_function,
                  in_flight: int = 1, tag: str = "", messages: int = 0, exact: bool = False):
@@ -210,8 +210,9 @@ class _Loop:
         # exact group), nv, then per, batch..., resources...
         self.plain = [k for k, e in enumerate(self.exact) if not e]
         self.layout = LoopLayout.of(
-            [(t, s) if c == "mean" else (types_pb2.DT_VARIANT, []) for c, t, s in (self.carried[k] for k in self.plain)]
-            + [(I64, [2 * sum(sizes) + 1]) for _, _, sizes in self.groups],
+            [(t, s) if c == "mean" else (types_pb2.DT_VARIANT, [])
+             for c, t, s in (self.carried[k] for k in self.plain)] +
+            [(I64, [2 * sum(sizes) + 1]) for _, _, sizes in self.groups],
             [(I32, [])] + [(t, g.arg_shape(a)) for a, t in zip(sig.batch_args, self.batch_types)] +
             [(g.dtype(TensorRef(a)), []) for a in sig.resource_args] +
             [(g.dtype(TensorRef(a)), g.arg_shape(a)) for a in sig.captured_args])
@@ -226,8 +227,8 @@ class _Loop:
         sig = self.step.signature
         fb = FunctionGraph.new(self.body_name, lib, into)
         n_batch = len(self.batch_types)
-        args = self.layout.args(fb, ["i"] + [f"carried_{k}" for k in range(len(self.layout.carried_types))] + ["nv", "per"] +
-                                [f"batch_{k}" for k in range(n_batch)] +
+        carried_names = [f"carried_{k}" for k in range(len(self.layout.carried_types))]
+        args = self.layout.args(fb, ["i"] + carried_names + ["nv", "per"] + [f"batch_{k}" for k in range(n_batch)] +
                                 [f"resource_{k}" for k in range(len(sig.invariant_args))])
         i, carried, nv, fixed = self.layout.split(args)
         per, batch, res = fixed[0], fixed[1:1 + n_batch], fixed[1 + n_batch:]
@@ -287,6 +288,9 @@ class _Loop:
         inits = []
         for combine, t, shape in (self.carried[k] for k in self.plain):
             if combine == "mean":
+                if shape is None or any(d < 0 for d in shape):
+                    raise PipelineError(f"signature {self.step.signature.key!r}: a summed value has no static shape "
+                                        f"({shape}); vfgraph cannot size its accumulator")
                 inits.append(zeros(fb, shape, t, shapes=[shape]))
             else:
                 inits.append(reserve(fb, nv, t))

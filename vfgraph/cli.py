@@ -395,12 +395,13 @@ def cmd_inspect(args) -> int:
         if st:
             print(f"  pipeline stages: {st.count} ({st.schedule}: at most "
                   f"{st.in_flight(rw.vnodes if rw else st.count)} virtual nodes in flight)")
+            size = outputs.size_text
             for k, part in enumerate(st.parts, 1):
-                cut = f"; {outputs.size_text(st.cut_bytes[k - 1])}/example to stage {k + 1}" if k <= len(st.cut_bytes) else ""
-                where = part.device or f"MPI rank {k - 1}" + (
-                    f" (signature {st.signatures[k - 1]!r})" if k <= len(st.signatures) else "")
+                cut = f"; {size(st.cut_bytes[k - 1])}/example to stage {k + 1}" if k <= len(st.cut_bytes) else ""
+                where = part.device or f"MPI rank {k - 1} (and {k - 1} + {st.count} d for replica d)" + (
+                    f", signature {st.signatures[k - 1]!r}" if k <= len(st.signatures) else "")
                 print(f"    stage {k} on {where}: {part.ops} ops, {len(part.variables)} variables "
-                      f"({outputs.size_text(part.parameter_bytes)}), optimizer state {outputs.size_text(part.optimizer_state_bytes)}{cut}")
+                      f"({size(part.parameter_bytes)}), optimizer state {size(part.optimizer_state_bytes)}{cut}")
         ar = reduced.get(key)
         if ar:
             fused = [b for b in ar.buffers[0] if b[0].startswith("sum_")]

@@ -112,7 +112,7 @@ def test_each_stage_holds_and_checkpoints_only_its_variables(staged, digits, tmp
             proc.kill()
     assert proc.returncode == 130, err[-2000:]
     held = dict((int(r), int(n)) for r, n in re.findall(r"rank (\d) \(stage .* \((\d+) of \d+ bytes\)", err))
-    assert sorted(held) == [0, 1] and all(h < 0.75 * whole for h in held.values()), (held, whole)
+    assert sorted(held) == [0, 1] and sum(held.values()) <= whole + 64, (held, whole)  # shares, not copies
     for k, h in held.items():  # its parameters and their Adam slots (and the step counter), no other stage's
         part = rec.parts[k]
         assert part.parameter_bytes + part.optimizer_state_bytes <= h <= \
