@@ -127,3 +127,24 @@ def test_each_stage_holds_and_checkpoints_only_its_variables(staged, digits, tmp
     run_train(2, model, digits["train"], reference, total, "--checkpoint-every", "5")
     assert_same_params(reference, out, 1e-6)
     assert losses(out) == pytest.approx(losses(reference), rel=1e-6)
+
+
+def test_deterministic_stages_and_replicas_train_bit_identical_parameters(models, digits, tmp_path):
+    """With exact sums, 2 stages on 2 ranks and 2 replicas x 2 stages on 4 ranks train the very
+    parameters one process trains, Adam's among them (whose default-mode replicas drift by
+    rounding)."""
+    import numpy as np
+
+    import vfgraph
+    from test_mpi_train import B, params
+
+    model = str(tmp_path / "model")
+    vfgraph.save(vfgraph.rewrite(models("mlp:adam"), vnodes=8, vnode_batch=B, stages=2, deterministic=True), model)
+    outs = {ranks: str(tmp_path / f"ranks{ranks}") for ranks in (0, 2, 4)}
+    for ranks, out in outs.items():
+        run_train(ranks, model, digits["train"], out, 3)
+    one = params(outs[0])
+    for ranks in (2, 4):
+        got = params(outs[ranks])
+        assert [k for k in one if not np.array_equal(one[k], got[k])] == [], ranks
+        assert losses(outs[ranks]) == losses(outs[0])
