@@ -44,7 +44,9 @@ from benchlib import ROOT, git_state, write_report
 K = 2
 
 
-def export_model(path: str, layers: int, width: int) -> None:
+def export_model(path: str, layers: int, width: int, optimizer: str = "sgd", lr: float = 0.01) -> None:
+    """An MLP of ``layers`` Dense layers of ``width`` units (ReLU) and a 10-class head, trained
+    with ``optimizer``, saved with its train and serving signatures."""
     import keras
     import tensorflow as tf
 
@@ -54,7 +56,7 @@ def export_model(path: str, layers: int, width: int) -> None:
     model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="relu")
                                                         for _ in range(layers)] + [keras.layers.Dense(10)])
     specs = {"x": tf.TensorSpec([None, width], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
-    m = export.build_module(model, specs, "sgd", 0.01, export.sparse_ce)
+    m = export.build_module(model, specs, optimizer, lr, export.sparse_ce)
     tf.saved_model.save(m, path, signatures={"train": m.train, "serving_default": m.serve})
 
 

@@ -23,6 +23,7 @@ import tempfile
 
 import numpy as np
 
+from bench_pipeline import export_model
 from benchlib import ROOT, git_state, write_report
 
 K = 2
@@ -30,20 +31,6 @@ HELD = re.compile(r"rank (\d+) \(stage (\d+) of \d+, replica \d+\): holds .* \((
 PEAK = re.compile(r"(?:rank (\d+): )?peak resident memory .* \((\d+) bytes\)")
 VMHWM = re.compile(r"(?:rank (\d+): )?peak resident memory ([\d.]+) (B|KiB|MiB|GiB)")
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-def export_model(path: str, layers: int, width: int) -> None:
-    import keras
-    import tensorflow as tf
-
-    import export
-
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="relu")
-                                                        for _ in range(layers)] + [keras.layers.Dense(10)])
-    specs = {"x": tf.TensorSpec([None, width], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
-    m = export.build_module(model, specs, "adam", 0.001, export.sparse_ce)
-    tf.saved_model.save(m, path, signatures={"train": m.train, "serving_default": m.serve})
 
 
 def train(model: str, data: str, out: str, ranks: int, a) -> dict:
@@ -82,7 +69,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="vfgraph-bench-") as tmp:
         src = os.path.join(tmp, "src")
-        export_model(src, a.layers, a.width)
+        export_model(src, a.layers, a.width, "adam", 0.001)
         rng = np.random.default_rng(0)
         n = a.vnodes * a.vnode_batch * 4
         data = os.path.join(tmp, "data.npz")

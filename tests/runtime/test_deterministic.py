@@ -4,7 +4,7 @@ trains bit-identical parameters whatever the layout of its V=8 virtual nodes ove
 import numpy as np
 import pytest
 
-from test_mpi_train import B, losses, params, run_train
+from test_mpi_train import B, losses, params, rewritten, run_train
 
 pytestmark = pytest.mark.mpi
 
@@ -12,19 +12,7 @@ pytestmark = pytest.mark.mpi
 @pytest.fixture(scope="module")
 def exact(models, tmp_path_factory):
     """Models rewritten with 8 virtual nodes of 8 examples, the all-reduce and exact sums."""
-    import vfgraph
-
-    root = tmp_path_factory.mktemp("deterministic")
-    made = {}
-
-    def get(name):
-        if name not in made:
-            out = str(root / name.replace(":", "_"))
-            vfgraph.save(vfgraph.rewrite(models(name), vnodes=8, vnode_batch=B, deterministic=True), out)
-            made[name] = out
-        return made[name]
-
-    return get
+    return rewritten(models, tmp_path_factory.mktemp("deterministic"), deterministic=True)
 
 
 LAYOUTS = {"1x8": (0, ()), "2x4": (2, ()), "4x2": (4, ()), "5+3": (2, ("--vnodes-per-rank", "5,3")),

@@ -52,22 +52,38 @@ def assert_same_params(a, b, rtol):
     assert worst[0] <= rtol, f"{worst[1]} differs by {worst[0]:.3g} ({a} vs {b})"
 
 
-@pytest.fixture(scope="module")
-def v8(models, tmp_path_factory):
-    """Models rewritten with 8 virtual nodes of 8 examples and the all-reduce."""
+def rewritten(models, root, **options):
+    """``get(name)``: corpus model ``name`` rewritten with 8 virtual nodes of 8 examples (and
+    ``options``) once, saved under ``root``."""
     import vfgraph
 
-    root = tmp_path_factory.mktemp("mpi_models")
     made = {}
 
     def get(name):
         if name not in made:
             out = str(root / name.replace(":", "_"))
-            vfgraph.save(vfgraph.rewrite(models(name), vnodes=8, vnode_batch=B, allreduce="mpi"), out)
+            vfgraph.save(vfgraph.rewrite(models(name), vnodes=8, vnode_batch=B, **options), out)
             made[name] = out
         return made[name]
 
     return get
+
+
+def wait_for_checkpoint(proc, state: str, step: int) -> None:
+    """Wait until the run ``proc`` has checkpointed ``step`` steps (its ``progress.json`` at
+    ``state``); it must still be running then."""
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isfile(state) and json.load(open(state))["step"] >= step:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "training finished before the checkpoint; raise the step count"
+
+
+@pytest.fixture(scope="module")
+def v8(models, tmp_path_factory):
+    """Models rewritten with 8 virtual nodes of 8 examples and the all-reduce."""
+    return rewritten(models, tmp_path_factory.mktemp("mpi_models"), allreduce="mpi")
 
 
 @pytest.mark.parametrize("name", ["mlp:momentum", "cnn:momentum", "embedding:adam"])
@@ -192,12 +208,7 @@ def test_killed_rank_stops_the_job_and_resume_reaches_the_same_parameters(v8, di
     proc = subprocess.Popen(train_cmd(2, model, digits["train"], out, steps, "--checkpoint-every", "50"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and proc.poll() is None:
-            if os.path.isfile(state) and json.load(open(state))["step"] >= 200:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "training finished before the kill; raise the step count"
+        wait_for_checkpoint(proc, state, 200)
         victim = _rank_pid(1, out)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)

@@ -7,11 +7,10 @@ import os
 import re
 import signal
 import subprocess
-import time
 
 import pytest
 
-from test_mpi_train import ENV, _rank_pid, assert_same_params, losses, run_train, train_cmd
+from test_mpi_train import ENV, _rank_pid, assert_same_params, losses, run_train, train_cmd, wait_for_checkpoint
 
 pytestmark = pytest.mark.mpi
 
@@ -99,12 +98,7 @@ def test_each_stage_holds_and_checkpoints_only_its_variables(staged, digits, tmp
     proc = subprocess.Popen(train_cmd(2, model, digits["train"], out, steps, "--checkpoint-every", "5"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        deadline = time.time() + 180
-        while time.time() < deadline and proc.poll() is None:
-            if os.path.isfile(state) and json.load(open(state))["step"] >= 10:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "training finished before the interruption; raise the step count"
+        wait_for_checkpoint(proc, state, 10)
         os.kill(_rank_pid(1, out), signal.SIGINT)  # one rank's request stops every rank after the step
         err = proc.communicate(timeout=120)[1]
     finally:
