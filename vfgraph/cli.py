@@ -157,8 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--allow-nonfinite", action="store_true",
                    help="train on when the loss or the parameters are NaN or infinite (default: stop, keeping the "
                         "last checkpoint and writing no model)")
-    t.add_argument("--vnodes-per-rank", metavar="V1,V2,...", help="under mpiexec: virtual nodes of each rank, "
-                   "e.g. 5,3 (default: the global batch's virtual nodes split evenly)")
+    t.add_argument("--vnodes-per-rank", metavar="V1,V2,...|auto", help="under mpiexec: virtual nodes of each rank, "
+                   "e.g. 5,3, or auto: shares planned from each rank's measured speed, again when it drifts by "
+                   "more than 10%% (for ranks on uneven hardware; default: the global batch's virtual nodes split "
+                   "evenly)")
     t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: "
                    "the CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
 
@@ -489,12 +491,13 @@ def cmd_verify(args) -> int:
 def cmd_train(args) -> int:
     from vfgraph.runtime.train import train
 
-    per_rank = None
-    if args.vnodes_per_rank:
+    per_rank = args.vnodes_per_rank if args.vnodes_per_rank == "auto" else None
+    if args.vnodes_per_rank and not per_rank:
         try:
             per_rank = [int(v) for v in args.vnodes_per_rank.split(",")]
         except ValueError:
-            raise InputError(f"--vnodes-per-rank {args.vnodes_per_rank}: give comma-separated integers, e.g. 5,3")
+            raise InputError(f"--vnodes-per-rank {args.vnodes_per_rank}: give comma-separated integers, e.g. 5,3, "
+                             "or auto")
     res = train(args.model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
                 force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
                 seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank, threads=args.threads,

@@ -53,7 +53,7 @@ from vfgraph.ops import toolchain as _toolchain
 from vfgraph.ops.toolchain import OpsUnavailableError, cache_dir
 
 __all__ = [
-    "OpsUnavailableError", "allgather", "allreduce", "available", "broadcast", "build",
+    "OpsUnavailableError", "allgather", "allreduce", "available", "blocked_seconds", "broadcast", "build",
     "build_ops_main", "cache_dir", "check", "exact_add", "library_path", "load", "rank", "register_at_import",
     "recv", "send", "set_communicator", "size",
 ]
@@ -65,6 +65,7 @@ _module = None  # the loaded op module
 _loaded_path: Optional[str] = None
 _communicator = None  # kept alive while the library uses it
 _warned = False
+_blocked_ns = None  # the library's vf_mpi_blocked_ns, once looked up
 
 
 def build(force: bool = False) -> str:
@@ -165,6 +166,19 @@ def set_communicator(comm, stages: int = 0) -> None:
             reason = {-1: "MPI is not initialized", -3: f"{comm.Get_size()} ranks are not a multiple of {stages}"}.get(
                 rc, f"MPI error {rc}: {MPI.Get_error_string(rc) if rc > 0 else ''}")
             raise VfgraphError(f"cannot split the ranks into {stages} pipeline stages: {reason}")
+
+
+def blocked_seconds() -> float:
+    """Seconds this process has spent in vfgraph's collectives so far (each from taking the
+    library's collective lock to the MPI call's end): a step's wall time less what this adds
+    during it is the rank's own computing, without its wait for slower ranks."""
+    global _blocked_ns
+    if _blocked_ns is None:
+        load()
+        fn = ctypes.CDLL(library_path()).vf_mpi_blocked_ns
+        fn.argtypes, fn.restype = [], ctypes.c_int64
+        _blocked_ns = fn
+    return _blocked_ns() / 1e9
 
 
 def allreduce(x, name: Optional[str] = None, stages: int = 0):

@@ -115,6 +115,26 @@ void SumThroughFloat(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
   }
 }
 
+// Time this process has spent in collectives (from taking the collective mutex to the
+// call's end), in nanoseconds: a step's time less this is the rank's own computing,
+// which tells a slow rank from one that waits for it (vf_mpi_blocked_ns).
+std::atomic<int64_t>& BlockedNanos() {
+  static std::atomic<int64_t>* nanos = new std::atomic<int64_t>(0);
+  return *nanos;
+}
+
+// Adds the time from its construction to its destruction to BlockedNanos().
+class BlockedClock {
+ public:
+  ~BlockedClock() {
+    BlockedNanos() += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
 // The rank's view of the communicator in use, obtained under the mutex.
 struct Comm {
   MPI_Comm comm = MPI_COMM_NULL;
@@ -393,6 +413,7 @@ class AllreduceOp : public OpKernel {
     CopyUnlessForwarded(forwarded, input, output);
 
     std::lock_guard<std::mutex> lock(CollectiveMutex());
+    BlockedClock blocked;
     if (forwarded >= 0) CollapseHugePages(output->data(), output->TotalBytes());
     Comm comm;
     OP_REQUIRES_OK(context, AcquireComm("VfAllreduce", name(), &comm, stages_));
@@ -429,6 +450,7 @@ class BroadcastOp : public OpKernel {
   void Compute(OpKernelContext* context) override {
     const Tensor& input = context->input(0);
     std::lock_guard<std::mutex> lock(CollectiveMutex());
+    BlockedClock blocked;
     Comm comm;
     OP_REQUIRES_OK(context, AcquireRootComm("VfBroadcast", name(), root_, &comm));
 
@@ -532,6 +554,7 @@ class BroadcastVariablesOp : public OpKernel {
     }
 
     std::lock_guard<std::mutex> lock(CollectiveMutex());
+    BlockedClock blocked;
     Comm comm;
     OP_REQUIRES_OK(context, AcquireRootComm("VfBroadcastVariables", name(), root_, &comm));
 
@@ -617,6 +640,7 @@ class AllgatherOp : public OpKernel {
   void Compute(OpKernelContext* context) override {
     const Tensor& input = context->input(0);
     std::lock_guard<std::mutex> lock(CollectiveMutex());
+    BlockedClock blocked;
     Comm comm;
     OP_REQUIRES_OK(context, AcquireComm("VfAllgather", name(), &comm, stages_));
 
@@ -757,6 +781,7 @@ class CheckOp : public OpKernel {
 
   void Compute(OpKernelContext* context) override {
     std::lock_guard<std::mutex> lock(CollectiveMutex());
+    BlockedClock blocked;
     Comm comm;
     OP_REQUIRES_OK(context, AcquireComm("VfCheck", name(), &comm));
     std::vector<char> all(static_cast<size_t>(kFingerprintBytes) * comm.size);
@@ -1379,4 +1404,9 @@ extern "C" __attribute__((visibility("default"))) int vf_mpi_split_stages(int st
   state.stage_comm = split;
   state.stages = stages;
   return 0;
+}
+
+// Nanoseconds this process has spent in vfgraph's collectives so far (BlockedNanos).
+extern "C" __attribute__((visibility("default"))) int64_t vf_mpi_blocked_ns() {
+  return vfgraph::BlockedNanos().load();
 }

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -254,7 +254,7 @@ def _changed(saved: dict, now: dict) -> List[str]:
 
 def train(model: str, data_path: str, steps: int, batch_size: int, out: str, resume: bool = False,
           force: bool = False, signature: str = "train", checkpoint_every: int = 100, seed: int = 0,
-          progress: bool = True, vnodes_per_rank: Optional[List[int]] = None,
+          progress: bool = True, vnodes_per_rank: Union[List[int], str, None] = None,
           threads: Optional[int] = None, allow_nonfinite: bool = False) -> Optional[TrainResult]:
     """Train ``model`` for ``steps`` global batches of ``batch_size`` examples. Under ``mpiexec``
     every rank feeds its share of each global batch (whole virtual nodes, from the same global
@@ -266,7 +266,12 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     checkpoint in ``OUT.ckpt`` that ``resume`` continues from, refusing a changed configuration
     (batch size, seed, data, model); a checkpoint is never deleted without ``force``; a step
     whose loss is not finite stops the run (keeping the last checkpoint, writing no model)
-    unless ``allow_nonfinite``."""
+    unless ``allow_nonfinite``.
+
+    ``vnodes_per_rank``: the virtual nodes of each rank (a list adding up to V), or ``"auto"``:
+    shares planned from each rank's measured computing time and planned again when it drifts
+    (:mod:`vfgraph.runtime.balance`; each plan is logged)."""
+    auto = vnodes_per_rank == "auto"
     for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1),
                                ("--checkpoint-every", checkpoint_every, 0), ("--seed", seed, 0)):
         if not isinstance(value, int) or value < least:
@@ -332,7 +337,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         if batch_size > n:
             raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {data_path}")
         check_batch(model, signature, batch_size)
-        rows = (0, batch_size)
+        per = [batch_size // b] if b else [1]
         if w.size > 1 and not ranked and f"{signature}_broadcast" not in loaded.signatures:
             raise InputError(f"{model}: no {signature}_broadcast signature to start the ranks from the same "
                              "variables; rewrite it with a SavedModel input and --allreduce mpi")
@@ -340,11 +345,19 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             if not b:
                 raise InputError(f"{model}: its virtual-node batch is derived from the fed batch, so ranks cannot "
                                  "share a global batch; rewrite it with --vnode-batch B")
-            per = shares(batch_size // b, groups, None if ranked else vnodes_per_rank)
-            rows = (sum(per[:group]) * b, sum(per[:group + 1]) * b)
-        return loaded, fn, data, keys, rows
+            per = shares(batch_size // b, groups, None if ranked or auto else vnodes_per_rank)
+        return loaded, fn, data, keys, per
 
-    loaded, fn, data, keys, (lo, hi) = w.agree(open_model)
+    loaded, fn, data, keys, per = w.agree(open_model)
+    lo, hi = (sum(per[:group]) * b, sum(per[:group + 1]) * b) if len(per) > 1 else (0, batch_size)
+    balancer = None
+    if auto and w.size > 1:
+        from vfgraph.ops import blocked_seconds
+        from vfgraph.runtime.balance import Balancer, text
+
+        balancer = Balancer(sum(per), w.size, per)
+        if w.is_root:
+            log.info("virtual nodes per rank: %s to start, planned from the ranks' measured speeds (auto)", text(per))
     config = None
     if w.is_root:
         rec = records.read(model, VirtualNodes).get(signature)
@@ -409,6 +422,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         w.agree(lambda: _checkpoint(ckpt, ckpt_dir, done, losses, config, parts) if w.is_root else None)
         last_ckpt = done
 
+    step_seconds: List[float] = []  # each step's time on this rank (data, step, agreement)
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
     try:
         if w.size > 1:
@@ -421,12 +435,24 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         with _StopRequests() as stop:
             for step in bar:
                 where = f"step {step}"
+                fetched = time.perf_counter()
                 batch = batches_for(data, keys, batch_size, step, seed)
                 feed = {k: v[lo:hi] for k, v in batch.items()}
+                began, blocked = time.perf_counter(), blocked_seconds() if balancer else 0.0
                 result = fn(**feed)
                 loss = float(result["loss"]) if "loss" in result else float("nan")
+                computing = time.perf_counter() - began - ((blocked_seconds() - blocked) if balancer else 0.0)
                 bad = "loss" in result and not math.isfinite(loss) and not allow_nonfinite
-                seen = w.gather((NONFINITE if bad else 0) | (STOP if stop.requested else 0))
+                seen = w.gather(((NONFINITE if bad else 0) | (STOP if stop.requested else 0), computing))
+                if balancer:
+                    change = balancer.observe(step, [t for _, t in seen]) if not os.environ.get("DBGF") else None; print("DBG", step, [round(t*1e3,2) for _, t in seen], per) if w.is_root else None
+                    if change:
+                        per = balancer.shares
+                        lo, hi = sum(per[:group]) * b, sum(per[:group + 1]) * b
+                        if w.is_root:
+                            log.info("%s", change)
+                seen = [f for f, _ in seen]
+                step_seconds.append(time.perf_counter() - fetched)
                 if any(f & NONFINITE for f in seen):
                     first = next(r for r, f in enumerate(seen) if f & NONFINITE)
                     if w.rank != first:
@@ -462,6 +488,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         raise
     finally:
         bar.close()
+    if w.is_root and len(step_seconds) > 1:  # the first step traces and optimizes the graph
+        typical = float(np.median(step_seconds[1:]))
+        log.info("%d steps after the first took %.4g ms each (median), %.4g steps/s", len(step_seconds) - 1,
+                 typical * 1e3, 1 / typical)
     peak = resident_bytes("VmHWM")
     if peak:
         log.info("%speak resident memory %s, %s of it above the process before the model loaded (%d bytes)",

@@ -1,0 +1,66 @@
+"""Run a command on a fraction of the CPU time it would get: a slower machine stands in for
+uneven hardware (heterogeneous training's tests and benchmarks, on one host).
+
+``python -m vfgraph.testing.throttle --share 0.5 [--period-ms 2] -- COMMAND ...`` runs
+COMMAND and lets it run for ``share`` of every period, stopping it (SIGSTOP, every thread
+at once, and the processes it starts) for the rest, so everything it does takes about 1/share as long. Under ``mpiexec``
+it wraps one rank's command (MPMD: ``mpiexec -n 1 CMD : -n 1 python -m
+vfgraph.testing.throttle --share 0.5 -- CMD``); the command inherits its file descriptors and
+environment, the launcher's among them. SIGINT and SIGTERM are passed on (and the command
+let run to handle them); the exit status is the command's."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vfgraph.testing.throttle", description=__doc__.split("\n\n")[0])
+    p.add_argument("--share", type=float, required=True, help="fraction of each period the command runs (0 < S <= 1)")
+    p.add_argument("--period-ms", type=float, default=2.0, help="length of a run-and-stop cycle (default 2 ms)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("give the command to run after --")
+    if not 0 < args.share <= 1 or args.period_ms <= 0:
+        p.error("--share must be in (0, 1] and --period-ms positive")
+    # its own process group: stopping the group stops the processes the command starts too
+    proc = subprocess.Popen(command, close_fds=False, start_new_session=True)
+    passing: List[int] = []
+
+    def forward(signum, frame):
+        passing.append(signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, forward)
+    run, stop = args.period_ms * args.share / 1e3, args.period_ms * (1 - args.share) / 1e3
+    try:
+        while proc.poll() is None:
+            if passing:
+                os.kill(proc.pid, passing.pop(0))
+            time.sleep(run)
+            if stop > 0 and not passing:
+                try:
+                    os.killpg(proc.pid, signal.SIGSTOP)
+                    time.sleep(stop)
+                finally:
+                    os.killpg(proc.pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    finally:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    return proc.wait() if proc.returncode is None else proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
