@@ -334,6 +334,21 @@ def render_deterministic(r: dict) -> str:
                 ["model", "ranks", "default", "deterministic", "deterministic / default (target < 1.15)"], rows))
 
 
+def render_heterogeneous(r: dict) -> str:
+    """tools/bench_heterogeneous.py: 2 ranks of uneven speed, auto shares against the even split."""
+    rows = []
+    for i, (even, auto) in enumerate(zip(r["runs"]["even"], r["runs"]["auto"])):
+        plans = " -> ".join(p["shares"] for p in auto["plans"]) or "(none)"
+        rows.append([str(i + 1), num(even["step_ms"]), num(auto["step_ms"]), num(even["step_ms"] / auto["step_ms"]),
+                     plans])
+    rows.append(["median", num(r["even_step_ms"]), num(r["auto_step_ms"]), num(r["speedup"]), ""])
+    return (f"V={r['vnodes']} virtual nodes of {r['batch'] // r['vnodes']} examples, 2 ranks, rank 1 on "
+            f"{r['share']:g} of the CPU time; median step time in ms of {r['steps']} steps (after the first) of "
+            f"`vfgraph train`, even and auto runs alternating over {r['rounds']} rounds. The ranks' speed ratio "
+            f"auto measured at the even split: {num(r['speed_ratio'])}:1.\n\n" + table(
+                ["round", "even", "auto", "auto steps/s / even (target >= 1.3)", "auto's plans"], rows))
+
+
 def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
     return [f"{num(x['held_bytes'] / MIB, 1)} MiB", f"{x['held_bytes'] / whole:.0%}",
             f"{num(x['peak_bytes'] / MIB, 0)} MiB", f"{num(x['rise_bytes'] / MIB, 0)} MiB",
@@ -344,6 +359,7 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
     "pipeline": render_pipeline, "stage-memory": render_stage_memory, "deterministic": render_deterministic,
+    "heterogeneous": render_heterogeneous,
 }
 
 

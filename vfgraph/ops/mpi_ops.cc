@@ -11,6 +11,13 @@
 // (control dependencies); the library never initialises or finalises MPI: mpi4py
 // owns MPI_Init and MPI_Finalize.
 //
+// VfAllreduce and VfAllgather first wait for every rank to arrive by polling a
+// nonblocking barrier (sleeping between tests), then move the data with a blocking
+// collective: a rank that waits for a slower one (uneven hardware, an uneven share of
+// the virtual nodes) then leaves the CPU to others instead of spinning in MPI. The
+// time each process spends in collectives is counted (vf_mpi_blocked_ns), so the
+// runtime can tell a rank's own computing from its wait for the others.
+//
 // VfSend and VfRecv are asynchronous kernels: each message is sent or received on a
 // thread of its own, outside the collective mutex, matched by its tag, so a stage
 // waiting for a gradient never keeps the rest of the step from running (and the
@@ -394,6 +401,32 @@ uint64_t Fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull) 
   return h;
 }
 
+// Waits for `request` by testing it, yielding and then sleeping between tests (at most
+// 200 us), so that the MPI library's lock is free between them.
+int WaitPolling(MPI_Request* request, MPI_Status* status) {
+  for (int spins = 0;; ++spins) {
+    int flag = 0;
+    const int rc = MPI_Test(request, &flag, status);
+    if (rc != MPI_SUCCESS || flag) return rc;
+    if (spins < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, spins - 60)));
+    }
+  }
+}
+
+// Waits until every rank of `comm` has reached this call, polling (WaitPolling): a rank that
+// waits for a slower one then leaves its CPU to the others instead of spinning in a blocking
+// collective, which on shared cores (hyperthreads, ranks sharing a host) slows the very rank
+// it waits for. The collective that follows runs with every rank present.
+int ArriveTogether(MPI_Comm comm) {
+  MPI_Request request;
+  const int rc = MPI_Ibarrier(comm, &request);
+  if (rc != MPI_SUCCESS) return rc;
+  return WaitPolling(&request, MPI_STATUS_IGNORE);
+}
+
 // ---------------------------------------------------------------------------
 // VfAllreduce
 
@@ -422,6 +455,9 @@ class AllreduceOp : public OpKernel {
     }
     T* data = static_cast<T*>(output->data());
     const int64_t count = output->NumElements();
+    const int arrived = ArriveTogether(comm.comm);
+    OP_REQUIRES(context, arrived == MPI_SUCCESS,
+                MpiFailure("VfAllreduce", name(), "MPI_Ibarrier", arrived, comm));
     // Zero elements still take part, so that every rank makes the same calls.
     int64_t done = 0;
     do {
@@ -656,8 +692,10 @@ class AllgatherOp : public OpKernel {
     mine.trailing_hash =
         ndims > 1 ? Fnv1a(dims.data() + 1, sizeof(int64_t) * (ndims - 1)) : 0;
     std::vector<GatherRecord> all(comm.size);
-    int rc = MPI_Allgather(&mine, kRecordWords, MPI_INT64_T, all.data(), kRecordWords,
-                           MPI_INT64_T, comm.comm);
+    int rc = ArriveTogether(comm.comm);
+    OP_REQUIRES(context, rc == MPI_SUCCESS, MpiFailure("VfAllgather", name(), "MPI_Ibarrier", rc, comm));
+    rc = MPI_Allgather(&mine, kRecordWords, MPI_INT64_T, all.data(), kRecordWords, MPI_INT64_T,
+                       comm.comm);
     OP_REQUIRES(context, rc == MPI_SUCCESS,
                 MpiFailure("VfAllgather", name(), "MPI_Allgather", rc, comm));
 
@@ -889,21 +927,6 @@ absl::Status PeerComm(const std::string& op, const std::string& node, int stage,
   }
   *peer = comm->rank - comm->rank % stages + stage;
   return absl::OkStatus();
-}
-
-// Waits for `request` by testing it, yielding and then sleeping between tests (at most
-// 200 us), so that the MPI library's lock is free between them.
-int WaitPolling(MPI_Request* request, MPI_Status* status) {
-  for (int spins = 0;; ++spins) {
-    int flag = 0;
-    const int rc = MPI_Test(request, &flag, status);
-    if (rc != MPI_SUCCESS || flag) return rc;
-    if (spins < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, spins - 60)));
-    }
-  }
 }
 
 // Sends `count` elements of `type` at `data` to `peer` as message `tag`, polling.

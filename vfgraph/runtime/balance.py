@@ -2,11 +2,11 @@
 (``vfgraph train --vnodes-per-rank auto``).
 
 Each rank's computing time in a step (its wall time less its time in the collectives, so a
-fast rank's wait for a slow one does not count) is modelled as ``c_r + k_r * a_r`` for ``k_r``
-virtual nodes: a fixed cost and a cost per virtual node. :func:`plan` gives the integer shares
-that minimise the slowest rank's time with their sum fixed at V; :class:`Balancer` measures
-the ranks over windows of steps, fits the model, and plans again when a rank's measured time
-departs from the model by more than the drift threshold. Every rank runs it on the same
+fast rank's wait for a slow one does not count) divided by its ``k_r`` virtual nodes is its
+time per virtual node ``a_r``. :func:`plan` gives the integer shares that minimise the slowest
+rank's time ``k_r * a_r`` with their sum fixed at V; :class:`Balancer` measures the ranks over
+windows of steps and plans again when the speeds it measures make another plan faster by more
+than a threshold (the whole machine slowing down changes no plan). Every rank runs it on the same
 gathered measurements, so all reach the same plan without another message. The shares never
 change what a step computes, only which rank computes which virtual nodes (bit-identical
 results in deterministic mode)."""
@@ -14,67 +14,36 @@ from __future__ import annotations
 
 import heapq
 import statistics
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
-def plan(total: int, per_vnode: Sequence[float], fixed: Optional[Sequence[float]] = None) -> List[int]:
-    """Shares ``k_r >= 1`` with ``sum(k) == total`` minimising ``max_r fixed_r + k_r *
-    per_vnode_r``. Exact: each virtual node after the first of every rank goes to the rank
-    that would finish it soonest (the ``total``-th smallest of all ranks' finishing times is
-    a lower bound on any plan's slowest rank, and this meets it); ties go to the lower rank."""
+def plan(total: int, per_vnode: Sequence[float]) -> List[int]:
+    """Shares ``k_r >= 1`` with ``sum(k) == total`` minimising ``max_r k_r * per_vnode_r``, the
+    slowest rank's time. Exact: each virtual node after the first of every rank goes to the rank
+    that would finish it soonest (the ``total``-th smallest of all ranks' finishing times is a
+    lower bound on any plan's slowest rank, and this meets it); ties go to the lower rank."""
     n = len(per_vnode)
-    fixed = list(fixed) if fixed is not None else [0.0] * n
     if n < 1 or total < n:
         raise ValueError(f"{total} virtual nodes cannot give each of {n} ranks one")
-    if any(not a > 0 for a in per_vnode) or any(c < 0 for c in fixed):
-        raise ValueError(f"times per virtual node must be positive and fixed costs not negative: "
-                         f"{list(per_vnode)}, {fixed}")
+    if any(not a > 0 for a in per_vnode):
+        raise ValueError(f"times per virtual node must be positive: {list(per_vnode)}")
     shares = [1] * n
-    heap = [(fixed[r] + 2 * per_vnode[r], r) for r in range(n)]
+    heap = [(2 * per_vnode[r], r) for r in range(n)]
     heapq.heapify(heap)
     for _ in range(total - n):
         _, r = heapq.heappop(heap)
         shares[r] += 1
-        heapq.heappush(heap, (fixed[r] + (shares[r] + 1) * per_vnode[r], r))
+        heapq.heappush(heap, ((shares[r] + 1) * per_vnode[r], r))
     return shares
 
 
-def slowest(shares: Sequence[int], per_vnode: Sequence[float], fixed: Sequence[float]) -> float:
+def slowest(shares: Sequence[int], per_vnode: Sequence[float]) -> float:
     """The slowest rank's modelled computing time under ``shares``."""
-    return max(c + k * a for k, a, c in zip(shares, per_vnode, fixed))
+    return max(k * a for k, a in zip(shares, per_vnode))
 
 
 def text(shares: Sequence[int]) -> str:
     return "+".join(map(str, shares))
-
-
-@dataclass
-class _Rank:
-    """What is known of one rank: its median computing time at each share it ran (the latest
-    window at that share), and the fitted model."""
-
-    seen: Dict[int, float] = field(default_factory=dict)
-    per_vnode: float = 0.0
-    fixed: float = 0.0
-
-    def fit(self) -> None:
-        """The model through the two latest shares seen (a fixed cost and a slope), or, with one
-        share (or a fit that is not a positive slope and a cost of at least 0), through the
-        origin."""
-        points = list(self.seen.items())[-2:]
-        if len(points) == 2:
-            (k1, t1), (k2, t2) = points
-            a = (t2 - t1) / (k2 - k1)
-            c = t1 - a * k1
-            if a > 0 and c >= 0:
-                self.per_vnode, self.fixed = a, c
-                return
-        k, t = points[-1]
-        self.per_vnode, self.fixed = max(t, 1e-9) / k, 0.0
-
-    def predict(self, k: int) -> float:
-        return self.fixed + k * self.per_vnode
 
 
 class Balancer:
@@ -82,23 +51,28 @@ class Balancer:
     planned again from the measured computing times. Feed it every step's times with
     :meth:`observe`; it returns a line to log when the plan changes (the new shares are in
     :attr:`shares`). ``skip``: steps not measured at the start and after each change (the
-    first steps at new shapes); ``window``: steps per measurement (their median); ``drift``:
-    the relative departure of a rank's measured time from the model that makes it plan again."""
+    first steps at new shapes); ``window``: steps per measurement (each rank's median time per
+    virtual node over them); ``gain``: a window calls for a new plan when, at the speeds it
+    measured, another plan's slowest rank would be faster than the current plan's by at least
+    this fraction (the ranks' speeds drifted apart or together); ``confirm`` windows in a row
+    must call for it (one disturbed window changes nothing), and the new plan is made from
+    their mean. The whole machine slowing down changes no plan."""
 
-    GAIN = 0.03  # the least modelled gain in the slowest rank's time worth a new plan
-
-    def __init__(self, total: int, size: int, shares: Optional[List[int]] = None, skip: int = 1, window: int = 5,
-                 drift: float = 0.10):
+    def __init__(self, total: int, size: int, shares: Optional[List[int]] = None, skip: int = 1, window: int = 8,
+                 gain: float = 0.05, confirm: int = 2):
         from vfgraph.runtime.world import shares as even
 
-        self.total, self.size, self.skip, self.window, self.drift = total, size, skip, window, drift
+        self.total, self.size, self.skip, self.window, self.gain, self.confirm = total, size, skip, window, gain, confirm
         self.shares = list(shares) if shares is not None else even(total, size)
-        self.first = list(self.shares)
-        self.ranks = [_Rank() for _ in range(size)]
-        self.fitted = False
-        self.history: List[Tuple[int, List[int]]] = []  # (step, shares) of every plan after the first
+        self.history: List[Tuple[int, List[int]]] = []  # (first step, shares) of every plan after the first
         self._samples: List[List[float]] = []
         self._skip = skip
+        self._calls: List[List[float]] = []  # the latest consecutive windows that called for a new plan
+
+    def _better(self, per_vnode: Sequence[float]) -> Optional[List[int]]:
+        """The best plan at these speeds, if it beats the current one by the gain threshold."""
+        new = plan(self.total, per_vnode)
+        return new if slowest(new, per_vnode) <= (1 - self.gain) * slowest(self.shares, per_vnode) else None
 
     def observe(self, step: int, computing: Sequence[float]) -> Optional[str]:
         """Step ``step``'s computing time of every rank (seconds). A line describing the new plan
@@ -108,32 +82,26 @@ class Balancer:
         if self._skip:
             self._skip -= 1
             return None
-        self._samples.append(list(computing))
+        self._samples.append([t / k for t, k in zip(computing, self.shares)])
         if len(self._samples) < self.window:
             return None
-        medians = [statistics.median(s[r] for s in self._samples) for r in range(self.size)]
+        # the median over the window: a step disturbed by something else moves it little
+        per_vnode = [max(statistics.median(s[r] for s in self._samples), 1e-9) for r in range(self.size)]
         self._samples = []
-        departed = not self.fitted
-        for rank, k, m in zip(self.ranks, self.shares, medians):
-            if self.fitted and abs(m - rank.predict(k)) > self.drift * rank.predict(k):
-                departed = True
-                if k in rank.seen:  # its share did not change: its speed did; forget the old points
-                    rank.seen.clear()
-            rank.seen.pop(k, None)
-            rank.seen[k] = m
-        if not departed:
+        if self._better(per_vnode) is None:
+            self._calls = []
             return None
-        for rank in self.ranks:
-            rank.fit()
-        self.fitted = True
-        per_vnode = [r.per_vnode for r in self.ranks]
-        fixed = [r.fixed for r in self.ranks]
-        new = plan(self.total, per_vnode, fixed)
-        if slowest(new, per_vnode, fixed) > (1 - self.GAIN) * slowest(self.shares, per_vnode, fixed):
-            return None  # (no better, or within noise of it: plans of equal time must not take turns)
+        self._calls.append(per_vnode)
+        if len(self._calls) < self.confirm:
+            return None
+        per_vnode = [sum(c[r] for c in self._calls) / len(self._calls) for r in range(self.size)]
+        self._calls = []
+        new = self._better(per_vnode)
+        if new is None:
+            return None
         old, self.shares, self._skip = self.shares, new, self.skip
         self.history.append((step + 1, new))
         speeds = ", ".join(f"rank {r} {a * 1e3:.3g} ms" for r, a in enumerate(per_vnode))
         return (f"virtual nodes per rank {text(new)} from step {step + 1}, was {text(old)} (computing per virtual "
-                f"node: {speeds}; slowest rank's step {slowest(new, per_vnode, fixed) * 1e3:.3g} ms, "
-                f"{slowest(old, per_vnode, fixed) * 1e3:.3g} ms before)")
+                f"node: {speeds}; slowest rank's step {slowest(new, per_vnode) * 1e3:.3g} ms, "
+                f"{slowest(old, per_vnode) * 1e3:.3g} ms before)")

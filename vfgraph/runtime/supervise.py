@@ -32,7 +32,8 @@ def launcher_rank() -> str:
     return "?"
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child before exec: be killed when the parent dies."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -44,7 +45,7 @@ def supervise(argv: List[str]) -> int:
     env = dict(os.environ, **{WORKER_ENV: "1"})
     fds = tuple(int(os.environ[k]) for k in ("PMI_FD",) if os.environ.get(k, "").isdigit())
     child = subprocess.Popen([sys.executable, "-m", "vfgraph.cli", *argv], env=env, pass_fds=fds,
-                             preexec_fn=_die_with_parent)
+                             preexec_fn=die_with_parent)
 
     def forward(signum, _frame):
         child.send_signal(signum)

@@ -445,7 +445,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                 bad = "loss" in result and not math.isfinite(loss) and not allow_nonfinite
                 seen = w.gather(((NONFINITE if bad else 0) | (STOP if stop.requested else 0), computing))
                 if balancer:
-                    change = balancer.observe(step, [t for _, t in seen]) if not os.environ.get("DBGF") else None; print("DBG", step, [round(t*1e3,2) for _, t in seen], per) if w.is_root else None
+                    change = balancer.observe(step, [t for _, t in seen])
                     if change:
                         per = balancer.shares
                         lo, hi = sum(per[:group]) * b, sum(per[:group + 1]) * b

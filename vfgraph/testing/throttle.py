@@ -18,6 +18,8 @@ import sys
 import time
 from typing import List, Optional
 
+from vfgraph.runtime.supervise import die_with_parent
+
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vfgraph.testing.throttle", description=__doc__.split("\n\n")[0])
@@ -30,8 +32,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("give the command to run after --")
     if not 0 < args.share <= 1 or args.period_ms <= 0:
         p.error("--share must be in (0, 1] and --period-ms positive")
-    # its own process group: stopping the group stops the processes the command starts too
-    proc = subprocess.Popen(command, close_fds=False, start_new_session=True)
+    # its own process group: stopping the group stops the processes the command starts too;
+    # killed with this process (a stopped command would otherwise be left behind stopped)
+    proc = subprocess.Popen(command, close_fds=False, start_new_session=True, preexec_fn=die_with_parent)
     passing: List[int] = []
 
     def forward(signum, frame):
