@@ -161,6 +161,12 @@ def _parser() -> argparse.ArgumentParser:
                    "e.g. 5,3, or auto: shares planned from each rank's measured speed, again when it drifts by "
                    "more than 10%% (for ranks on uneven hardware; default: the global batch's virtual nodes split "
                    "evenly)")
+    t.add_argument("--max-ranks", type=int, metavar="N", help="elastic run: the most ranks the job may grow to "
+                   "(with --elastic-schedule)")
+    t.add_argument("--elastic-schedule", metavar="STEP:RANKS,...", help="elastic run under mpiexec: change the "
+                   "number of ranks at these steps, e.g. 0:1,5:2,10:4,15:2 (start with mpiexec -n RANKS of step 0); "
+                   "new ranks are started ahead and load the model while the job trains on")
+    t.add_argument("--elastic-join", action="store_true", help=argparse.SUPPRESS)
     t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: "
                    "the CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
 
@@ -194,7 +200,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     _quiet_tf()
     args = _parser().parse_args(argv)
     if args.command == "train":
-        if launched_by_mpi() and not is_worker():  # one rank of mpiexec: report how it ends
+        if args.elastic_join:  # a process a running job started: MPI at once, so that the job goes on
+            from vfgraph.ops import toolchain
+
+            toolchain.import_mpi()
+        elif launched_by_mpi() and not is_worker():  # one rank of mpiexec: report how it ends
             return supervise(sys.argv[1:] if argv is None else list(argv))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("vfgraph: %(message)s"))
@@ -491,6 +501,12 @@ def cmd_verify(args) -> int:
 def cmd_train(args) -> int:
     from vfgraph.runtime.train import train
 
+    from vfgraph.runtime.elastic import ElasticOptions
+
+    elastic = None
+    if args.elastic_schedule or args.max_ranks is not None or args.elastic_join:
+        argv = [a for a in sys.argv[1:] if a != "--elastic-join"]
+        elastic = ElasticOptions(args.elastic_schedule, args.max_ranks, argv, args.elastic_join)
     per_rank = args.vnodes_per_rank if args.vnodes_per_rank == "auto" else None
     if args.vnodes_per_rank and not per_rank:
         try:
@@ -501,7 +517,7 @@ def cmd_train(args) -> int:
     res = train(args.model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
                 force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
                 seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank, threads=args.threads,
-                allow_nonfinite=args.allow_nonfinite)
+                allow_nonfinite=args.allow_nonfinite, elastic=elastic)
     if res is not None:  # rank 0 (or the only process)
         from vfgraph.io.serving import sibling_dir, target_dir
 

@@ -21,8 +21,12 @@ from vfgraph import records
 from vfgraph.errors import InputError, Quiet, VfgraphError
 from vfgraph.io import outputs, savedmodel, serving
 from vfgraph.records import Allreduce, VirtualNodes
+from vfgraph.ops import blocked_seconds
+from vfgraph.runtime import elastic as el
+from vfgraph.runtime.balance import Balancer, text
 from vfgraph.runtime.devices import prepare_devices, stages_of
-from vfgraph.runtime.world import place_threads, resident_bytes, shares, world
+from vfgraph.runtime.elastic import ElasticOptions
+from vfgraph.runtime.world import World, place_threads, resident_bytes, shares, world
 
 log = logging.getLogger("vfgraph.train")
 
@@ -255,7 +259,8 @@ def _changed(saved: dict, now: dict) -> List[str]:
 def train(model: str, data_path: str, steps: int, batch_size: int, out: str, resume: bool = False,
           force: bool = False, signature: str = "train", checkpoint_every: int = 100, seed: int = 0,
           progress: bool = True, vnodes_per_rank: Union[List[int], str, None] = None,
-          threads: Optional[int] = None, allow_nonfinite: bool = False) -> Optional[TrainResult]:
+          threads: Optional[int] = None, allow_nonfinite: bool = False,
+          elastic: Optional[ElasticOptions] = None) -> Optional[TrainResult]:
     """Train ``model`` for ``steps`` global batches of ``batch_size`` examples. Under ``mpiexec``
     every rank feeds its share of each global batch (whole virtual nodes, from the same global
     order), the step all-reduces, and rank 0 writes checkpoints and the result; other ranks
@@ -270,7 +275,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
 
     ``vnodes_per_rank``: the virtual nodes of each rank (a list adding up to V), or ``"auto"``:
     shares planned from each rank's measured computing time and planned again when it drifts
-    (:mod:`vfgraph.runtime.balance`; each plan is logged)."""
+    (:mod:`vfgraph.runtime.balance`; each plan is logged).
+
+    ``elastic``: change the number of ranks while training, by a schedule
+    (:mod:`vfgraph.runtime.elastic`)."""
     auto = vnodes_per_rank == "auto"
     for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1),
                                ("--checkpoint-every", checkpoint_every, 0), ("--seed", seed, 0)):
@@ -283,7 +291,14 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     b, reduces = vnode_layout(model, signature)
     stages = stages_of(model, signature)
     ranked = stages is not None and stages.on_ranks and stages.count > 1  # one pipeline stage per rank
-    w = world(need_mpi=reduces or ranked, stages=stages.count if ranked else 0)
+    schedule, inter, started = None, None, time.perf_counter()
+    if elastic is not None:
+        schedule = _check_elastic(elastic, model, b, reduces, stages, vnodes_per_rank, batch_size)
+        if threads is None:  # the job may grow to max_ranks ranks on this host
+            threads = max(1, (os.cpu_count() or 1) // elastic.max_ranks)
+        if elastic.join:  # a process the job started: MPI at once, then load while the job trains on
+            inter = el.parent()
+    w = World() if inter is not None else world(need_mpi=reduces or ranked, stages=stages.count if ranked else 0)
     ranked = ranked and w.size > 1
     k_count = stages.count if ranked else 1
     # ranked: rank r runs stage r % K of replica r // K; each replica trains on its share of the batch
@@ -295,7 +310,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     ckpt_dir = out + ".ckpt"
     data_files = sorted(glob.glob(data_path)) if glob.has_magic(data_path) else [data_path]
     state = w.agree(lambda: _plan(out, ckpt_dir, [model, *data_files], force, resume, outputs.tree_bytes(model))
-                    if w.is_root else None)
+                    if w.is_root and inter is None else None)
     import tensorflow as tf
     from tqdm import tqdm
 
@@ -338,7 +353,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {data_path}")
         check_batch(model, signature, batch_size)
         per = [batch_size // b] if b else [1]
-        if w.size > 1 and not ranked and f"{signature}_broadcast" not in loaded.signatures:
+        if (w.size > 1 or elastic) and not ranked and f"{signature}_broadcast" not in loaded.signatures:
             raise InputError(f"{model}: no {signature}_broadcast signature to start the ranks from the same "
                              "variables; rewrite it with a SavedModel input and --allreduce mpi")
         if groups > 1 or (vnodes_per_rank and not ranked):
@@ -349,12 +364,23 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         return loaded, fn, data, keys, per
 
     loaded, fn, data, keys, per = w.agree(open_model)
+    scheduled, joined_at = None, None
+    if elastic is not None:
+        from vfgraph import ops
+
+        scheduled = el.Elastic(schedule, elastic.argv, ops.set_communicator)
+        if inter is not None:  # loaded: join the job at its next step, with rank 0's variables
+            w, joined_at = el.join(inter, ops.set_communicator, started)
+            if w is None:  # the job ended first
+                return None
+            loaded.signatures[f"{signature}_broadcast"]()
+            per = shares(batch_size // b, w.size)
+            group = w.rank
+        else:
+            w.agree(lambda: scheduled.check_start(w))
     lo, hi = (sum(per[:group]) * b, sum(per[:group + 1]) * b) if len(per) > 1 else (0, batch_size)
     balancer = None
     if auto and w.size > 1:
-        from vfgraph.ops import blocked_seconds
-        from vfgraph.runtime.balance import Balancer, text
-
         balancer = Balancer(sum(per), w.size, per)
         if w.is_root:
             log.info("virtual nodes per rank: %s to start, planned from the ranks' measured speeds (auto)", text(per))
@@ -401,8 +427,11 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         if w.is_root:
             log.info("resuming at step %d", start)
 
-    w.agree(lambda: restore() if w.is_root or ranked else None)
-    start, losses = w.bcast((start, losses))
+    if joined_at is None:
+        w.agree(lambda: restore() if w.is_root or ranked else None)
+        start, losses = w.bcast((start, losses))
+    else:
+        start = joined_at
     if start > steps:
         raise InputError(f"--steps {steps}: the checkpoint in {ckpt_dir} is at step {start} already; give more steps")
     where = "start"
@@ -425,7 +454,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     step_seconds: List[float] = []  # each step's time on this rank (data, step, agreement)
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
     try:
-        if w.size > 1:
+        if w.size > 1 and joined_at is None:
             table = w.describe()
             if w.is_root:
                 log.info("%d ranks, %d intra-op and %d inter-op TensorFlow threads each: %s", w.size, threads,
@@ -435,6 +464,24 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         with _StopRequests() as stop:
             for step in bar:
                 where = f"step {step}"
+                if scheduled is not None and step != joined_at:
+                    new, change = scheduled.boundary(w, step)
+                    if new is None:  # this rank left the job: idle until it ends
+                        scheduled.park(w)
+                        return None
+                    if change:
+                        w, group = new, new.rank
+                        if change["new"] > change["old"]:  # the new ranks take every variable of rank 0
+                            loaded.signatures[f"{signature}_broadcast"]()
+                        per = shares(batch_size // b, w.size)
+                        lo, hi = sum(per[:group]) * b, sum(per[:group + 1]) * b
+                        balancer = Balancer(sum(per), w.size, per) if auto and w.size > 1 else None
+                        if w.is_root:
+                            log.info("resized %d -> %d ranks at step %d: %.3g s waiting for new ranks to load the "
+                                     "model, then %.3g s to change (%.0f ms); virtual nodes per rank %s",
+                                     change["old"], change["new"], step, change["waited"],
+                                     time.perf_counter() - change["began"],
+                                     (time.perf_counter() - change["began"]) * 1e3, "+".join(map(str, per)))
                 fetched = time.perf_counter()
                 batch = batches_for(data, keys, batch_size, step, seed)
                 feed = {k: v[lo:hi] for k, v in batch.items()}
@@ -488,6 +535,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         raise
     finally:
         bar.close()
+        if scheduled is not None and w.is_root:  # release the ranks that left, and any still to join
+            scheduled.finish(w)
     if w.is_root and len(step_seconds) > 1:  # the first step traces and optimizes the graph
         typical = float(np.median(step_seconds[1:]))
         log.info("%d steps after the first took %.4g ms each (median), %.4g steps/s", len(step_seconds) - 1,
@@ -504,6 +553,30 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     _save_trained(loaded, model, out, losses, variable_devices=in_process > 1)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return TrainResult(out, steps, losses)
+
+
+def _check_elastic(elastic: ElasticOptions, model: str, b: int, reduces: bool, stages, vnodes_per_rank,
+                   batch_size: int) -> list:
+    """The schedule of an elastic run, or a clear error for a model or options it cannot have."""
+    if elastic.max_ranks is None or not elastic.schedule:
+        raise InputError("--elastic-schedule and --max-ranks go together: give both")
+    if elastic.max_ranks < 1:
+        raise InputError(f"--max-ranks {elastic.max_ranks}: give at least 1")
+    schedule = el.parse_schedule(elastic.schedule, elastic.max_ranks)
+    if not reduces or not b:
+        raise InputError(f"{model}: an elastic run shares a fixed global batch of whole virtual nodes over its ranks; "
+                         "rewrite the model with --vnode-batch B and --allreduce mpi")
+    if stages is not None:
+        raise InputError(f"{model}: its training step is cut into pipeline stages; an elastic run changes only the "
+                         "number of data-parallel ranks of a model without stages")
+    if vnodes_per_rank not in (None, "auto"):
+        raise InputError("--vnodes-per-rank with --elastic-schedule: give auto, or nothing for even shares (fixed "
+                         "shares cannot follow a changing number of ranks)")
+    most = max(r for _, r in schedule)
+    if batch_size % b == 0 and batch_size // b < most:
+        raise InputError(f"--elastic-schedule {elastic.schedule}: {most} ranks but the global batch holds "
+                         f"{batch_size // b} virtual nodes; every rank needs at least one")
+    return schedule
 
 
 def _collect_stages(w, loaded, held, stages, model: str, signature: str) -> None:

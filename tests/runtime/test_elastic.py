@@ -1,0 +1,52 @@
+"""Elastic training under real ``mpiexec``: a job started on 1 rank grows to 2 and 4 ranks and
+shrinks to 2 on its own schedule (new ranks started with MPI dynamic processes) and ends
+bit-identical, in deterministic mode, to 1 rank throughout; what it cannot do is refused
+before it starts."""
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from test_mpi_train import ENV, losses, params, rewritten, run_train, train_cmd
+
+pytestmark = pytest.mark.mpi
+
+SCHEDULE = "0:1,5:2,10:4,15:2"
+
+
+@pytest.fixture(scope="module")
+def exact(models, tmp_path_factory):
+    return rewritten(models, tmp_path_factory.mktemp("elastic"), deterministic=True)
+
+
+def test_grow_and_shrink_on_a_schedule_is_bit_identical_to_one_rank(exact, digits, tmp_path):
+    model = exact("mlp:adam")
+    run_train(0, model, digits["train"], str(tmp_path / "one"), 20, "--threads", "1")
+    res = run_train(1, model, digits["train"], str(tmp_path / "elastic"), 20, "--threads", "1", "--max-ranks", "4",
+                    "--elastic-schedule", SCHEDULE, timeout=600)
+    resized = re.findall(r"resized (\d) -> (\d) ranks at step (\d+)", res.stderr)
+    assert resized == [("1", "2", "5"), ("2", "4", "10"), ("4", "2", "15")], res.stderr[-3000:]
+    assert len(re.findall(r"rank \d joined at step", res.stderr)) == 3
+    assert "virtual nodes per rank 2+2+2+2" in res.stderr
+    reference, got = params(str(tmp_path / "one")), params(str(tmp_path / "elastic"))
+    differ = [k for k in reference if not np.array_equal(reference[k], got[k])]
+    assert not differ, f"{differ[:3]} differ from one rank"
+    assert losses(str(tmp_path / "elastic")) == losses(str(tmp_path / "one"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--max-ranks", "4", "--elastic-schedule", "0:1,5:5"), "5 ranks is outside 1..4"),
+    (("--max-ranks", "4", "--elastic-schedule", "0:1,5:0"), "0 ranks is outside 1..4"),
+    (("--max-ranks", "4", "--elastic-schedule", "0:2,5:1"), "starts with 2 ranks at step 0"),
+    (("--max-ranks", "4", "--elastic-schedule", "5:2,0:1"), "the steps must increase"),
+    (("--max-ranks", "4", "--elastic-schedule", "0:1,x"), "give STEP:RANKS pairs"),
+    (("--elastic-schedule", "0:1,5:2"), "go together"),
+    (("--max-ranks", "2", "--elastic-schedule", "0:1,5:2", "--vnodes-per-rank", "1"), "give auto"),
+], ids=["above-max", "below-one", "start-size", "order", "syntax", "no-max", "fixed-shares"])
+def test_bad_schedules_are_refused_with_one_line(exact, digits, tmp_path, extra, message):
+    res = subprocess.run(train_cmd(1, exact("mlp:adam"), digits["train"], str(tmp_path / "o"), 4, *extra),
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("vfgraph train")]
+    assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
