@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import textwrap
+import time
 import traceback
 from typing import List, Optional
 
@@ -21,6 +22,7 @@ from vfgraph.runtime.world import launched_by_mpi
 from vfgraph.version import __version__
 
 log = logging.getLogger("vfgraph")
+_STARTED = time.time()  # when this command began (a new rank of an elastic job reports its start-up)
 
 
 def _quiet_tf() -> None:
@@ -506,7 +508,7 @@ def cmd_train(args) -> int:
     elastic = None
     if args.elastic_schedule or args.max_ranks is not None or args.elastic_join:
         argv = [a for a in sys.argv[1:] if a != "--elastic-join"]
-        elastic = ElasticOptions(args.elastic_schedule, args.max_ranks, argv, args.elastic_join)
+        elastic = ElasticOptions(args.elastic_schedule, args.max_ranks, argv, args.elastic_join, _STARTED)
     per_rank = args.vnodes_per_rank if args.vnodes_per_rank == "auto" else None
     if args.vnodes_per_rank and not per_rank:
         try:
@@ -514,10 +516,17 @@ def cmd_train(args) -> int:
         except ValueError:
             raise InputError(f"--vnodes-per-rank {args.vnodes_per_rank}: give comma-separated integers, e.g. 5,3, "
                              "or auto")
-    res = train(args.model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
-                force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
-                seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank, threads=args.threads,
-                allow_nonfinite=args.allow_nonfinite, elastic=elastic)
+    try:
+        res = train(args.model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
+                    force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
+                    seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank, threads=args.threads,
+                    allow_nonfinite=args.allow_nonfinite, elastic=elastic)
+    except Exception as e:
+        if args.elastic_join:  # a new rank of an elastic job: the job goes on without it
+            from vfgraph.runtime.elastic import report_failure
+
+            report_failure(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        raise
     if res is not None:  # rank 0 (or the only process)
         from vfgraph.io.serving import sibling_dir, target_dir
 

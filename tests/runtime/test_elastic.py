@@ -50,3 +50,36 @@ def test_bad_schedules_are_refused_with_one_line(exact, digits, tmp_path, extra,
     errors = [line for line in res.stderr.splitlines() if line.startswith("vfgraph train")]
     assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res.stderr[-2000:]
     assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_a_new_rank_with_another_model_is_refused_and_the_job_goes_on(exact, digits, tmp_path):
+    """The model at the job's path is replaced by another one while the new rank starts: rank 0
+    refuses it with one line and trains on with 1 rank, as a run of 1 rank throughout would."""
+    import os
+    import shutil
+    import sys
+
+    from test_mpi_train import MPIEXEC
+
+    path = str(tmp_path / "model")
+    shutil.copytree(exact("mlp:adam"), path)
+    run_train(0, path, digits["train"], str(tmp_path / "one"), 30, "--threads", "1")
+    cmd = [MPIEXEC, "-n", "1", sys.executable, "-m", "vfgraph.cli", "-v", "train", path, "--data", digits["train"],
+           "--steps", "30", "--batch-size", "64", "-o", str(tmp_path / "elastic"), "--no-progress", "--threads", "1",
+           "--max-ranks", "2", "--elastic-schedule", "0:1,10:2"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "starting 1 new rank" in line:  # (the new process imports TensorFlow before it reads the model)
+            shutil.copytree(exact("cnn:momentum"), path + ".new")
+            os.rename(path, path + ".old")
+            os.rename(path + ".new", path)
+            break
+    lines.extend(proc.stderr)
+    assert proc.wait(timeout=600) == 0, "".join(lines)[-3000:]
+    text = "".join(lines)
+    refused = [line for line in lines if "refused 1 new rank at step 10" in line]
+    assert len(refused) == 1 and "opened another model than rank 0" in refused[0], text[-3000:]
+    assert "resized" not in text and "Traceback" not in text
+    assert losses(str(tmp_path / "elastic")) == losses(str(tmp_path / "one"))

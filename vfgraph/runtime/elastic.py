@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
@@ -34,12 +35,14 @@ log = logging.getLogger("vfgraph.train")
 @dataclass
 class ElasticOptions:
     """``schedule``: the --elastic-schedule text; ``max_ranks``: --max-ranks; ``argv``: the
-    command line of this run (new processes run it too); ``join``: this is one of them."""
+    command line of this run (new processes run it too); ``join``: this is one of them;
+    ``started``: when its command began (``time.time()``)."""
 
     schedule: str
     max_ranks: Optional[int]
     argv: List[str]
     join: bool = False
+    started: float = 0.0  # (a new process) time.time() when its command began
 
 
 GO, READY, END = 3101, 3102, 3103  # message tags between the job's ranks and new or idle ones
@@ -95,20 +98,23 @@ class Elastic:
     run (with :data:`JOIN_FLAG` added); ``use_comm(comm)``: point vfgraph's ops at a new
     communicator."""
 
-    def __init__(self, schedule: List[Tuple[int, int]], argv: List[str], use_comm: Callable[[Any], None]):
-        self.schedule, self.argv, self.use_comm = schedule, list(argv), use_comm
+    def __init__(self, schedule: List[Tuple[int, int]], argv: List[str], use_comm: Callable[[Any], None],
+                 fingerprint: str = ""):
+        self.schedule, self.argv, self.use_comm, self.fingerprint = schedule, list(argv), use_comm, fingerprint
+        self.refused: Optional[int] = None  # the schedule entry (its step) whose new ranks were refused
         self.inter = None  # the intercommunicator to the processes spawned for the next growth
+        self.spawning: Optional[threading.Thread] = None  # the spawn of them, under way or done
         self.spawned = 0
         self.spawn_seconds = 0.0
-        self.ready = 0  # (rank 0) how many of them said they are ready
+        self.fingerprints: dict = {}  # (rank 0) the model fingerprint of each new process that is ready
         self.parked: List[Tuple[Any, int]] = []  # (rank 0) (communicator, rank) of every rank that left
 
-    def target(self, step: int) -> int:
-        ranks = None
-        for s, r in self.schedule:
-            if s <= step:
-                ranks = r
-        return ranks
+    def target(self, step: int) -> Optional[int]:
+        return self._entry(step)[1]
+
+    def _entry(self, step: int) -> Tuple[Optional[int], Optional[int]]:
+        """(step, ranks) of the schedule's entry in force at ``step``."""
+        return next(((s, r) for s, r in reversed(self.schedule) if s <= step), (None, None))
 
     def check_start(self, w: World) -> None:
         first = self.target(0)
@@ -128,46 +134,80 @@ class Elastic:
         if want < w.size:
             return self._shrink(w, want, step)
         if want > w.size:
-            if self.inter is None:
+            if self.refused == self._entry(step)[0]:
+                return w, None  # (its new ranks opened another model: the job goes on as it is)
+            if self.spawning is None:
                 self._spawn(w, want - w.size)
             return self._grow(w, step)
-        if self.inter is None and (self._next_change(step) or 0) > w.size:
+        if self.spawning is None and (self._next_change(step) or 0) > w.size:
             self._spawn(w, self._next_change(step) - w.size)  # they warm up while the job trains on
         return w, None
 
     def _spawn(self, w: World, n: int) -> None:
-        from mpi4py import MPI
+        """Start ``n`` new processes, on a thread of each rank (over a communicator of its own),
+        so that the job trains on while they start Python and MPI."""
+        comm = w.comm.Dup()
+        args = ["-m", "vfgraph.cli", *self.argv, JOIN_FLAG]
 
-        began = time.perf_counter()
-        self.inter = w.comm.Spawn(sys.executable, args=["-m", "vfgraph.cli", *self.argv, JOIN_FLAG], maxprocs=n,
-                                  root=0)
-        self.spawned, self.ready, self.spawn_seconds = n, 0, time.perf_counter() - began
+        def spawn():
+            began = time.perf_counter()
+            self.inter = comm.Spawn(sys.executable, args=args, maxprocs=n, root=0)
+            self.spawn_seconds = time.perf_counter() - began
+
+        self.inter, self.spawned, self.fingerprints = None, n, {}
+        self.spawning = threading.Thread(target=spawn, name="vfgraph-spawn", daemon=True)
+        self.spawning.start()
         if w.is_root:
-            log.info("started %d new rank%s for the next growth (%.3g s)", n, "s" if n > 1 else "",
-                     self.spawn_seconds)
-        assert self.inter != MPI.COMM_NULL
+            log.info("starting %d new rank%s for the next growth", n, "s" if n > 1 else "")
+
+    def _spawned(self) -> None:
+        """Wait (polling) until the spawn started by :meth:`_spawn` returned."""
+        _poll(lambda: not self.spawning.is_alive())
 
     def _grow(self, w: World, step: int) -> Tuple[World, dict]:
         from mpi4py import MPI
 
         waited = time.perf_counter()
+        self._spawned()
         if w.is_root:  # wait (polling) until every new process has loaded the model
             def all_ready():
-                while self.inter.Iprobe(source=MPI.ANY_SOURCE, tag=READY):
-                    self.inter.recv(source=MPI.ANY_SOURCE, tag=READY)
-                    self.ready += 1
-                return self.ready >= self.spawned
+                status = MPI.Status()
+                while self.inter.Iprobe(source=MPI.ANY_SOURCE, tag=READY, status=status):
+                    self.fingerprints[status.Get_source()] = self.inter.recv(source=status.Get_source(), tag=READY)
+                return len(self.fingerprints) >= self.spawned
             _poll(all_ready)
         _barrier(w.comm)
         began = time.perf_counter()
         old = w.size
+        why = w.bcast(self._refusal() if w.is_root else None)
+        if why:  # refused, all of them (they merge together or not at all); the job goes on
+            line = (f"refused {self.spawned} new rank{'s' if self.spawned > 1 else ''} at step {step}: {why}; the job "
+                    f"goes on with {old} rank{'s' if old > 1 else ''}")
+            if w.is_root:
+                for r, said in sorted(self.fingerprints.items()):
+                    if "fingerprint" in said:  # (one that failed has ended)
+                        self.inter.send({"refused": line}, dest=r, tag=GO)
+            self.inter.Free()
+            self.inter, self.spawning, self.refused = None, None, self._entry(step)[0]
+            return w, {"refused": line}
         if w.is_root:
             for r in range(self.spawned):
                 self.inter.send({"step": step}, dest=r, tag=GO)
         merged = self.inter.Merge(high=False)
-        self.inter = None
+        self.inter, self.spawning = None, None
         new = self._switch(merged)
-        return new, {"old": old, "new": new.size, "waited": began - waited, "began": began}
+        return new, {"old": old, "new": new.size, "waited": began - waited, "began": began,
+                     "spawn": self.spawn_seconds}
+
+    def _refusal(self) -> str:
+        """(rank 0) Why the new processes cannot join, or ''."""
+        for r, said in sorted(self.fingerprints.items()):
+            if "error" in said:
+                return f"new process {r} failed to start: {said['error']}"
+            if said["fingerprint"] != self.fingerprint:
+                return (f"new process {r} opened another model than rank 0 (fingerprint {said['fingerprint'][:12]} "
+                        f"against {self.fingerprint[:12]}) at the same path")
+        return ""
 
     def _shrink(self, w: World, want: int, step: int) -> Tuple[Optional[World], Optional[dict]]:
         from mpi4py import MPI
@@ -195,10 +235,11 @@ class Elastic:
         for comm, r in self.parked:
             comm.send(None, dest=r, tag=END)
         self.parked = []
-        if self.inter is not None:
+        if self.spawning is not None:
+            self._spawned()
             for r in range(self.spawned):
                 self.inter.send(None, dest=r, tag=GO)
-            self.inter = None
+            self.inter, self.spawning = None, None
 
 
 def parent():
@@ -215,16 +256,36 @@ def parent():
     return comm
 
 
-def join(inter, use_comm: Callable[[Any], None], started: float) -> Tuple[Optional[World], int]:
-    """In a spawned process that has loaded the model and the data: say so, wait (polling) for
-    the job to let it in, and merge into the job's communicator. Returns the world and the step
-    the job is at; the world is None when the job ended before letting it in."""
-    inter.send(None, dest=0, tag=READY)
+def report_failure(message: str) -> None:
+    """In a spawned process that failed before it joined: tell the job (which then goes on
+    without the new processes) instead of leaving it waiting."""
+    from mpi4py import MPI
+
+    inter = MPI.Comm.Get_parent()
+    if inter != MPI.COMM_NULL and not _joined:
+        inter.send({"error": message}, dest=0, tag=READY)
+
+
+_joined = False  # (a spawned process) whether it has joined the job
+
+
+def join(inter, use_comm: Callable[[Any], None], started: float, fingerprint: str) -> Tuple[Optional[World], int]:
+    """In a spawned process that has loaded the model (``fingerprint``: of its files) and the
+    data: say so, wait (polling) for the job to let it in, and merge into the job's
+    communicator. Returns the world and the step the job is at; the world is None when the job
+    ended first or refused it (another model)."""
+    inter.send({"fingerprint": fingerprint}, dest=0, tag=READY)
     go = _wait(inter.irecv(source=0, tag=GO))
     if go is None:
         return None, 0
+    if "refused" in go:
+        inter.Free()
+        log.error("this new process was refused by the job (rank 0 logs why)")
+        return None, 0
+    global _joined
     merged = inter.Merge(high=True)
+    _joined = True
     use_comm(merged.Dup())
     w = World(merged.Get_rank(), merged.Get_size(), merged)
-    log.info("rank %d joined at step %d, %.3g s after it started", w.rank, go["step"], time.perf_counter() - started)
+    log.info("rank %d joined at step %d, %.3g s after its command began", w.rank, go["step"], time.time() - started)
     return w, go["step"]

@@ -291,7 +291,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     b, reduces = vnode_layout(model, signature)
     stages = stages_of(model, signature)
     ranked = stages is not None and stages.on_ranks and stages.count > 1  # one pipeline stage per rank
-    schedule, inter, started = None, None, time.perf_counter()
+    schedule, inter = None, None
     if elastic is not None:
         schedule = _check_elastic(elastic, model, b, reduces, stages, vnodes_per_rank, batch_size)
         if threads is None:  # the job may grow to max_ranks ranks on this host
@@ -368,9 +368,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     if elastic is not None:
         from vfgraph import ops
 
-        scheduled = el.Elastic(schedule, elastic.argv, ops.set_communicator)
+        fingerprint = savedmodel.source_fingerprint(model, None)
+        scheduled = el.Elastic(schedule, elastic.argv, ops.set_communicator, fingerprint)
         if inter is not None:  # loaded: join the job at its next step, with rank 0's variables
-            w, joined_at = el.join(inter, ops.set_communicator, started)
+            w, joined_at = el.join(inter, ops.set_communicator, elastic.started, fingerprint)
             if w is None:  # the job ended first
                 return None
             loaded.signatures[f"{signature}_broadcast"]()
@@ -469,7 +470,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                     if new is None:  # this rank left the job: idle until it ends
                         scheduled.park(w)
                         return None
-                    if change:
+                    if change and "refused" in change:
+                        if w.is_root:
+                            log.warning("%s", change["refused"])
+                    elif change:
                         w, group = new, new.rank
                         if change["new"] > change["old"]:  # the new ranks take every variable of rank 0
                             loaded.signatures[f"{signature}_broadcast"]()
@@ -477,11 +481,12 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                         lo, hi = sum(per[:group]) * b, sum(per[:group + 1]) * b
                         balancer = Balancer(sum(per), w.size, per) if auto and w.size > 1 else None
                         if w.is_root:
+                            took = time.perf_counter() - change["began"]
+                            started_in = (f" (they started in {change['spawn']:.3g} s, beside the training)"
+                                          if "spawn" in change else "")
                             log.info("resized %d -> %d ranks at step %d: %.3g s waiting for new ranks to load the "
-                                     "model, then %.3g s to change (%.0f ms); virtual nodes per rank %s",
-                                     change["old"], change["new"], step, change["waited"],
-                                     time.perf_counter() - change["began"],
-                                     (time.perf_counter() - change["began"]) * 1e3, "+".join(map(str, per)))
+                                     "model%s, then %.3g s to change; virtual nodes per rank %s", change["old"],
+                                     change["new"], step, change["waited"], started_in, took, text(per))
                 fetched = time.perf_counter()
                 batch = batches_for(data, keys, batch_size, step, seed)
                 feed = {k: v[lo:hi] for k, v in batch.items()}
