@@ -349,6 +349,38 @@ def render_heterogeneous(r: dict) -> str:
                 ["round", "even", "auto", "auto steps/s / even (target >= 1.3)", "auto's plans"], rows))
 
 
+def render_elastic(r: dict) -> str:
+    """tools/bench_elastic.py: what each resize of an elastic run costs, and new ranks' start-up."""
+    rows = []
+    for i, run in enumerate(r["runs"]):
+        for c in run["changes"]:
+            spawn = num(c["spawn_s"]) if c["spawn_s"] is not None else "-"
+            rows.append([str(i + 1), f"{c['from']} -> {c['to']}", str(c["step"]), num(c["waited_s"] * 1e3),
+                         num(c["change_s"] * 1e3), spawn])
+    table_changes = table(["round", "change", "at step", "wait for new ranks (ms)", "change, stall of the job (ms; "
+                           "target <= 1000)", "new ranks spawned in (s, beside the training)"], rows)
+    starts = [[str(i + 1), str(j["rank"]), str(j["step"]), num(j["startup_s"])]
+              for i, run in enumerate(r["runs"]) for j in run["joined"]]
+    return (f"{r['model']}; schedule {r['schedule']} (`--max-ranks {r['max_ranks']}`), {r['rounds']} runs, one "
+            "intra-op thread per rank.\n\n" + table_changes + "\nEach new rank's own start-up, from its command's "
+            "start to joining (Python, TensorFlow, the model and the data):\n\n" +
+            table(["round", "rank", "joined at step", "start-up (s)"], starts))
+
+
+def render_elastic_scheduling(r: dict) -> str:
+    """tools/elastic_sched.py: a job trace replayed with static and elastic allocation."""
+    profile = [[m, r["models"].get(m, m), *[num(r["profile"][m][k] * 1e3) for k in sorted(r["profile"][m], key=int)]]
+               for m in sorted(r["profile"])]
+    counts = sorted({k for t in r["profile"].values() for k in t}, key=int)
+    rows = [[x["policy"], num(x["mean_jct_s"]), num(x["median_jct_s"]), num(x["makespan_s"]), str(x["resizes"]),
+             f"{x['reduction']:.1%}" if "reduction" in x else ""] for x in r["results"]]
+    return ("Step times measured with `vfgraph train` (ms per step of the global batch):\n\n" +
+            table(["model", "what", *[f"{k} rank{'s' if int(k) > 1 else ''}" for k in counts]], profile) +
+            f"\n{r['jobs']} jobs on {r['slots']} slots, arriving {num(r['interarrival_s'])} s apart on average, "
+            f"{', '.join(map(str, r['steps']))} steps each (seed {r['seed']}):\n\n" +
+            table(["policy", "mean JCT (s)", "median JCT (s)", "makespan (s)", "resizes", "mean JCT cut"], rows))
+
+
 def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
     return [f"{num(x['held_bytes'] / MIB, 1)} MiB", f"{x['held_bytes'] / whole:.0%}",
             f"{num(x['peak_bytes'] / MIB, 0)} MiB", f"{num(x['rise_bytes'] / MIB, 0)} MiB",
@@ -359,7 +391,8 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
     "pipeline": render_pipeline, "stage-memory": render_stage_memory, "deterministic": render_deterministic,
-    "heterogeneous": render_heterogeneous,
+    "heterogeneous": render_heterogeneous, "elastic": render_elastic,
+    "elastic-scheduling": render_elastic_scheduling,
 }
 
 
