@@ -172,6 +172,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: "
                    "the CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
 
+    z = command("resize", "ask a running elastic job (vfgraph train --max-ranks N --elastic-schedule ...) for "
+                          "another number of ranks: it takes the request at its next step or refuses it, and logs "
+                          "which")
+    z.add_argument("output", help="the job's output directory (its -o OUTPUT)")
+    z.add_argument("ranks", type=int, help="the number of ranks to run on (1..the job's --max-ranks)")
+
     e = command("export", "write a serving-only SavedModel (TF Serving's OUTPUT/VERSION/ layout) that TensorFlow "
                           "serves without vfgraph")
     e.add_argument("model", help="SavedModel directory (an original model or a rewritten one)")
@@ -217,7 +223,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         _check_inputs_exist(args)
         return {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
                 "verify": cmd_verify, "train": cmd_train, "export": cmd_export,
-                "passes": cmd_passes, "build-ops": cmd_build_ops}[args.command](args)
+                "passes": cmd_passes, "build-ops": cmd_build_ops, "resize": cmd_resize}[args.command](args)
     except Quiet as e:  # another rank reports it
         return e.exit_code
     except VfgraphError as e:
@@ -498,6 +504,15 @@ def cmd_verify(args) -> int:
     ok = rep.worst_param <= args.rtol
     print("OK" if ok else f"MISMATCH: parameter difference above --rtol {args.rtol}")
     return 0 if ok else 1
+
+
+def cmd_resize(args) -> int:
+    from vfgraph.runtime.elastic import request
+
+    path = request(args.output, args.ranks)
+    print(f"asked the elastic job writing {os.path.abspath(args.output)} for {args.ranks} ranks ({path}); it takes "
+          "the request at its next step or refuses it, and logs which")
+    return 0
 
 
 def cmd_train(args) -> int:

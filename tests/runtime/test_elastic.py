@@ -2,8 +2,10 @@
 shrinks to 2 on its own schedule (new ranks started with MPI dynamic processes) and ends
 bit-identical, in deterministic mode, to 1 rank throughout; what it cannot do is refused
 before it starts."""
+import os
 import re
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -55,7 +57,6 @@ def test_bad_schedules_are_refused_with_one_line(exact, digits, tmp_path, extra,
 def test_a_new_rank_with_another_model_is_refused_and_the_job_goes_on(exact, digits, tmp_path):
     """The model at the job's path is replaced by another one while the new rank starts: rank 0
     refuses it with one line and trains on with 1 rank, as a run of 1 rank throughout would."""
-    import os
     import shutil
     import sys
 
@@ -83,3 +84,44 @@ def test_a_new_rank_with_another_model_is_refused_and_the_job_goes_on(exact, dig
     assert len(refused) == 1 and "opened another model than rank 0" in refused[0], text[-3000:]
     assert "resized" not in text and "Traceback" not in text
     assert losses(str(tmp_path / "elastic")) == losses(str(tmp_path / "one"))
+
+
+def test_resize_requests_while_the_job_runs(exact, digits, tmp_path):
+    """`vfgraph resize`: a request above --max-ranks is refused with one line and the job goes on;
+    a request for 2 ranks is taken at the next step and the job grows once the new rank has
+    loaded the model, training on meanwhile; the result is the one-rank result, bit for bit."""
+    import sys
+
+    from test_mpi_train import MPIEXEC, wait_for_checkpoint
+
+    steps = "15000"
+    model = exact("mlp:adam")
+    out = str(tmp_path / "elastic")
+    run_train(0, model, digits["train"], str(tmp_path / "one"), int(steps), "--threads", "1", timeout=600)
+    cli = [sys.executable, "-m", "vfgraph.cli"]
+    cmd = [MPIEXEC, "-n", "1", *cli, "-v", "train", model, "--data", digits["train"], "--steps", steps,
+           "--batch-size", "64", "-o", out, "--no-progress", "--threads", "1", "--checkpoint-every", "500",
+           "--max-ranks", "2", "--elastic-schedule", "0:1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        wait_for_checkpoint(proc, out + ".ckpt/progress.json", 500)
+        for ranks in ("5", "2"):
+            asked = subprocess.run(cli + ["resize", out, ranks], capture_output=True, text=True, env=ENV, timeout=60)
+            assert asked.returncode == 0 and f"for {ranks} ranks" in asked.stdout, asked.stderr
+            while os.path.exists(out + ".resize"):  # taken or refused at the job's next step
+                assert proc.poll() is None
+                time.sleep(0.05)
+        bad = subprocess.run(cli + ["resize", out, "0"], capture_output=True, text=True, env=ENV, timeout=60)
+        assert bad.returncode == 2 and "give at least 1" in bad.stderr and "Traceback" not in bad.stderr
+        text = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.wait(timeout=600)
+    assert proc.returncode == 0, text[-3000:]
+    refused = [line for line in text.splitlines() if "refused the request for 5 ranks" in line]
+    assert len(refused) == 1 and "outside 1..2" in refused[0], text[-3000:]
+    assert re.search(r"request for 2 ranks taken at step \d+", text)
+    assert re.search(r"resized 1 -> 2 ranks at step \d+", text), text[-3000:]
+    reference, got = params(str(tmp_path / "one")), params(out)
+    assert all(np.array_equal(reference[k], got[k]) for k in reference)
+    assert losses(out) == losses(str(tmp_path / "one"))

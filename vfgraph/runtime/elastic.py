@@ -20,7 +20,9 @@ Every rank runs the same logic on the same schedule, so all reach each change at
 step. A process that waits for others polls (sleeping) instead of spinning in MPI."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -47,6 +49,24 @@ class ElasticOptions:
 
 GO, READY, END = 3101, 3102, 3103  # message tags between the job's ranks and new or idle ones
 JOIN_FLAG = "--elastic-join"  # (hidden) the command line option a new process runs with
+
+
+def request_path(out: str) -> str:
+    """Where ``vfgraph resize OUT N`` asks the elastic job writing ``OUT`` for N ranks."""
+    return os.path.abspath(out) + ".resize"
+
+
+def request(out: str, ranks: int) -> str:
+    """Ask the elastic job writing ``out`` for ``ranks`` ranks (it takes or refuses the request
+    at its next step, and logs which); returns the request's path."""
+    if not isinstance(ranks, int) or ranks < 1:
+        raise InputError(f"resize to {ranks} ranks: give at least 1")
+    path = request_path(out)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"ranks": ranks}, f)
+    os.replace(tmp, path)
+    return path
 
 
 def parse_schedule(text: str, max_ranks: int) -> List[Tuple[int, int]]:
@@ -99,8 +119,11 @@ class Elastic:
     communicator."""
 
     def __init__(self, schedule: List[Tuple[int, int]], argv: List[str], use_comm: Callable[[Any], None],
-                 fingerprint: str = ""):
+                 fingerprint: str = "", requests: str = "", max_ranks: int = 0):
         self.schedule, self.argv, self.use_comm, self.fingerprint = schedule, list(argv), use_comm, fingerprint
+        self.requests, self.max_ranks = requests, max_ranks  # the file `vfgraph resize` writes
+        self.requested: List[Tuple[int, int]] = []  # (step, ranks) of every request taken
+        self.started = time.time()
         self.refused: Optional[int] = None  # the schedule entry (its step) whose new ranks were refused
         self.inter = None  # the intercommunicator to the processes spawned for the next growth
         self.spawning: Optional[threading.Thread] = None  # the spawn of them, under way or done
@@ -113,8 +136,45 @@ class Elastic:
         return self._entry(step)[1]
 
     def _entry(self, step: int) -> Tuple[Optional[int], Optional[int]]:
-        """(step, ranks) of the schedule's entry in force at ``step``."""
-        return next(((s, r) for s, r in reversed(self.schedule) if s <= step), (None, None))
+        """(step, ranks) of the schedule's entry or the request in force at ``step``."""
+        entries = sorted(self.schedule + self.requested, key=lambda e: e[0])  # (a request after an entry of its step)
+        return next(((s, r) for s, r in reversed(entries) if s <= step), (None, None))
+
+    def _scheduled(self, step: int) -> bool:
+        """Whether the change in force at ``step`` comes from the schedule (the job then waits for
+        new ranks still loading, so that the schedule's layouts are exact), not from a request
+        (the job trains on until they are ready)."""
+        return self._entry(step) in self.schedule and self._entry(step) not in self.requested
+
+    def _read_request(self, w: World, step: int) -> Optional[int]:
+        """(rank 0) A resize request (``vfgraph resize``) to take at this step, if any; a request
+        the job cannot take is refused with one line and removed, and the job goes on."""
+        path = self.requests
+        try:
+            if not path or os.path.getmtime(path) < self.started:
+                return None
+            with open(path) as f:
+                text = f.read()
+            os.remove(path)
+        except OSError:  # none, or one being replaced
+            return None
+        try:
+            n = json.loads(text)["ranks"]
+            if not isinstance(n, int):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            log.warning("refused the resize request in %s: it holds no rank count; the job goes on with %d ranks",
+                        path, w.size)
+            return None
+        why = (f"outside 1..{self.max_ranks} (--max-ranks {self.max_ranks})" if not 1 <= n <= self.max_ranks
+               else "new ranks are still being started for another change; ask again after it"
+               if self.spawning is not None else "")
+        if why:
+            log.warning("refused the request for %d ranks at step %d: %s; the job goes on with %d ranks", n, step, why,
+                        w.size)
+            return None
+        log.info("request for %d ranks taken at step %d", n, step)
+        return n
 
     def check_start(self, w: World) -> None:
         first = self.target(0)
@@ -130,6 +190,10 @@ class Elastic:
         that leaves) and, when it changed, what happened (``old``, ``new`` ranks, ``waited``:
         seconds spent waiting for new ranks to load the model, ``began``: when the change
         itself began, a ``time.perf_counter()``). Collective over ``w``."""
+        if self.requests:  # rank 0 reads it; every rank takes it at the same step
+            n = w.bcast(self._read_request(w, step) if w.is_root else None)
+            if n is not None:
+                self.requested.append((step, n))
         want = self.target(step) or w.size
         if want < w.size:
             return self._shrink(w, want, step)
@@ -168,13 +232,18 @@ class Elastic:
         from mpi4py import MPI
 
         waited = time.perf_counter()
+
+        def all_ready():  # (rank 0)
+            status = MPI.Status()
+            while self.inter.Iprobe(source=MPI.ANY_SOURCE, tag=READY, status=status):
+                self.fingerprints[status.Get_source()] = self.inter.recv(source=status.Get_source(), tag=READY)
+            return len(self.fingerprints) >= self.spawned
+
+        if not self._scheduled(step):  # a request: train on until the new ranks are ready
+            if not w.bcast(not self.spawning.is_alive() and all_ready() if w.is_root else None):
+                return w, None
         self._spawned()
         if w.is_root:  # wait (polling) until every new process has loaded the model
-            def all_ready():
-                status = MPI.Status()
-                while self.inter.Iprobe(source=MPI.ANY_SOURCE, tag=READY, status=status):
-                    self.fingerprints[status.Get_source()] = self.inter.recv(source=status.Get_source(), tag=READY)
-                return len(self.fingerprints) >= self.spawned
             _poll(all_ready)
         _barrier(w.comm)
         began = time.perf_counter()
@@ -190,9 +259,10 @@ class Elastic:
             self.inter.Free()
             self.inter, self.spawning, self.refused = None, None, self._entry(step)[0]
             return w, {"refused": line}
-        if w.is_root:
+        if w.is_root:  # what the new ranks need to follow the same changes as the others
             for r in range(self.spawned):
-                self.inter.send({"step": step}, dest=r, tag=GO)
+                self.inter.send({"step": step, "requested": self.requested, "refused_entry": self.refused}, dest=r,
+                                tag=GO)
         merged = self.inter.Merge(high=False)
         self.inter, self.spawning = None, None
         new = self._switch(merged)
@@ -269,11 +339,13 @@ def report_failure(message: str) -> None:
 _joined = False  # (a spawned process) whether it has joined the job
 
 
-def join(inter, use_comm: Callable[[Any], None], started: float, fingerprint: str) -> Tuple[Optional[World], int]:
+def join(inter, use_comm: Callable[[Any], None], started: float, fingerprint: str,
+         elastic: Elastic) -> Tuple[Optional[World], int]:
     """In a spawned process that has loaded the model (``fingerprint``: of its files) and the
     data: say so, wait (polling) for the job to let it in, and merge into the job's
-    communicator. Returns the world and the step the job is at; the world is None when the job
-    ended first or refused it (another model)."""
+    communicator; ``elastic`` takes the requests the job has taken so far. Returns the world
+    and the step the job is at; the world is None when the job ended first or refused it
+    (another model)."""
     inter.send({"fingerprint": fingerprint}, dest=0, tag=READY)
     go = _wait(inter.irecv(source=0, tag=GO))
     if go is None:
@@ -283,6 +355,7 @@ def join(inter, use_comm: Callable[[Any], None], started: float, fingerprint: st
         log.error("this new process was refused by the job (rank 0 logs why)")
         return None, 0
     global _joined
+    elastic.requested, elastic.refused = [tuple(e) for e in go["requested"]], go["refused_entry"]
     merged = inter.Merge(high=True)
     _joined = True
     use_comm(merged.Dup())

@@ -369,9 +369,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         from vfgraph import ops
 
         fingerprint = savedmodel.source_fingerprint(model, None)
-        scheduled = el.Elastic(schedule, elastic.argv, ops.set_communicator, fingerprint)
+        scheduled = el.Elastic(schedule, elastic.argv, ops.set_communicator, fingerprint,
+                               requests=el.request_path(out), max_ranks=elastic.max_ranks)
         if inter is not None:  # loaded: join the job at its next step, with rank 0's variables
-            w, joined_at = el.join(inter, ops.set_communicator, elastic.started, fingerprint)
+            w, joined_at = el.join(inter, ops.set_communicator, elastic.started, fingerprint, scheduled)
             if w is None:  # the job ended first
                 return None
             loaded.signatures[f"{signature}_broadcast"]()
