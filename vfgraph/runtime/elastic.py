@@ -119,11 +119,11 @@ class Elastic:
     communicator."""
 
     def __init__(self, schedule: List[Tuple[int, int]], argv: List[str], use_comm: Callable[[Any], None],
-                 fingerprint: str = "", requests: str = "", max_ranks: int = 0):
+                 fingerprint: str = "", requests: str = "", max_ranks: int = 0, started: float = 0.0):
         self.schedule, self.argv, self.use_comm, self.fingerprint = schedule, list(argv), use_comm, fingerprint
         self.requests, self.max_ranks = requests, max_ranks  # the file `vfgraph resize` writes
         self.requested: List[Tuple[int, int]] = []  # (step, ranks) of every request taken
-        self.started = time.time()
+        self.started = started or time.time()  # requests older than the job are not its own
         self.refused: Optional[int] = None  # the schedule entry (its step) whose new ranks were refused
         self.inter = None  # the intercommunicator to the processes spawned for the next growth
         self.spawning: Optional[threading.Thread] = None  # the spawn of them, under way or done

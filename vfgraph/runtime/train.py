@@ -370,7 +370,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
 
         fingerprint = savedmodel.source_fingerprint(model, None)
         scheduled = el.Elastic(schedule, elastic.argv, ops.set_communicator, fingerprint,
-                               requests=el.request_path(out), max_ranks=elastic.max_ranks)
+                               requests=el.request_path(out), max_ranks=elastic.max_ranks, started=elastic.started)
         if inter is not None:  # loaded: join the job at its next step, with rank 0's variables
             w, joined_at = el.join(inter, ops.set_communicator, elastic.started, fingerprint, scheduled)
             if w is None:  # the job ended first
@@ -578,10 +578,9 @@ def _check_elastic(elastic: ElasticOptions, model: str, b: int, reduces: bool, s
     if vnodes_per_rank not in (None, "auto"):
         raise InputError("--vnodes-per-rank with --elastic-schedule: give auto, or nothing for even shares (fixed "
                          "shares cannot follow a changing number of ranks)")
-    most = max(r for _, r in schedule)
-    if batch_size % b == 0 and batch_size // b < most:
-        raise InputError(f"--elastic-schedule {elastic.schedule}: {most} ranks but the global batch holds "
-                         f"{batch_size // b} virtual nodes; every rank needs at least one")
+    if batch_size % b == 0 and batch_size // b < elastic.max_ranks:
+        raise InputError(f"--max-ranks {elastic.max_ranks}: the global batch holds {batch_size // b} virtual nodes, "
+                         "and every rank needs at least one; give at most that many ranks, or a larger --batch-size")
     return schedule
 
 
