@@ -168,6 +168,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--elastic-schedule", metavar="STEP:RANKS,...", help="elastic run under mpiexec: change the "
                    "number of ranks at these steps, e.g. 0:1,5:2,10:4,15:2 (start with mpiexec -n RANKS of step 0); "
                    "new ranks are started ahead and load the model while the job trains on")
+    t.add_argument("--host-discovery-script", metavar="CMD", help="elastic run: a command that prints the hosts "
+                   "available, one per line as HOST or HOST:SLOTS; run every --discovery-interval seconds, the job "
+                   "resizes to its slots (at most --max-ranks)")
+    t.add_argument("--discovery-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="how often to run --host-discovery-script (default 5)")
     t.add_argument("--elastic-join", action="store_true", help=argparse.SUPPRESS)
     t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: "
                    "the CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
@@ -521,9 +526,10 @@ def cmd_train(args) -> int:
     from vfgraph.runtime.elastic import ElasticOptions
 
     elastic = None
-    if args.elastic_schedule or args.max_ranks is not None or args.elastic_join:
+    if args.elastic_schedule or args.max_ranks is not None or args.elastic_join or args.host_discovery_script:
         argv = [a for a in sys.argv[1:] if a != "--elastic-join"]
-        elastic = ElasticOptions(args.elastic_schedule, args.max_ranks, argv, args.elastic_join, _STARTED)
+        elastic = ElasticOptions(args.elastic_schedule or "", args.max_ranks, argv, args.elastic_join, _STARTED,
+                                 args.host_discovery_script or "", args.discovery_interval)
     per_rank = args.vnodes_per_rank if args.vnodes_per_rank == "auto" else None
     if args.vnodes_per_rank and not per_rank:
         try:

@@ -22,6 +22,18 @@ def exact(models, tmp_path_factory):
     return rewritten(models, tmp_path_factory.mktemp("elastic"), deterministic=True)
 
 
+LONG = "15000"  # steps of the runs resized from outside: long enough for a new rank to load the model
+
+
+@pytest.fixture(scope="module")
+def long_reference(exact, digits, tmp_path_factory):
+    """The deterministic MLP trained LONG steps on one rank (one thread): what the jobs resized
+    from outside must end with."""
+    out = str(tmp_path_factory.mktemp("elastic_reference") / "one")
+    run_train(0, exact("mlp:adam"), digits["train"], out, int(LONG), "--threads", "1", timeout=600)
+    return out
+
+
 def test_grow_and_shrink_on_a_schedule_is_bit_identical_to_one_rank(exact, digits, tmp_path):
     model = exact("mlp:adam")
     run_train(0, model, digits["train"], str(tmp_path / "one"), 20, "--threads", "1")
@@ -43,7 +55,7 @@ def test_grow_and_shrink_on_a_schedule_is_bit_identical_to_one_rank(exact, digit
     (("--max-ranks", "4", "--elastic-schedule", "0:2,5:1"), "starts with 2 ranks at step 0"),
     (("--max-ranks", "4", "--elastic-schedule", "5:2,0:1"), "the steps must increase"),
     (("--max-ranks", "4", "--elastic-schedule", "0:1,x"), "give STEP:RANKS pairs"),
-    (("--elastic-schedule", "0:1,5:2"), "go together"),
+    (("--elastic-schedule", "0:1,5:2"), "--max-ranks goes with"),
     (("--max-ranks", "2", "--elastic-schedule", "0:1,5:2", "--vnodes-per-rank", "1"), "give auto"),
 ], ids=["above-max", "below-one", "start-size", "order", "syntax", "no-max", "fixed-shares"])
 def test_bad_schedules_are_refused_with_one_line(exact, digits, tmp_path, extra, message):
@@ -86,7 +98,7 @@ def test_a_new_rank_with_another_model_is_refused_and_the_job_goes_on(exact, dig
     assert losses(str(tmp_path / "elastic")) == losses(str(tmp_path / "one"))
 
 
-def test_resize_requests_while_the_job_runs(exact, digits, tmp_path):
+def test_resize_requests_while_the_job_runs(exact, digits, tmp_path, long_reference):
     """`vfgraph resize`: a request above --max-ranks is refused with one line and the job goes on;
     a request for 2 ranks is taken at the next step and the job grows once the new rank has
     loaded the model, training on meanwhile; the result is the one-rank result, bit for bit."""
@@ -94,10 +106,9 @@ def test_resize_requests_while_the_job_runs(exact, digits, tmp_path):
 
     from test_mpi_train import MPIEXEC, wait_for_checkpoint
 
-    steps = "15000"
+    steps = LONG
     model = exact("mlp:adam")
     out = str(tmp_path / "elastic")
-    run_train(0, model, digits["train"], str(tmp_path / "one"), int(steps), "--threads", "1", timeout=600)
     cli = [sys.executable, "-m", "vfgraph.cli"]
     cmd = [MPIEXEC, "-n", "1", *cli, "-v", "train", model, "--data", digits["train"], "--steps", steps,
            "--batch-size", "64", "-o", out, "--no-progress", "--threads", "1", "--checkpoint-every", "500",
@@ -122,6 +133,46 @@ def test_resize_requests_while_the_job_runs(exact, digits, tmp_path):
     assert len(refused) == 1 and "outside 1..2" in refused[0], text[-3000:]
     assert re.search(r"request for 2 ranks taken at step \d+", text)
     assert re.search(r"resized 1 -> 2 ranks at step \d+", text), text[-3000:]
-    reference, got = params(str(tmp_path / "one")), params(out)
+    reference, got = params(long_reference), params(out)
     assert all(np.array_equal(reference[k], got[k]) for k in reference)
-    assert losses(out) == losses(str(tmp_path / "one"))
+    assert losses(out) == losses(long_reference)
+
+
+def test_a_host_discovery_script_grows_and_shrinks_the_job(exact, digits, tmp_path, long_reference):
+    """The production path: the job runs a script that lists the hosts available (HOST:SLOTS)
+    and follows its count; output it cannot read is logged once and the last count kept."""
+    import sys
+
+    from test_mpi_train import MPIEXEC, wait_for_checkpoint
+
+    steps = LONG
+    model = exact("mlp:adam")
+    out = str(tmp_path / "elastic")
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:1\n")
+    cmd = [MPIEXEC, "-n", "1", sys.executable, "-m", "vfgraph.cli", "-v", "train", model, "--data", digits["train"],
+           "--steps", steps, "--batch-size", "64", "-o", out, "--no-progress", "--threads", "1", "--checkpoint-every",
+           "500", "--max-ranks", "2", "--host-discovery-script", f"cat {hosts}", "--discovery-interval", "0.2"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
+    lines = []
+    try:
+        wait_for_checkpoint(proc, out + ".ckpt/progress.json", 500)
+        hosts.write_text("localhost:one\n")  # unreadable: logged, the job goes on
+        time.sleep(1)
+        hosts.write_text("localhost:2\n")
+        for line in proc.stderr:
+            lines.append(line)
+            if "resized 1 -> 2" in line:
+                hosts.write_text("localhost\n")  # one slot again
+                break
+        lines.extend(proc.stderr)
+    finally:
+        proc.wait(timeout=600)
+    text = "".join(lines)
+    assert proc.returncode == 0, text[-3000:]
+    assert len(re.findall(r"host discovery script .*'localhost:one' is not HOST or HOST:SLOTS", text)) == 1, text
+    assert re.search(r"host discovery: 2 slots at step \d+; resizing to 2 ranks", text)
+    assert re.search(r"resized 2 -> 1 ranks at step \d+", text), text[-3000:]
+    reference, got = params(long_reference), params(out)
+    assert all(np.array_equal(reference[k], got[k]) for k in reference)
+    assert losses(out) == losses(long_reference)

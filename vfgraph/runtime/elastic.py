@@ -44,7 +44,9 @@ class ElasticOptions:
     max_ranks: Optional[int]
     argv: List[str]
     join: bool = False
-    started: float = 0.0  # (a new process) time.time() when its command began
+    started: float = 0.0  # time.time() when its command began
+    discovery: str = ""  # --host-discovery-script
+    interval: float = 5.0  # --discovery-interval
 
 
 GO, READY, END = 3101, 3102, 3103  # message tags between the job's ranks and new or idle ones
@@ -72,7 +74,9 @@ def request(out: str, ranks: int) -> str:
 def parse_schedule(text: str, max_ranks: int) -> List[Tuple[int, int]]:
     """``STEP:RANKS,...`` as sorted (step, ranks) pairs, each rank count in 1..``max_ranks``."""
     what = f"--elastic-schedule {text}"
-    pairs = []
+    pairs: List[Tuple[int, int]] = []
+    if not text:
+        return pairs
     for part in text.split(","):
         step, sep, ranks = part.strip().partition(":")
         try:
@@ -113,17 +117,64 @@ def _barrier(comm) -> None:
     _poll(request.Test)
 
 
+def count_slots(output: str) -> int:
+    """The slots a host-discovery script's output lists: one line per host, ``HOST`` (one slot)
+    or ``HOST:SLOTS`` (the format of Horovod's elastic mode)."""
+    total = 0
+    for line in output.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        host, sep, slots = line.rpartition(":") if ":" in line else (line, "", "1")
+        if not host or not slots.isdigit():
+            raise ValueError(f"{line!r} is not HOST or HOST:SLOTS")
+        total += int(slots)
+    return total
+
+
+class Discovery:
+    """(rank 0) Runs a host-discovery script every ``interval`` seconds on a thread of its own;
+    :attr:`slots` is the count from its latest good run (None before one). A run that fails or
+    prints something else is logged once per distinct reason, and the count kept."""
+
+    def __init__(self, command: str, interval: float):
+        self.command, self.interval = command, interval
+        self.slots: Optional[int] = None
+        self._said = ""
+        threading.Thread(target=self._loop, name="vfgraph-discovery", daemon=True).start()
+
+    def _loop(self) -> None:
+        import subprocess
+
+        while True:
+            try:
+                res = subprocess.run(self.command, shell=True, capture_output=True, text=True,
+                                     timeout=max(10.0, 2 * self.interval))
+                if res.returncode:
+                    raise ValueError(f"exit status {res.returncode}: {res.stderr.strip()[-200:]}")
+                self.slots = count_slots(res.stdout)
+            except (OSError, ValueError, subprocess.SubprocessError) as e:
+                if str(e) != self._said:
+                    log.warning("host discovery script %r: %s; keeping the last count", self.command, e)
+                    self._said = str(e)
+            time.sleep(self.interval)
+
+
 class Elastic:
     """The schedule on the ranks of a running job. ``argv``: the command line new processes
     run (with :data:`JOIN_FLAG` added); ``use_comm(comm)``: point vfgraph's ops at a new
     communicator."""
 
     def __init__(self, schedule: List[Tuple[int, int]], argv: List[str], use_comm: Callable[[Any], None],
-                 fingerprint: str = "", requests: str = "", max_ranks: int = 0, started: float = 0.0):
+                 fingerprint: str = "", requests: str = "", max_ranks: int = 0, started: float = 0.0,
+                 discovery: str = "", interval: float = 5.0):
         self.schedule, self.argv, self.use_comm, self.fingerprint = schedule, list(argv), use_comm, fingerprint
         self.requests, self.max_ranks = requests, max_ranks  # the file `vfgraph resize` writes
         self.requested: List[Tuple[int, int]] = []  # (step, ranks) of every request taken
         self.started = started or time.time()  # requests older than the job are not its own
+        self.discovery_command, self.interval = discovery, interval
+        self.discovery: Optional[Discovery] = None  # (rank 0) started at the first step
+        self._discovered: Optional[int] = None  # the last count acted on
         self.refused: Optional[int] = None  # the schedule entry (its step) whose new ranks were refused
         self.inter = None  # the intercommunicator to the processes spawned for the next growth
         self.spawning: Optional[threading.Thread] = None  # the spawn of them, under way or done
@@ -145,6 +196,25 @@ class Elastic:
         new ranks still loading, so that the schedule's layouts are exact), not from a request
         (the job trains on until they are ready)."""
         return self._entry(step) in self.schedule and self._entry(step) not in self.requested
+
+    def _request(self, w: World, step: int) -> Optional[int]:
+        """(rank 0) The rank count to change to at this step, if any: from a resize request, or
+        from the host-discovery script's latest count (capped at --max-ranks)."""
+        if self.discovery_command and self.discovery is None:
+            self.discovery = Discovery(self.discovery_command, self.interval)
+        asked = self._read_request(w, step)
+        if asked is not None or self.discovery is None or self.discovery.slots is None:
+            return asked
+        slots = self.discovery.slots
+        if slots == self._discovered or self.spawning is not None:  # (a change under way: after it)
+            return None
+        self._discovered = slots
+        want = max(1, min(slots, self.max_ranks))
+        if want == (self.target(step) or w.size):
+            return None
+        log.info("host discovery: %d slot%s at step %d; resizing to %d rank%s", slots, "s" if slots != 1 else "",
+                 step, want, "s" if want != 1 else "")
+        return want
 
     def _read_request(self, w: World, step: int) -> Optional[int]:
         """(rank 0) A resize request (``vfgraph resize``) to take at this step, if any; a request
@@ -191,7 +261,7 @@ class Elastic:
         seconds spent waiting for new ranks to load the model, ``began``: when the change
         itself began, a ``time.perf_counter()``). Collective over ``w``."""
         if self.requests:  # rank 0 reads it; every rank takes it at the same step
-            n = w.bcast(self._read_request(w, step) if w.is_root else None)
+            n = w.bcast(self._request(w, step) if w.is_root else None)
             if n is not None:
                 self.requested.append((step, n))
         want = self.target(step) or w.size

@@ -370,7 +370,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
 
         fingerprint = savedmodel.source_fingerprint(model, None)
         scheduled = el.Elastic(schedule, elastic.argv, ops.set_communicator, fingerprint,
-                               requests=el.request_path(out), max_ranks=elastic.max_ranks, started=elastic.started)
+                               requests=el.request_path(out), max_ranks=elastic.max_ranks, started=elastic.started,
+                               discovery=elastic.discovery, interval=elastic.interval)
         if inter is not None:  # loaded: join the job at its next step, with rank 0's variables
             w, joined_at = el.join(inter, ops.set_communicator, elastic.started, fingerprint, scheduled)
             if w is None:  # the job ended first
@@ -564,8 +565,11 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
 def _check_elastic(elastic: ElasticOptions, model: str, b: int, reduces: bool, stages, vnodes_per_rank,
                    batch_size: int) -> list:
     """The schedule of an elastic run, or a clear error for a model or options it cannot have."""
-    if elastic.max_ranks is None or not elastic.schedule:
-        raise InputError("--elastic-schedule and --max-ranks go together: give both")
+    if elastic.max_ranks is None or not (elastic.schedule or elastic.discovery):
+        raise InputError("--max-ranks goes with --elastic-schedule or --host-discovery-script (or both): give both "
+                         "--max-ranks and one of them")
+    if not elastic.interval > 0:
+        raise InputError(f"--discovery-interval {elastic.interval}: give a positive number of seconds")
     if elastic.max_ranks < 1:
         raise InputError(f"--max-ranks {elastic.max_ranks}: give at least 1")
     schedule = el.parse_schedule(elastic.schedule, elastic.max_ranks)
