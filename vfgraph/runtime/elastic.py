@@ -1,5 +1,6 @@
 """Elastic training: a running job changes its number of ranks at step boundaries
-(``vfgraph train --max-ranks N --elastic-schedule STEP:RANKS,...``).
+(``vfgraph train --max-ranks N``, with ``--elastic-schedule STEP:RANKS,...``, requests from
+``vfgraph resize OUTPUT N``, or ``--host-discovery-script CMD``).
 
 The global batch and its V virtual nodes stay fixed; only their shares over the ranks change,
 so the training is the same on any layout (bit-identical in deterministic mode).
@@ -11,8 +12,10 @@ so the training is the same on any layout (bit-identical in deterministic mode).
   communicator (``MPI_Intercomm_merge``: the old ranks keep their numbers), the ops switch to
   it, and the model's ``train_broadcast`` signature checks that every rank runs the same graph
   and gives the new ranks every variable of rank 0, the optimizer's slots and step counter
-  among them (they exist already: the new ranks loaded the same SavedModel). The step count
-  and losses so far travel with the message that lets the new ranks in.
+  among them (they exist already: the new ranks loaded the same SavedModel). The step and the
+  requests taken so far travel with the message that lets the new ranks in. A growth from the
+  schedule waits at its step for new ranks still loading (the schedule's layouts are exact);
+  one from a request trains on until they are ready.
 - **Shrinking** to m ranks: ranks m.. leave the communicator (``MPI_Comm_split``) at the step
   of the change and wait, idle, for the end of the job (MPI ends its processes together).
 
@@ -33,6 +36,7 @@ from vfgraph.errors import InputError
 from vfgraph.runtime.world import World
 
 log = logging.getLogger("vfgraph.train")
+
 
 @dataclass
 class ElasticOptions:
@@ -161,9 +165,11 @@ class Discovery:
 
 
 class Elastic:
-    """The schedule on the ranks of a running job. ``argv``: the command line new processes
-    run (with :data:`JOIN_FLAG` added); ``use_comm(comm)``: point vfgraph's ops at a new
-    communicator."""
+    """The changes of a running job, on each of its ranks. ``argv``: the command line new
+    processes run (with :data:`JOIN_FLAG` added); ``use_comm(comm)``: point vfgraph's ops at a
+    new communicator; ``fingerprint``: of the model rank 0 loaded (new processes must match);
+    ``requests``: the file ``vfgraph resize`` writes; ``discovery``: a host-discovery command
+    run every ``interval`` seconds; ``started``: when the job's command began."""
 
     def __init__(self, schedule: List[Tuple[int, int]], argv: List[str], use_comm: Callable[[Any], None],
                  fingerprint: str = "", requests: str = "", max_ranks: int = 0, started: float = 0.0,
