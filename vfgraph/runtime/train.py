@@ -381,7 +381,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             group = w.rank
         else:
             w.agree(lambda: scheduled.check_start(w))
-    lo, hi = (sum(per[:group]) * b, sum(per[:group + 1]) * b) if len(per) > 1 else (0, batch_size)
+    lo, hi = _rows(per, group, b) if len(per) > 1 else (0, batch_size)
     balancer = None
     if auto and w.size > 1:
         balancer = Balancer(sum(per), w.size, per)
@@ -480,7 +480,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                         if change["new"] > change["old"]:  # the new ranks take every variable of rank 0
                             loaded.signatures[f"{signature}_broadcast"]()
                         per = shares(batch_size // b, w.size)
-                        lo, hi = sum(per[:group]) * b, sum(per[:group + 1]) * b
+                        lo, hi = _rows(per, group, b)
                         balancer = Balancer(sum(per), w.size, per) if auto and w.size > 1 else None
                         if w.is_root:
                             took = time.perf_counter() - change["began"]
@@ -502,7 +502,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                     change = balancer.observe(step, [t for _, t in seen])
                     if change:
                         per = balancer.shares
-                        lo, hi = sum(per[:group]) * b, sum(per[:group + 1]) * b
+                        lo, hi = _rows(per, group, b)
                         if w.is_root:
                             log.info("%s", change)
                 seen = [f for f, _ in seen]
@@ -560,6 +560,12 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     _save_trained(loaded, model, out, losses, variable_devices=in_process > 1)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return TrainResult(out, steps, losses)
+
+
+def _rows(per: List[int], rank: int, b: int) -> Tuple[int, int]:
+    """The rows of the global batch that ``rank`` feeds: its share of ``per`` virtual nodes of
+    ``b`` examples, after the lower ranks' shares."""
+    return sum(per[:rank]) * b, sum(per[:rank + 1]) * b
 
 
 def _check_elastic(elastic: ElasticOptions, model: str, b: int, reduces: bool, stages, vnodes_per_rank,
