@@ -3,8 +3,9 @@ uneven hardware (heterogeneous training's tests and benchmarks, on one host).
 
 ``python -m vfgraph.testing.throttle --share 0.5 [--period-ms 2] -- COMMAND ...`` runs
 COMMAND and lets it run for ``share`` of every period, stopping it (SIGSTOP, every thread
-at once, and the processes it starts) for the rest, so everything it does takes about 1/share as long. Under ``mpiexec``
-it wraps one rank's command (MPMD: ``mpiexec -n 1 CMD : -n 1 python -m
+at once, and the processes it starts) for the rest, so everything it does takes about 1/share
+as long (the time it is let run is measured and the stops follow it, so the share holds on a
+loaded machine too). Under ``mpiexec`` it wraps one rank's command (MPMD: ``mpiexec -n 1 CMD : -n 1 python -m
 vfgraph.testing.throttle --share 0.5 -- CMD``); the command inherits its file descriptors and
 environment, the launcher's among them. SIGINT and SIGTERM are passed on (and the command
 let run to handle them); the exit status is the command's."""
@@ -42,21 +43,31 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, forward)
-    run, stop = args.period_ms * args.share / 1e3, args.period_ms * (1 - args.share) / 1e3
+    run = args.period_ms * args.share / 1e3
+    # the time the command is let run is measured, from just before each SIGCONT to just after
+    # the SIGSTOP that ends it, and each stop lasts until that time is ``share`` of the time
+    # since the start (a run is longer when the command fell behind): on a loaded machine this
+    # process often waits for a CPU after it wakes or sends SIGCONT, which would otherwise let
+    # the command run far more than its share
+    start = began = time.monotonic()
+    ran = 0.0
     try:
         while proc.poll() is None:
             if passing:
                 os.kill(proc.pid, passing.pop(0))
-            time.sleep(run)
-            if stop > 0 and not passing:
-                try:
-                    os.killpg(proc.pid, signal.SIGSTOP)
-                    time.sleep(stop)
-                finally:
-                    os.killpg(proc.pid, signal.SIGCONT)
+            time.sleep(max(run, args.share * (time.monotonic() - start) - ran))
+            if args.share < 1 and not passing:
+                os.killpg(proc.pid, signal.SIGSTOP)
+                ran += time.monotonic() - began
+                time.sleep(max(0.0, start + ran / args.share - time.monotonic()))
+                began = time.monotonic()
+                os.killpg(proc.pid, signal.SIGCONT)
+            else:
+                ran, began = ran + time.monotonic() - began, time.monotonic()
     except ProcessLookupError:
         pass
     finally:
+        # never leave the command stopped
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGCONT)
