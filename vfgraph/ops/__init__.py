@@ -53,7 +53,7 @@ from vfgraph.ops import toolchain as _toolchain
 from vfgraph.ops.toolchain import OpsUnavailableError, cache_dir
 
 __all__ = [
-    "OpsUnavailableError", "allgather", "allreduce", "available", "blocked_seconds", "broadcast", "build",
+    "OpsUnavailableError", "abandon", "allgather", "allreduce", "available", "blocked_seconds", "broadcast", "build",
     "build_ops_main", "cache_dir", "check", "exact_add", "library_path", "load", "rank", "register_at_import",
     "recv", "send", "set_communicator", "size",
 ]
@@ -179,6 +179,16 @@ def blocked_seconds() -> float:
         fn.argtypes, fn.restype = [], ctypes.c_int64
         _blocked_ns = fn
     return _blocked_ns() / 1e9
+
+
+def abandon(on: bool = True) -> None:
+    """Make every wait of vfgraph's ops for other ranks give up (the op fails with
+    ``tf.errors.AbortedError``): the job lost a rank, which will never arrive; ``on=False``
+    once the job goes on over a communicator without it."""
+    load()
+    fn = ctypes.CDLL(library_path()).vf_mpi_abandon
+    fn.argtypes, fn.restype = [ctypes.c_int], None
+    fn(1 if on else 0)
 
 
 def allreduce(x, name: Optional[str] = None, stages: int = 0):

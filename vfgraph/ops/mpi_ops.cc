@@ -122,6 +122,15 @@ void SumThroughFloat(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
   }
 }
 
+// Set while the job has lost a rank (vf_mpi_abandon): a wait for the others then gives up,
+// since a rank that ended will never arrive, and the op fails with kAbandoned. The request
+// waited for is left behind with its communicator, which the job no longer uses.
+std::atomic<bool>& Abandoned() {
+  static std::atomic<bool>* abandoned = new std::atomic<bool>(false);
+  return *abandoned;
+}
+constexpr int kAbandoned = -1000;  // not an MPI error code
+
 // Time this process has spent in collectives (from taking the collective mutex to the
 // call's end), in nanoseconds: a step's time less this is the rank's own computing,
 // which tells a slow rank from one that waits for it (vf_mpi_blocked_ns).
@@ -160,6 +169,11 @@ std::string MpiErrorString(int code) {
 
 absl::Status MpiFailure(const std::string& op, const std::string& node,
                         const char* call, int code, const Comm& comm) {
+  if (code == kAbandoned) {
+    return absl::AbortedError(absl::StrCat(
+        op, " (node '", node, "'): abandoned on rank ", comm.rank, " of ", comm.size,
+        ": the job lost a rank"));
+  }
   return absl::InternalError(absl::StrCat(
       op, " (node '", node, "'): ", call, " failed on rank ", comm.rank,
       " of ", comm.size, ": ", MpiErrorString(code)));
@@ -402,12 +416,14 @@ uint64_t Fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull) 
 }
 
 // Waits for `request` by testing it, yielding and then sleeping between tests (at most
-// 200 us), so that the MPI library's lock is free between them.
+// 200 us), so that the MPI library's lock is free between them; kAbandoned when the job
+// lost a rank.
 int WaitPolling(MPI_Request* request, MPI_Status* status) {
   for (int spins = 0;; ++spins) {
     int flag = 0;
     const int rc = MPI_Test(request, &flag, status);
     if (rc != MPI_SUCCESS || flag) return rc;
+    if (Abandoned().load()) return kAbandoned;
     if (spins < 64) {
       std::this_thread::yield();
     } else {
@@ -1427,6 +1443,11 @@ extern "C" __attribute__((visibility("default"))) int vf_mpi_split_stages(int st
   state.stage_comm = split;
   state.stages = stages;
   return 0;
+}
+
+// Makes every wait for other ranks give up (on != 0: the job lost a rank) or wait again.
+extern "C" __attribute__((visibility("default"))) void vf_mpi_abandon(int on) {
+  vfgraph::Abandoned().store(on != 0);
 }
 
 // Nanoseconds this process has spent in vfgraph's collectives so far (BlockedNanos).

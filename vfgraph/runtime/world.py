@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, TypeVar
 
@@ -12,6 +14,14 @@ T = TypeVar("T")
 
 # Environment variables MPI launchers set in every process they start.
 _LAUNCHER_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
+
+
+# set in a process when its job lost ranks (elastic runs): waits for the others then give up
+lost = threading.Event()
+
+
+class RankLost(Exception):
+    """A wait for the other ranks gave up: the job lost a rank (see :data:`lost`)."""
 
 
 def launched_by_mpi() -> bool:
@@ -62,7 +72,17 @@ class World:
 
     def gather(self, value: T) -> List[T]:
         """``value`` of every rank, in rank order."""
-        return [value] if self.comm is None else self.comm.allgather(value)
+        if self.comm is None:
+            return [value]
+        # every rank arrives first (polling, so that a wait for a rank the job lost gives up)
+        request = self.comm.Ibarrier()
+        tries = 0
+        while not request.Test():
+            if lost.is_set():
+                raise RankLost()
+            tries += 1
+            time.sleep(0 if tries < 64 else 0.0002)
+        return self.comm.allgather(value)
 
     def bcast(self, value: T) -> T:
         return value if self.comm is None else self.comm.bcast(value, root=0)
