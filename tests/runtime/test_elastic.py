@@ -1,7 +1,7 @@
 """Elastic training under real ``mpiexec``: a job started on 1 rank grows to 2 and 4 ranks and
-shrinks to 2 on its own schedule (new ranks started with MPI dynamic processes) and ends
-bit-identical, in deterministic mode, to 1 rank throughout; what it cannot do is refused
-before it starts."""
+shrinks to 2 on its own schedule (new ranks started by a launcher of their own) and ends
+bit-identical, in deterministic mode, to 1 rank throughout, also when a new rank is killed
+mid-run; what it cannot do is refused before it starts."""
 import os
 import re
 import subprocess
@@ -173,6 +173,60 @@ def test_a_host_discovery_script_grows_and_shrinks_the_job(exact, digits, tmp_pa
     assert len(re.findall(r"host discovery script .*'localhost:one' is not HOST or HOST:SLOTS", text)) == 1, text
     assert re.search(r"host discovery: 2 slots at step \d+; resizing to 2 ranks", text)
     assert re.search(r"resized 2 -> 1 ranks at step \d+", text), text[-3000:]
+    reference, got = params(long_reference), params(out)
+    assert all(np.array_equal(reference[k], got[k]) for k in reference)
+    assert losses(out) == losses(long_reference)
+
+
+def processes():
+    """(pid, command line) of every process."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found.append((int(entry), f.read().decode(errors="replace").split("\0")))
+        except (ValueError, OSError):
+            pass
+    return found
+
+
+def test_a_rank_killed_mid_run_is_survived_from_the_last_step_in_memory(exact, digits, tmp_path, long_reference):
+    """A new rank killed (SIGKILL) while the job trains on 2 ranks: rank 0's wait for it gives
+    up, rank 0 goes back to its last completed step in memory, trains on alone and grows again
+    on the schedule (a new rank); the result is the uninterrupted one-rank result, bit for bit,
+    and the killed rank's launcher is the only thing that ended."""
+    import signal
+    import sys
+
+    from test_mpi_train import MPIEXEC
+
+    model = exact("mlp:adam")
+    out = str(tmp_path / "elastic")
+    cmd = [MPIEXEC, "-n", "1", sys.executable, "-m", "vfgraph.cli", "-v", "train", model, "--data", digits["train"],
+           "--steps", LONG, "--batch-size", "64", "-o", out, "--no-progress", "--threads", "1", "--max-ranks", "2",
+           "--elastic-schedule", "0:1,2:2"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "resized 1 -> 2 ranks at step 2" in line:
+                break
+        time.sleep(2)  # training on 2 ranks
+        pids = [pid for pid, args in processes() if "--elastic-join" in args and out in args
+                and "vfgraph.cli" in args[1:3]]  # (the rank, not its launcher)
+        assert len(pids) == 1, "".join(lines)[-3000:]
+        os.kill(pids[0], signal.SIGKILL)
+        lines.extend(proc.stderr)
+    finally:
+        proc.wait(timeout=600)
+    text = "".join(lines)
+    assert proc.returncode == 0, text[-3000:]
+    lost = re.findall(r"1 rank that joined the job \(launcher pid \d+\) ended with status \d+ at step (\d+); the job "
+                      r"goes on alone from step (\d+)", text)
+    assert len(lost) == 1, text[-3000:]
+    assert int(lost[0][1]) in (int(lost[0][0]), int(lost[0][0]) - 1)  # the step it was on, or the one before
+    assert re.search(r"resized 1 -> 2 ranks at step \d+", text[text.index("goes on alone"):]), text[-3000:]
     reference, got = params(long_reference), params(out)
     assert all(np.array_equal(reference[k], got[k]) for k in reference)
     assert losses(out) == losses(long_reference)

@@ -5,9 +5,11 @@
 The global batch and its V virtual nodes stay fixed; only their shares over the ranks change,
 so the training is the same on any layout (bit-identical in deterministic mode).
 
-- **Growing** from n to m ranks: the ranks start m - n new processes with MPI dynamic
-  processes (``MPI_Comm_spawn``) as soon as the schedule's next change is that growth, so the
-  new processes import TensorFlow and load the model while the job trains on. At the step of
+- **Growing** from n to m ranks: rank 0 starts m - n new processes as a job of their own
+  (``mpiexec -n m-n``, the launcher beside this Python) as soon as the schedule's next change
+  is that growth, so they import TensorFlow and load the model while the job trains on; they
+  connect to a port rank 0 opened (``MPI_Comm_connect``/``MPI_Comm_accept``, on a thread of
+  every rank). At the step of
   the growth (once the new processes say they are ready) every rank merges into one
   communicator (``MPI_Intercomm_merge``: the old ranks keep their numbers), the ops switch to
   it, and the model's ``train_broadcast`` signature checks that every rank runs the same graph
@@ -19,13 +21,23 @@ so the training is the same on any layout (bit-identical in deterministic mode).
 - **Shrinking** to m ranks: ranks m.. leave the communicator (``MPI_Comm_split``) at the step
   of the change and wait, idle, for the end of the job (MPI ends its processes together).
 
+- **Losing ranks**: new ranks run under a launcher of their own, so their end does not end
+  the job's launcher. Rank 0 watches those launchers; when ranks that joined end while the
+  job runs, it stops the other new ranks, its waits for the lost ones give up, and it goes
+  back to its last completed step (its variables kept in memory while the job runs on more
+  than one rank) and on alone, growing again as the schedule, requests or discovery say.
+  Where it cannot, the job ends with a message (exit status 4; the last checkpoint is kept).
+
 Every rank runs the same logic on the same schedule, so all reach each change at the same
 step. A process that waits for others polls (sleeping) instead of spinning in MPI."""
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -55,6 +67,27 @@ class ElasticOptions:
 
 GO, READY, END = 3101, 3102, 3103  # message tags between the job's ranks and new or idle ones
 JOIN_FLAG = "--elastic-join"  # (hidden) the command line option a new process runs with
+PORT_ENV = "VFGRAPH_ELASTIC_PORT"  # the port a new process connects to (set by rank 0 for the processes it starts)
+LOST_EXIT = 4  # the exit status of a job that lost ranks
+# what a launcher tells the processes it starts: not passed on to a launcher of their own
+_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+
+
+def launcher() -> str:
+    """The mpiexec beside this Python (the one its MPI came with), else the first on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.access(here, os.X_OK) else (shutil.which("mpiexec") or "mpiexec")
+
+
+def launch(n: int, argv: List[str], port: str) -> subprocess.Popen:
+    """Start ``n`` new processes of the job (``vfgraph ARGV --elastic-join``) as a launcher job
+    of their own, told to connect to ``port``; they end when this process does."""
+    from vfgraph.runtime.supervise import die_with_parent
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
+    env[PORT_ENV] = port
+    return subprocess.Popen([launcher(), "-n", str(n), sys.executable, "-m", "vfgraph.cli", *argv, JOIN_FLAG],
+                            env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
 
 def request_path(out: str) -> str:
@@ -182,8 +215,14 @@ class Elastic:
         self.discovery: Optional[Discovery] = None  # (rank 0) started at the first step
         self._discovered: Optional[int] = None  # the last count acted on
         self.refused: Optional[int] = None  # the schedule entry (its step) whose new ranks were refused
-        self.inter = None  # the intercommunicator to the processes spawned for the next growth
-        self.spawning: Optional[threading.Thread] = None  # the spawn of them, under way or done
+        self.inter = None  # the intercommunicator to the processes started for the next growth
+        self.spawning: Optional[threading.Thread] = None  # the connection of them, under way or done
+        self.port: Optional[str] = None  # (rank 0) the port new processes connect to
+        self.groups: List[Tuple[subprocess.Popen, int, bool]] = []  # (rank 0) (launcher, ranks, merged) of each start
+        self.watching: Optional[threading.Thread] = None  # (rank 0) the watch over them
+        self.ending = False  # (rank 0) the job is ending: new processes ending is expected
+        self.lost: Optional[str] = None  # (rank 0) which ranks the job lost, while it goes on without them
+        self.recovered = True  # (rank 0) whether the training went on after the latest loss
         self.spawned = 0
         self.spawn_seconds = 0.0
         self.fingerprints: dict = {}  # (rank 0) the model fingerprint of each new process that is ready
@@ -284,25 +323,97 @@ class Elastic:
         return w, None
 
     def _spawn(self, w: World, n: int) -> None:
-        """Start ``n`` new processes, on a thread of each rank (over a communicator of its own),
-        so that the job trains on while they start Python and MPI."""
-        comm = w.comm.Dup()
-        args = ["-m", "vfgraph.cli", *self.argv, JOIN_FLAG]
+        """Start ``n`` new processes (rank 0, as a launcher job of their own) and accept their
+        connection on a thread of each rank (over a communicator of its own), so that the job
+        trains on while they start Python and MPI."""
+        from mpi4py import MPI
 
-        def spawn():
-            began = time.perf_counter()
-            self.inter = comm.Spawn(sys.executable, args=args, maxprocs=n, root=0)
+        comm = w.comm.Dup()
+        if w.is_root:
+            if self.port is None:
+                self.port = MPI.Open_port()
+            self.groups.append((launch(n, self.argv, self.port), n, False))
+            if self.watching is None:
+                self.watching = threading.Thread(target=self._watch, name="vfgraph-watch", daemon=True)
+                self.watching.start()
+                atexit.register(self._reap)
+        began = time.perf_counter()
+
+        def accept():
+            self.inter = comm.Accept(self.port if w.is_root else None, root=0)
             self.spawn_seconds = time.perf_counter() - began
 
         self.inter, self.spawned, self.fingerprints = None, n, {}
-        self.spawning = threading.Thread(target=spawn, name="vfgraph-spawn", daemon=True)
+        self.spawning = threading.Thread(target=accept, name="vfgraph-spawn", daemon=True)
         self.spawning.start()
         if w.is_root:
             log.info("starting %d new rank%s for the next growth", n, "s" if n > 1 else "")
 
     def _spawned(self) -> None:
-        """Wait (polling) until the spawn started by :meth:`_spawn` returned."""
+        """Wait (polling) until the new processes started by :meth:`_spawn` connected."""
         _poll(lambda: not self.spawning.is_alive())
+
+    def _watch(self) -> None:
+        """(rank 0, a thread) Watch the processes it started. When ranks that joined end while
+        the job runs, the job goes on without them (:meth:`_lose`) when rank 0's own launcher
+        started it alone and no new ranks are being started; otherwise, and when new
+        processes end before they connected (the job would wait for them for ever), it stops
+        every process it started and ends with a message."""
+        from mpi4py import MPI
+
+        while not self.ending:
+            time.sleep(0.1)
+            for proc, n, merged in list(self.groups):
+                code = proc.poll()
+                if code is None or code == 0 or self.ending:  # (0: the job's last step is done; ending)
+                    continue
+                if not merged and self.spawning is not None and not self.spawning.is_alive():
+                    continue  # connected, then failed or was refused: _grow says so and goes on
+                what = (f"{n} rank{'s' if n > 1 else ''} that joined the job" if merged else
+                        f"{n} new process{'es' if n > 1 else ''} that never connected")
+                if merged and self.spawning is None and MPI.COMM_WORLD.Get_size() == 1:
+                    self._lose(f"{what} (launcher pid {proc.pid}) ended with status {code}")
+                    break
+                log.error("%s (launcher pid %d) ended with status %d while the job ran; the job stops (resume from "
+                          "the last checkpoint with --resume)", what, proc.pid, code)
+                self._stop_all()
+                os._exit(LOST_EXIT)
+
+    def _lose(self, what: str, timeout: float = 60.0) -> None:
+        """(rank 0, the watch thread) Ranks were lost: stop every other process the job
+        started (they wait in a step for the lost ones), and make rank 0's waits for them give
+        up, so that its training goes back to the last step it completed and on alone
+        (:meth:`recover`). If it has not within ``timeout`` seconds (it waits in a call that
+        cannot give up), the job ends."""
+        from vfgraph import ops
+        from vfgraph.runtime import world
+
+        self.lost, self.recovered = what, False
+        self._stop_all()
+        self.groups, self.parked = [], []
+        world.lost.set()
+        ops.abandon(True)
+        deadline = time.monotonic() + timeout
+        while not self.recovered:
+            if time.monotonic() > deadline:
+                log.error("%s; rank 0 could not go on without them: the job stops (resume from the last checkpoint "
+                          "with --resume)", what)
+                os._exit(LOST_EXIT)
+            time.sleep(0.05)
+
+    def recover(self) -> World:
+        """(rank 0, after its step gave up because ranks were lost) The world of rank 0 alone,
+        the ops pointed at it; the schedule, requests and discovery grow the job again."""
+        from mpi4py import MPI
+
+        from vfgraph import ops
+        from vfgraph.runtime import world
+
+        w = self._switch(MPI.COMM_WORLD.Dup())
+        world.lost.clear()
+        ops.abandon(False)
+        self.recovered = True
+        return w
 
     def _grow(self, w: World, step: int) -> Tuple[World, dict]:
         from mpi4py import MPI
@@ -313,6 +424,11 @@ class Elastic:
             status = MPI.Status()
             while self.inter.Iprobe(source=MPI.ANY_SOURCE, tag=READY, status=status):
                 self.fingerprints[status.Get_source()] = self.inter.recv(source=status.Get_source(), tag=READY)
+            code = self.groups[-1][0].poll()
+            if code is not None and len(self.fingerprints) < self.spawned:  # ended before it said it was ready
+                for r in range(self.spawned):
+                    self.fingerprints.setdefault(r, {"error": f"it ended (status {code}) before it loaded the model",
+                                                     "ended": True})
             return len(self.fingerprints) >= self.spawned
 
         if not self._scheduled(step):  # a request: train on until the new ranks are ready
@@ -332,6 +448,7 @@ class Elastic:
                 for r, said in sorted(self.fingerprints.items()):
                     if "fingerprint" in said:  # (one that failed has ended)
                         self.inter.send({"refused": line}, dest=r, tag=GO)
+                self.groups.pop()
             self.inter.Free()
             self.inter, self.spawning, self.refused = None, None, self._entry(step)[0]
             return w, {"refused": line}
@@ -339,6 +456,9 @@ class Elastic:
             for r in range(self.spawned):
                 self.inter.send({"step": step, "requested": self.requested, "refused_entry": self.refused}, dest=r,
                                 tag=GO)
+        if w.is_root:
+            proc, n, _ = self.groups[-1]
+            self.groups[-1] = (proc, n, True)
         merged = self.inter.Merge(high=False)
         self.inter, self.spawning = None, None
         new = self._switch(merged)
@@ -375,9 +495,14 @@ class Elastic:
         """On a rank that left: wait, idle, until rank 0 ends the job."""
         _wait(w.comm.irecv(source=0, tag=END))
 
-    def finish(self, w: World) -> None:
-        """On rank 0 at the end of the job (or when it fails): release the ranks that left and
-        any new processes still waiting to join."""
+    def finish(self, w: World, failed: bool = False) -> None:
+        """On rank 0 at the end of the job: release the ranks that left and any new processes
+        still waiting to join; when the job ``failed``, stop every process it started instead
+        (ranks that joined may be waiting in a step for ever)."""
+        self.ending = True
+        if failed:
+            self._stop_all()
+            return
         for comm, r in self.parked:
             comm.send(None, dest=r, tag=END)
         self.parked = []
@@ -387,31 +512,54 @@ class Elastic:
                 self.inter.send(None, dest=r, tag=GO)
             self.inter, self.spawning = None, None
 
+    def _stop_all(self) -> None:
+        """(rank 0) Stop the launchers it started and what they run."""
+        for proc, _, _ in self.groups:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc, _, _ in self.groups:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def _reap(self, timeout: float = 60.0) -> None:
+        """(rank 0, at exit) Wait for the processes it started to end (they end with the job),
+        stopping those still running after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        for proc, _, _ in self.groups:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                proc.wait()
+
 
 def parent():
-    """In a process a job spawned (``--elastic-join``): initialise MPI at once (the job's ranks
-    wait in the spawn until it has) and return the intercommunicator to the job."""
+    """In a process a job started (``--elastic-join``): initialise MPI at once and connect to
+    the job (its ranks accept while they train); the intercommunicator to the job."""
     from vfgraph import ops
 
     ops.load()
     from mpi4py import MPI
 
-    comm = MPI.Comm.Get_parent()
-    if comm == MPI.COMM_NULL:
+    port = os.environ.get(PORT_ENV)
+    if not port:
         raise InputError(f"{JOIN_FLAG} is for the processes a running 'vfgraph train --elastic-schedule' starts")
-    return comm
+    global _parent
+    _parent = MPI.COMM_WORLD.Connect(port, root=0)
+    return _parent
 
 
 def report_failure(message: str) -> None:
-    """In a spawned process that failed before it joined: tell the job (which then goes on
-    without the new processes) instead of leaving it waiting."""
-    from mpi4py import MPI
-
-    inter = MPI.Comm.Get_parent()
-    if inter != MPI.COMM_NULL and not _joined:
-        inter.send({"error": message}, dest=0, tag=READY)
+    """In a new process that failed before it joined: tell the job (which then goes on without
+    the new processes) instead of leaving it waiting."""
+    if _parent is not None and not _joined:
+        _parent.send({"error": message}, dest=0, tag=READY)
 
 
+_parent = None  # (a new process) the intercommunicator to the job, once connected
 _joined = False  # (a spawned process) whether it has joined the job
 
 

@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from vfgraph.runtime import elastic as el
 from vfgraph.runtime.balance import Balancer, text
 from vfgraph.runtime.devices import prepare_devices, stages_of
 from vfgraph.runtime.elastic import ElasticOptions
-from vfgraph.runtime.world import World, place_threads, resident_bytes, shares, world
+from vfgraph.runtime.world import RankLost, World, place_threads, resident_bytes, shares, world
 
 log = logging.getLogger("vfgraph.train")
 
@@ -455,7 +456,16 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         last_ckpt = done
 
     step_seconds: List[float] = []  # each step's time on this rank (data, step, agreement)
-    bar = tqdm(range(start, steps), initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
+    bar = tqdm(initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
+    # (rank 0 of an elastic job) the last completed step and a copy of the variables after it,
+    # kept while the job runs on more than one rank: when it loses ranks, rank 0 goes back to
+    # it and on alone
+    memory: Optional[Tuple[int, list]] = None
+    keeps = scheduled is not None and w.is_root
+
+    def remember(done: int) -> Tuple[int, list]:
+        return done, [np.array(v.numpy()) for v in held_vars]
+
     try:
         if w.size > 1 and joined_at is None:
             table = w.describe()
@@ -465,72 +475,96 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             if not ranked:  # (stages read their variables from the same files, checked above)
                 loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
         with _StopRequests() as stop:
-            for step in bar:
-                where = f"step {step}"
-                if scheduled is not None and step != joined_at:
-                    new, change = scheduled.boundary(w, step)
-                    if new is None:  # this rank left the job: idle until it ends
-                        scheduled.park(w)
-                        return None
-                    if change and "refused" in change:
-                        if w.is_root:
-                            log.warning("%s", change["refused"])
-                    elif change:
-                        w, group = new, new.rank
-                        if change["new"] > change["old"]:  # the new ranks take every variable of rank 0
-                            loaded.signatures[f"{signature}_broadcast"]()
-                        per = shares(batch_size // b, w.size)
-                        lo, hi = _rows(per, group, b)
-                        balancer = Balancer(sum(per), w.size, per) if auto and w.size > 1 else None
-                        if w.is_root:
-                            took = time.perf_counter() - change["began"]
-                            started_in = (f" (they started in {change['spawn']:.3g} s, beside the training)"
-                                          if "spawn" in change else "")
-                            log.info("resized %d -> %d ranks at step %d: %.3g s waiting for new ranks to load the "
-                                     "model%s, then %.3g s to change; virtual nodes per rank %s", change["old"],
-                                     change["new"], step, change["waited"], started_in, took, text(per))
-                fetched = time.perf_counter()
-                batch = batches_for(data, keys, batch_size, step, seed)
-                feed = {k: v[lo:hi] for k, v in batch.items()}
-                began, blocked = time.perf_counter(), blocked_seconds() if balancer else 0.0
-                result = fn(**feed)
-                loss = float(result["loss"]) if "loss" in result else float("nan")
-                computing = time.perf_counter() - began - ((blocked_seconds() - blocked) if balancer else 0.0)
-                bad = "loss" in result and not math.isfinite(loss) and not allow_nonfinite
-                seen = w.gather(((NONFINITE if bad else 0) | (STOP if stop.requested else 0), computing))
-                if balancer:
-                    change = balancer.observe(step, [t for _, t in seen])
-                    if change:
-                        per = balancer.shares
-                        lo, hi = _rows(per, group, b)
-                        if w.is_root:
-                            log.info("%s", change)
-                seen = [f for f, _ in seen]
-                step_seconds.append(time.perf_counter() - fetched)
-                if any(f & NONFINITE for f in seen):
-                    first = next(r for r, f in enumerate(seen) if f & NONFINITE)
-                    if w.rank != first:
-                        raise Quiet(NonFiniteLoss.exit_code)
-                    raise NonFiniteLoss(_nonfinite_message(step, loss, feed, ckpt_dir, last_ckpt, checkpoint_every,
-                                                           w))
-                losses.append(loss)
-                bar.set_postfix(loss=f"{loss:.4f}")
-                done = step + 1
-                interrupted = any(f & STOP for f in seen) and done < steps
-                if interrupted or (checkpoint_every and done % checkpoint_every == 0 and done < steps):
-                    if not finite():
-                        if not w.is_root:
-                            raise Quiet(NonFiniteLoss.exit_code)
-                        raise NonFiniteLoss(f"step {step}: parameters are not finite after it; training stopped and "
-                                            f"no model was written{_kept(ckpt_dir, last_ckpt, checkpoint_every)}; "
-                                            "check the data and the learning rate, or pass --allow-nonfinite to "
-                                            "train on")
-                    save_checkpoint(done)
-                if interrupted:
-                    if not w.is_root:
-                        raise Quiet(Interrupted.exit_code)
-                    raise Interrupted(f"stopped after {done} of {steps} steps; {ckpt_dir} holds them: run the "
-                                      "same command with --resume to continue")
+            first = start
+            while first < steps:
+                try:
+                    for step in range(first, steps):
+                        where = f"step {step}"
+                        if scheduled is not None and step != joined_at:
+                            new, change = scheduled.boundary(w, step)
+                            if new is None:  # this rank left the job: idle until it ends
+                                scheduled.park(w)
+                                return None
+                            if change and "refused" in change:
+                                if w.is_root:
+                                    log.warning("%s", change["refused"])
+                            elif change:
+                                w, group = new, new.rank
+                                if keeps:  # what the job goes back to if it loses ranks from here on
+                                    memory = remember(step)
+                                if change["new"] > change["old"]:  # the new ranks take every variable of rank 0
+                                    loaded.signatures[f"{signature}_broadcast"]()
+                                per = shares(batch_size // b, w.size)
+                                lo, hi = _rows(per, group, b)
+                                balancer = Balancer(sum(per), w.size, per) if auto and w.size > 1 else None
+                                if w.is_root:
+                                    took = time.perf_counter() - change["began"]
+                                    started_in = (f" (they started in {change['spawn']:.3g} s, beside the training)"
+                                                  if "spawn" in change else "")
+                                    log.info("resized %d -> %d ranks at step %d: %.3g s waiting for new ranks to load the "
+                                             "model%s, then %.3g s to change; virtual nodes per rank %s", change["old"],
+                                             change["new"], step, change["waited"], started_in, took, text(per))
+                        fetched = time.perf_counter()
+                        batch = batches_for(data, keys, batch_size, step, seed)
+                        feed = {k: v[lo:hi] for k, v in batch.items()}
+                        began, blocked = time.perf_counter(), blocked_seconds() if balancer else 0.0
+                        result = fn(**feed)
+                        loss = float(result["loss"]) if "loss" in result else float("nan")
+                        computing = time.perf_counter() - began - ((blocked_seconds() - blocked) if balancer else 0.0)
+                        bad = "loss" in result and not math.isfinite(loss) and not allow_nonfinite
+                        seen = w.gather(((NONFINITE if bad else 0) | (STOP if stop.requested else 0), computing))
+                        if balancer:
+                            change = balancer.observe(step, [t for _, t in seen])
+                            if change:
+                                per = balancer.shares
+                                lo, hi = _rows(per, group, b)
+                                if w.is_root:
+                                    log.info("%s", change)
+                        seen = [f for f, _ in seen]
+                        step_seconds.append(time.perf_counter() - fetched)
+                        if any(f & NONFINITE for f in seen):
+                            first = next(r for r, f in enumerate(seen) if f & NONFINITE)
+                            if w.rank != first:
+                                raise Quiet(NonFiniteLoss.exit_code)
+                            raise NonFiniteLoss(_nonfinite_message(step, loss, feed, ckpt_dir, last_ckpt, checkpoint_every,
+                                                                   w))
+                        losses.append(loss)
+                        bar.set_postfix(loss=f"{loss:.4f}")
+                        done = step + 1
+                        interrupted = any(f & STOP for f in seen) and done < steps
+                        if interrupted or (checkpoint_every and done % checkpoint_every == 0 and done < steps):
+                            if not finite():
+                                if not w.is_root:
+                                    raise Quiet(NonFiniteLoss.exit_code)
+                                raise NonFiniteLoss(f"step {step}: parameters are not finite after it; training stopped and "
+                                                    f"no model was written{_kept(ckpt_dir, last_ckpt, checkpoint_every)}; "
+                                                    "check the data and the learning rate, or pass --allow-nonfinite to "
+                                                    "train on")
+                            save_checkpoint(done)
+                        if interrupted:
+                            if not w.is_root:
+                                raise Quiet(Interrupted.exit_code)
+                            raise Interrupted(f"stopped after {done} of {steps} steps; {ckpt_dir} holds them: run the "
+                                              "same command with --resume to continue")
+                        bar.update(1)
+                        if keeps and w.size > 1:  # the step is complete: what the job goes back to
+                            memory = remember(done)
+                    break
+                except (tf.errors.AbortedError, RankLost):
+                    if not (keeps and memory and scheduled.lost):
+                        raise
+                    first, saved = memory
+                    for v, value in zip(held_vars, saved):
+                        v.assign(value)
+                    del losses[first:]  # (one per step from step 0)
+                    w, group = scheduled.recover(), 0
+                    per, balancer = shares(batch_size // b, 1), None
+                    lo, hi = _rows(per, group, b)
+                    bar.n = first
+                    bar.refresh()
+                    log.warning("%s at step %d; the job goes on alone from step %d, its last completed step, "
+                                "with the variables it had then", scheduled.lost, step, first)
+                    scheduled.lost = None
     except tf.errors.OpError as e:
         lines = [x.strip() for x in e.message.splitlines() if x.strip()]
         ours = [x for x in lines if x.startswith("Vf")]
@@ -543,7 +577,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     finally:
         bar.close()
         if scheduled is not None and w.is_root:  # release the ranks that left, and any still to join
-            scheduled.finish(w)
+            scheduled.finish(w, failed=sys.exc_info()[0] is not None)
     if w.is_root and len(step_seconds) > 1:  # the first step traces and optimizes the graph
         typical = float(np.median(step_seconds[1:]))
         log.info("%d steps after the first took %.4g ms each (median), %.4g steps/s", len(step_seconds) - 1,
