@@ -358,7 +358,7 @@ def render_elastic(r: dict) -> str:
             rows.append([str(i + 1), f"{c['from']} -> {c['to']}", str(c["step"]), num(c["waited_s"] * 1e3),
                          num(c["change_s"] * 1e3), spawn])
     table_changes = table(["round", "change", "at step", "wait for new ranks (ms)", "change, stall of the job (ms; "
-                           "target <= 1000)", "new ranks spawned in (s, beside the training)"], rows)
+                           "target <= 1000)", "new ranks started and connected in (s, beside the training)"], rows)
     starts = [[str(i + 1), str(j["rank"]), str(j["step"]), num(j["startup_s"])]
               for i, run in enumerate(r["runs"]) for j in run["joined"]]
     return (f"{r['model']}; schedule {r['schedule']} (`--max-ranks {r['max_ranks']}`), {r['rounds']} runs, one "

@@ -217,6 +217,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             from vfgraph.ops import toolchain
 
             toolchain.import_mpi()
+            from vfgraph.runtime.elastic import PORT_ENV, connect
+
+            if os.environ.get(PORT_ENV):  # (without it, train says what the option is for)
+                connect()
         elif launched_by_mpi() and not is_worker():  # one rank of mpiexec: report how it ends
             return supervise(sys.argv[1:] if argv is None else list(argv))
     handler = logging.StreamHandler(sys.stderr)

@@ -536,20 +536,26 @@ class Elastic:
                 proc.wait()
 
 
+def connect():
+    """In a process a job started (``--elastic-join``): connect to the job at once, before
+    TensorFlow is imported (its ranks accept while they train); the intercommunicator to it."""
+    global _parent
+    if _parent is None:
+        from mpi4py import MPI
+
+        port = os.environ.get(PORT_ENV)
+        if not port:
+            raise InputError(f"{JOIN_FLAG} is for the processes a running 'vfgraph train --elastic-schedule' starts")
+        _parent = MPI.COMM_WORLD.Connect(port, root=0)
+    return _parent
+
+
 def parent():
-    """In a process a job started (``--elastic-join``): initialise MPI at once and connect to
-    the job (its ranks accept while they train); the intercommunicator to the job."""
+    """The intercommunicator to the job (:func:`connect`), vfgraph's ops loaded."""
     from vfgraph import ops
 
     ops.load()
-    from mpi4py import MPI
-
-    port = os.environ.get(PORT_ENV)
-    if not port:
-        raise InputError(f"{JOIN_FLAG} is for the processes a running 'vfgraph train --elastic-schedule' starts")
-    global _parent
-    _parent = MPI.COMM_WORLD.Connect(port, root=0)
-    return _parent
+    return connect()
 
 
 def report_failure(message: str) -> None:
