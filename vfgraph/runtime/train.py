@@ -475,10 +475,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             if not ranked:  # (stages read their variables from the same files, checked above)
                 loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
         with _StopRequests() as stop:
-            first = start
-            while first < steps:
+            from_step = start  # (again after ranks were lost: the last completed step)
+            while from_step < steps:
                 try:
-                    for step in range(first, steps):
+                    for step in range(from_step, steps):
                         where = f"step {step}"
                         if scheduled is not None and step != joined_at:
                             new, change = scheduled.boundary(w, step)
@@ -501,9 +501,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                                     took = time.perf_counter() - change["began"]
                                     started_in = (f" (they started in {change['spawn']:.3g} s, beside the training)"
                                                   if "spawn" in change else "")
-                                    log.info("resized %d -> %d ranks at step %d: %.3g s waiting for new ranks to load the "
-                                             "model%s, then %.3g s to change; virtual nodes per rank %s", change["old"],
-                                             change["new"], step, change["waited"], started_in, took, text(per))
+                                    log.info("resized %d -> %d ranks at step %d: %.3g s waiting for new ranks to "
+                                             "load the model%s, then %.3g s to change; virtual nodes per rank %s",
+                                             change["old"], change["new"], step, change["waited"], started_in, took,
+                                             text(per))
                         fetched = time.perf_counter()
                         batch = batches_for(data, keys, batch_size, step, seed)
                         feed = {k: v[lo:hi] for k, v in batch.items()}
@@ -526,8 +527,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                             first = next(r for r, f in enumerate(seen) if f & NONFINITE)
                             if w.rank != first:
                                 raise Quiet(NonFiniteLoss.exit_code)
-                            raise NonFiniteLoss(_nonfinite_message(step, loss, feed, ckpt_dir, last_ckpt, checkpoint_every,
-                                                                   w))
+                            raise NonFiniteLoss(_nonfinite_message(step, loss, feed, ckpt_dir, last_ckpt,
+                                                                   checkpoint_every, w))
                         losses.append(loss)
                         bar.set_postfix(loss=f"{loss:.4f}")
                         done = step + 1
@@ -536,10 +537,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                             if not finite():
                                 if not w.is_root:
                                     raise Quiet(NonFiniteLoss.exit_code)
-                                raise NonFiniteLoss(f"step {step}: parameters are not finite after it; training stopped and "
-                                                    f"no model was written{_kept(ckpt_dir, last_ckpt, checkpoint_every)}; "
-                                                    "check the data and the learning rate, or pass --allow-nonfinite to "
-                                                    "train on")
+                                raise NonFiniteLoss(f"step {step}: parameters are not finite after it; training "
+                                                    "stopped and no model was written"
+                                                    f"{_kept(ckpt_dir, last_ckpt, checkpoint_every)}; check the data "
+                                                    "and the learning rate, or pass --allow-nonfinite to train on")
                             save_checkpoint(done)
                         if interrupted:
                             if not w.is_root:
@@ -553,17 +554,17 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                 except (tf.errors.AbortedError, RankLost):
                     if not (keeps and memory and scheduled.lost):
                         raise
-                    first, saved = memory
+                    from_step, saved = memory
                     for v, value in zip(held_vars, saved):
                         v.assign(value)
-                    del losses[first:]  # (one per step from step 0)
+                    del losses[from_step:]  # (one per step from step 0)
                     w, group = scheduled.recover(), 0
                     per, balancer = shares(batch_size // b, 1), None
                     lo, hi = _rows(per, group, b)
-                    bar.n = first
+                    bar.n = from_step
                     bar.refresh()
                     log.warning("%s at step %d; the job goes on alone from step %d, its last completed step, "
-                                "with the variables it had then", scheduled.lost, step, first)
+                                "with the variables it had then", scheduled.lost, step, from_step)
                     scheduled.lost = None
     except tf.errors.OpError as e:
         lines = [x.strip() for x in e.message.splitlines() if x.strip()]
