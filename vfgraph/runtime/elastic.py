@@ -223,6 +223,8 @@ class Elastic:
         self.ending = False  # (rank 0) the job is ending: new processes ending is expected
         self.lost: Optional[str] = None  # (rank 0) which ranks the job lost, while it goes on without them
         self.recovered = True  # (rank 0) whether the training went on after the latest loss
+        self.lost_at = 0.0  # (rank 0) when the latest loss was seen (time.perf_counter())
+        self.regrowing = False  # (rank 0) the next growth replaces lost ranks: the job trains on meanwhile
         self.spawned = 0
         self.spawn_seconds = 0.0
         self.fingerprints: dict = {}  # (rank 0) the model fingerprint of each new process that is ready
@@ -388,7 +390,7 @@ class Elastic:
         from vfgraph import ops
         from vfgraph.runtime import world
 
-        self.lost, self.recovered = what, False
+        self.lost, self.lost_at, self.recovered = what, time.perf_counter(), False
         self._stop_all()
         self.groups, self.parked = [], []
         world.lost.set()
@@ -412,7 +414,7 @@ class Elastic:
         w = self._switch(MPI.COMM_WORLD.Dup())
         world.lost.clear()
         ops.abandon(False)
-        self.recovered = True
+        self.recovered, self.regrowing = True, True
         return w
 
     def _grow(self, w: World, step: int) -> Tuple[World, dict]:
@@ -431,7 +433,8 @@ class Elastic:
                                                      "ended": True})
             return len(self.fingerprints) >= self.spawned
 
-        if not self._scheduled(step):  # a request: train on until the new ranks are ready
+        # a request, or growing back after a loss: train on until the new ranks are ready
+        if not self._scheduled(step) or self.regrowing:
             if not w.bcast(not self.spawning.is_alive() and all_ready() if w.is_root else None):
                 return w, None
         self._spawned()
@@ -459,6 +462,7 @@ class Elastic:
         if w.is_root:
             proc, n, _ = self.groups[-1]
             self.groups[-1] = (proc, n, True)
+        self.regrowing = False
         merged = self.inter.Merge(high=False)
         self.inter, self.spawning = None, None
         new = self._switch(merged)

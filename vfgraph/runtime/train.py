@@ -564,7 +564,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                     bar.n = from_step
                     bar.refresh()
                     log.warning("%s at step %d; the job goes on alone from step %d, its last completed step, "
-                                "with the variables it had then", scheduled.lost, step, from_step)
+                                "with the variables it had then (%.3g s after the loss was seen)", scheduled.lost,
+                                step, from_step, time.perf_counter() - scheduled.lost_at)
                     scheduled.lost = None
     except tf.errors.OpError as e:
         lines = [x.strip() for x in e.message.splitlines() if x.strip()]
