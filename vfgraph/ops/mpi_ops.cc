@@ -321,6 +321,44 @@ void CollapseHugePages(void* data, size_t bytes) {
 #endif
 }
 
+// Waits for `request` by testing it, yielding and then sleeping between tests (at most
+// 200 us), so that the MPI library's lock is free between them; kAbandoned when the job
+// lost a rank.
+int WaitPolling(MPI_Request* request, MPI_Status* status) {
+  for (int spins = 0;; ++spins) {
+    int flag = 0;
+    const int rc = MPI_Test(request, &flag, status);
+    if (rc != MPI_SUCCESS || flag) return rc;
+    if (Abandoned().load()) return kAbandoned;
+    if (spins < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, spins - 60)));
+    }
+  }
+}
+
+// Waits until every rank of `comm` has reached this call, polling (WaitPolling): a rank that
+// waits for a slower one then leaves its CPU to the others instead of spinning in a blocking
+// collective, which on shared cores (hyperthreads, ranks sharing a host) slows the very rank
+// it waits for. The collective that follows runs with every rank present.
+int ArriveTogether(MPI_Comm comm) {
+  MPI_Request request;
+  const int rc = MPI_Ibarrier(comm, &request);
+  if (rc != MPI_SUCCESS) return rc;
+  return WaitPolling(&request, MPI_STATUS_IGNORE);
+}
+
+// Starts a nonblocking MPI call (`start` takes the request to fill) and waits for it polling
+// (WaitPolling): every wait of the ops can then give up when the job lost a rank, even one
+// lost in the middle of moving data, where a blocking call would wait for ever.
+template <typename Start>
+int Polled(Start start) {
+  MPI_Request request;
+  const int rc = start(&request);
+  return rc != MPI_SUCCESS ? rc : WaitPolling(&request, MPI_STATUS_IGNORE);
+}
+
 // Copies the input into a freshly allocated output when the input buffer could
 // not be forwarded (someone else still holds it).
 void CopyUnlessForwarded(int forwarded, const Tensor& input, Tensor* output) {
@@ -334,7 +372,7 @@ void CopyUnlessForwarded(int forwarded, const Tensor& input, Tensor* output) {
 int BroadcastBytes(char* data, int64_t bytes, int root, MPI_Comm comm) {
   for (int64_t done = 0; done < bytes; done += kMaxCount) {
     const int n = static_cast<int>(std::min(kMaxCount, bytes - done));
-    const int rc = MPI_Bcast(data + done, n, MPI_BYTE, root, comm);
+    const int rc = Polled([&](MPI_Request* r) { return MPI_Ibcast(data + done, n, MPI_BYTE, root, comm, r); });
     if (rc != MPI_SUCCESS) return rc;
   }
   return MPI_SUCCESS;
@@ -370,7 +408,7 @@ void AppendHeader(const Tensor& t, std::vector<int64_t>* header) {
 // Replaces `header` by the root's (its length first, then its words).
 int BroadcastHeader(std::vector<int64_t>* header, int root, MPI_Comm comm) {
   int64_t words = static_cast<int64_t>(header->size());
-  int rc = MPI_Bcast(&words, 1, MPI_INT64_T, root, comm);
+  int rc = Polled([&](MPI_Request* r) { return MPI_Ibcast(&words, 1, MPI_INT64_T, root, comm, r); });
   if (rc != MPI_SUCCESS) return rc;
   header->resize(static_cast<size_t>(words));
   return BroadcastBytes(reinterpret_cast<char*>(header->data()), words * 8, root, comm);
@@ -415,34 +453,6 @@ uint64_t Fnv1a(const void* data, size_t n, uint64_t h = 1469598103934665603ull) 
   return h;
 }
 
-// Waits for `request` by testing it, yielding and then sleeping between tests (at most
-// 200 us), so that the MPI library's lock is free between them; kAbandoned when the job
-// lost a rank.
-int WaitPolling(MPI_Request* request, MPI_Status* status) {
-  for (int spins = 0;; ++spins) {
-    int flag = 0;
-    const int rc = MPI_Test(request, &flag, status);
-    if (rc != MPI_SUCCESS || flag) return rc;
-    if (Abandoned().load()) return kAbandoned;
-    if (spins < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, spins - 60)));
-    }
-  }
-}
-
-// Waits until every rank of `comm` has reached this call, polling (WaitPolling): a rank that
-// waits for a slower one then leaves its CPU to the others instead of spinning in a blocking
-// collective, which on shared cores (hyperthreads, ranks sharing a host) slows the very rank
-// it waits for. The collective that follows runs with every rank present.
-int ArriveTogether(MPI_Comm comm) {
-  MPI_Request request;
-  const int rc = MPI_Ibarrier(comm, &request);
-  if (rc != MPI_SUCCESS) return rc;
-  return WaitPolling(&request, MPI_STATUS_IGNORE);
-}
-
 // ---------------------------------------------------------------------------
 // VfAllreduce
 
@@ -478,10 +488,12 @@ class AllreduceOp : public OpKernel {
     int64_t done = 0;
     do {
       const int n = static_cast<int>(std::min(kMaxCount, count - done));
-      const int rc = MPI_Allreduce(MPI_IN_PLACE, data + done, n, MpiSum<T>::Type(),
-                                   MpiSum<T>::Op(), comm.comm);
+      const int rc = Polled([&](MPI_Request* r) {
+        return MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MpiSum<T>::Type(), MpiSum<T>::Op(),
+                              comm.comm, r);
+      });
       OP_REQUIRES(context, rc == MPI_SUCCESS,
-                  MpiFailure("VfAllreduce", name(), "MPI_Allreduce", rc, comm));
+                  MpiFailure("VfAllreduce", name(), "MPI_Iallreduce", rc, comm));
       done += n;
     } while (done < count);
   }
@@ -511,12 +523,12 @@ class BroadcastOp : public OpKernel {
     header = mine;
     int rc = BroadcastHeader(&header, root_, comm.comm);
     OP_REQUIRES(context, rc == MPI_SUCCESS,
-                MpiFailure("VfBroadcast", name(), "MPI_Bcast", rc, comm));
+                MpiFailure("VfBroadcast", name(), "MPI_Ibcast", rc, comm));
     const HeaderEntry root_entry{header.data()};
     if (!root_entry.Same(HeaderEntry{mine.data()})) {
       OP_REQUIRES_OK(context, BroadcastIntoScratch(context, root_entry.bytes(), root_, comm.comm, &rc));
       OP_REQUIRES(context, rc == MPI_SUCCESS,
-                  MpiFailure("VfBroadcast", name(), "MPI_Bcast", rc, comm));
+                  MpiFailure("VfBroadcast", name(), "MPI_Ibcast", rc, comm));
       context->CtxFailure(absl::InvalidArgumentError(absl::StrCat(
           "VfBroadcast (node '", name(), "'): rank ", comm.rank, " has a ",
           DataTypeString(input.dtype()), " input of shape ",
@@ -539,7 +551,7 @@ class BroadcastOp : public OpKernel {
     rc = BroadcastBytes(static_cast<char*>(output->data()),
                         static_cast<int64_t>(output->TotalBytes()), root_, comm.comm);
     OP_REQUIRES(context, rc == MPI_SUCCESS,
-                MpiFailure("VfBroadcast", name(), "MPI_Bcast", rc, comm));
+                MpiFailure("VfBroadcast", name(), "MPI_Ibcast", rc, comm));
   }
 
  private:
@@ -615,7 +627,7 @@ class BroadcastVariablesOp : public OpKernel {
     header = mine;
     int rc = BroadcastHeader(&header, root_, comm.comm);
     OP_REQUIRES(context, rc == MPI_SUCCESS,
-                MpiFailure("VfBroadcastVariables", name(), "MPI_Bcast", rc, comm));
+                MpiFailure("VfBroadcastVariables", name(), "MPI_Ibcast", rc, comm));
 
     std::vector<HeaderEntry> root_entries;
     for (size_t at = 0; at < header.size(); at += root_entries.back().words()) {
@@ -632,7 +644,7 @@ class BroadcastVariablesOp : public OpKernel {
       if (count != n) {
         OP_REQUIRES_OK(context, BroadcastIntoScratch(context, root_entry.bytes(), root_, comm.comm, &rc));
         OP_REQUIRES(context, rc == MPI_SUCCESS,
-                    MpiFailure("VfBroadcastVariables", name(), "MPI_Bcast", rc, comm));
+                    MpiFailure("VfBroadcastVariables", name(), "MPI_Ibcast", rc, comm));
         continue;
       }
       const HeaderEntry own{mine.data() + at};
@@ -654,7 +666,7 @@ class BroadcastVariablesOp : public OpKernel {
                             comm.comm);
       }
       OP_REQUIRES(context, rc == MPI_SUCCESS,
-                  MpiFailure("VfBroadcastVariables", name(), "MPI_Bcast", rc, comm));
+                  MpiFailure("VfBroadcastVariables", name(), "MPI_Ibcast", rc, comm));
     }
     if (!mismatch.empty()) {
       context->CtxFailure(absl::InvalidArgumentError(absl::StrCat(
@@ -710,10 +722,12 @@ class AllgatherOp : public OpKernel {
     std::vector<GatherRecord> all(comm.size);
     int rc = ArriveTogether(comm.comm);
     OP_REQUIRES(context, rc == MPI_SUCCESS, MpiFailure("VfAllgather", name(), "MPI_Ibarrier", rc, comm));
-    rc = MPI_Allgather(&mine, kRecordWords, MPI_INT64_T, all.data(), kRecordWords, MPI_INT64_T,
-                       comm.comm);
+    rc = Polled([&](MPI_Request* r) {
+      return MPI_Iallgather(&mine, kRecordWords, MPI_INT64_T, all.data(), kRecordWords,
+                            MPI_INT64_T, comm.comm, r);
+    });
     OP_REQUIRES(context, rc == MPI_SUCCESS,
-                MpiFailure("VfAllgather", name(), "MPI_Allgather", rc, comm));
+                MpiFailure("VfAllgather", name(), "MPI_Iallgather", rc, comm));
 
     // Every rank now holds the same records, so every rank reaches the same
     // verdict below and they all fail (or proceed) together.
@@ -748,10 +762,12 @@ class AllgatherOp : public OpKernel {
     if (fits_int) {
       std::vector<int> icounts(counts.begin(), counts.end());
       std::vector<int> idispls(displs.begin(), displs.end());
-      rc = MPI_Allgatherv(input.data(), static_cast<int>(mine.bytes), MPI_BYTE, out,
-                          icounts.data(), idispls.data(), MPI_BYTE, comm.comm);
+      rc = Polled([&](MPI_Request* r) {
+        return MPI_Iallgatherv(input.data(), static_cast<int>(mine.bytes), MPI_BYTE, out,
+                               icounts.data(), idispls.data(), MPI_BYTE, comm.comm, r);
+      });
       OP_REQUIRES(context, rc == MPI_SUCCESS,
-                  MpiFailure("VfAllgather", name(), "MPI_Allgatherv", rc, comm));
+                  MpiFailure("VfAllgather", name(), "MPI_Iallgatherv", rc, comm));
       return;
     }
     // Beyond int counts: each rank broadcasts its block in turn.
@@ -759,7 +775,7 @@ class AllgatherOp : public OpKernel {
     for (int r = 0; r < comm.size; ++r) {
       rc = BroadcastBytes(out + displs[r], counts[r], r, comm.comm);
       OP_REQUIRES(context, rc == MPI_SUCCESS,
-                  MpiFailure("VfAllgather", name(), "MPI_Bcast", rc, comm));
+                  MpiFailure("VfAllgather", name(), "MPI_Ibcast", rc, comm));
     }
   }
 
@@ -778,10 +794,11 @@ class AllgatherOp : public OpKernel {
       total += counts[r];
     }
     std::vector<int64_t> every(std::max(total, 1));
-    const int rc = MPI_Allgatherv(dims.data(), static_cast<int>(dims.size()), MPI_INT64_T,
-                                  every.data(), counts.data(), displs.data(), MPI_INT64_T,
-                                  comm.comm);
-    if (rc != MPI_SUCCESS) return MpiFailure("VfAllgather", name(), "MPI_Allgatherv", rc, comm);
+    const int rc = Polled([&](MPI_Request* r) {
+      return MPI_Iallgatherv(dims.data(), static_cast<int>(dims.size()), MPI_INT64_T,
+                             every.data(), counts.data(), displs.data(), MPI_INT64_T, comm.comm, r);
+    });
+    if (rc != MPI_SUCCESS) return MpiFailure("VfAllgather", name(), "MPI_Iallgatherv", rc, comm);
     auto describe = [&](int r) {
       return absl::StrCat("rank ", r, " has ",
                           DataTypeString(static_cast<DataType>(all[r].dtype)), " ",
@@ -839,10 +856,12 @@ class CheckOp : public OpKernel {
     Comm comm;
     OP_REQUIRES_OK(context, AcquireComm("VfCheck", name(), &comm));
     std::vector<char> all(static_cast<size_t>(kFingerprintBytes) * comm.size);
-    const int rc = MPI_Allgather(record_.data(), kFingerprintBytes, MPI_BYTE, all.data(),
-                                 kFingerprintBytes, MPI_BYTE, comm.comm);
+    const int rc = Polled([&](MPI_Request* r) {
+      return MPI_Iallgather(record_.data(), kFingerprintBytes, MPI_BYTE, all.data(),
+                            kFingerprintBytes, MPI_BYTE, comm.comm, r);
+    });
     OP_REQUIRES(context, rc == MPI_SUCCESS,
-                MpiFailure("VfCheck", name(), "MPI_Allgather", rc, comm));
+                MpiFailure("VfCheck", name(), "MPI_Iallgather", rc, comm));
     auto at = [&](int r) { return all.data() + static_cast<size_t>(r) * kFingerprintBytes; };
     int first_other = -1, others = 0;
     for (int r = 1; r < comm.size; ++r) {
@@ -947,9 +966,7 @@ absl::Status PeerComm(const std::string& op, const std::string& node, int stage,
 
 // Sends `count` elements of `type` at `data` to `peer` as message `tag`, polling.
 int SendPolling(const void* data, int count, MPI_Datatype type, int peer, int tag, MPI_Comm comm) {
-  MPI_Request request;
-  const int rc = MPI_Isend(data, count, type, peer, tag, comm, &request);
-  return rc != MPI_SUCCESS ? rc : WaitPolling(&request, MPI_STATUS_IGNORE);
+  return Polled([&](MPI_Request* r) { return MPI_Isend(data, count, type, peer, tag, comm, r); });
 }
 
 // Receives message `tag` from `peer` into `count` elements of `type` at `data`, polling.

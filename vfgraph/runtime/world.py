@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import threading
 import time
@@ -16,12 +17,31 @@ T = TypeVar("T")
 _LAUNCHER_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 
 
+_SLOT = 128  # bytes per rank of World.gather's first call: its length, then a small value
+
 # set in a process when its job lost ranks (elastic runs): waits for the others then give up
 lost = threading.Event()
 
 
 class RankLost(Exception):
     """A wait for the other ranks gave up: the job lost a rank (see :data:`lost`)."""
+
+
+def complete(request) -> None:
+    """Wait for an MPI request (mpi4py) by testing it, yielding and then sleeping briefly
+    between tests: a rank that waits for a slower one leaves it the CPU, and the wait gives up
+    (:class:`RankLost`) when the job lost a rank, where a blocking call would wait for ever."""
+    tries = 0
+    while not request.Test():
+        if lost.is_set():
+            raise RankLost()
+        tries += 1
+        time.sleep(0 if tries < 64 else 0.0002)
+
+
+def arrive(comm) -> None:
+    """Wait until every rank of ``comm`` has arrived here (:func:`complete`)."""
+    complete(comm.Ibarrier())
 
 
 def launched_by_mpi() -> bool:
@@ -60,7 +80,7 @@ class World:
             if err is not None:
                 raise err
             return result
-        errors = self.comm.allgather(None if err is None else (str(err), err.exit_code))
+        errors = self.gather(None if err is None else (str(err), err.exit_code))
         failed = [r for r, e in enumerate(errors) if e is not None]
         if not failed:
             return result
@@ -74,18 +94,40 @@ class World:
         """``value`` of every rank, in rank order."""
         if self.comm is None:
             return [value]
-        # every rank arrives first (polling, so that a wait for a rank the job lost gives up)
-        request = self.comm.Ibarrier()
-        tries = 0
-        while not request.Test():
-            if lost.is_set():
-                raise RankLost()
-            tries += 1
-            time.sleep(0 if tries < 64 else 0.0002)
-        return self.comm.allgather(value)
+        import numpy as np
+        from mpi4py import MPI
+
+        # (nonblocking calls, completed by polling: a wait for a rank the job lost gives up). A
+        # small value travels in one call, in a slot of fixed size after its length; a larger
+        # one (any rank's) in a second call, every rank's at its length
+        data = pickle.dumps(value)
+        mine = np.zeros(_SLOT, np.uint8)
+        mine[:8] = np.frombuffer(np.int64(len(data)).tobytes(), np.uint8)
+        if len(data) <= _SLOT - 8:
+            mine[8:8 + len(data)] = np.frombuffer(data, np.uint8)
+        slots = np.zeros((self.size, _SLOT), np.uint8)
+        complete(self.comm.Iallgather(mine, slots))
+        sizes = slots[:, :8].copy().view(np.int64)[:, 0].tolist()
+        if max(sizes) <= _SLOT - 8:
+            return [pickle.loads(slots[r, 8:8 + n].tobytes()) for r, n in enumerate(sizes)]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+        got = bytearray(sum(sizes))
+        complete(self.comm.Iallgatherv([data, MPI.BYTE], [got, sizes, starts, MPI.BYTE]))
+        return [pickle.loads(got[a:a + n]) for a, n in zip(starts, sizes)]
 
     def bcast(self, value: T) -> T:
-        return value if self.comm is None else self.comm.bcast(value, root=0)
+        """Rank 0's ``value`` on every rank."""
+        if self.comm is None:
+            return value
+        import numpy as np
+        from mpi4py import MPI
+
+        data = pickle.dumps(value) if self.is_root else b""
+        size = np.array([len(data)], np.int64)
+        complete(self.comm.Ibcast(size, root=0))
+        got = bytearray(data) if self.is_root else bytearray(int(size[0]))
+        complete(self.comm.Ibcast([got, MPI.BYTE], root=0))
+        return value if self.is_root else pickle.loads(got)
 
     def describe(self) -> List[str]:
         """One line per rank: host and process id (to match a launcher's report of a lost process)."""
