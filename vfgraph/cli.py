@@ -209,10 +209,19 @@ def _tf1_options(p: argparse.ArgumentParser) -> None:
                         "gradient computation)")
 
 
+def _elastic(args) -> bool:
+    """Whether this train command runs (or joins) an elastic job."""
+    return bool(args.elastic_schedule or args.max_ranks is not None or args.elastic_join or args.host_discovery_script)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     _quiet_tf()
     args = _parser().parse_args(argv)
     if args.command == "train":
+        if _elastic(args):
+            from vfgraph.runtime.elastic import survivable_transports
+
+            survivable_transports()  # (before MPI starts, here or in the worker it supervises)
         if args.elastic_join:  # a process a running job started: MPI at once, so that the job goes on
             from vfgraph.ops import toolchain
 
@@ -530,7 +539,7 @@ def cmd_train(args) -> int:
     from vfgraph.runtime.elastic import ElasticOptions
 
     elastic = None
-    if args.elastic_schedule or args.max_ranks is not None or args.elastic_join or args.host_discovery_script:
+    if _elastic(args):
         argv = [a for a in sys.argv[1:] if a != "--elastic-join"]
         elastic = ElasticOptions(args.elastic_schedule or "", args.max_ranks, argv, args.elastic_join, _STARTED,
                                  args.host_discovery_script or "", args.discovery_interval)

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 from vfgraph.errors import InputError
-from vfgraph.runtime.world import World
+from vfgraph.runtime.world import World, arrive
 
 log = logging.getLogger("vfgraph.train")
 
@@ -65,12 +66,22 @@ class ElasticOptions:
     interval: float = 5.0  # --discovery-interval
 
 
-GO, READY, END = 3101, 3102, 3103  # message tags between the job's ranks and new or idle ones
+GO, READY, END, LOST = 3101, 3102, 3103, 3104  # message tags between the job's ranks and new or idle ones
 JOIN_FLAG = "--elastic-join"  # (hidden) the command line option a new process runs with
 PORT_ENV = "VFGRAPH_ELASTIC_PORT"  # the port a new process connects to (set by rank 0 for the processes it starts)
+GROUP_ENV = "VFGRAPH_ELASTIC_GROUP"  # which start of new processes a process is (1, 2, ...; the job's own ranks: 0)
 LOST_EXIT = 4  # the exit status of a job that lost ranks
 # what a launcher tells the processes it starts: not passed on to a launcher of their own
 _LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+
+
+def survivable_transports() -> None:
+    """(before MPI starts, in every process of an elastic job) Keep UCX, which carries the
+    messages between the job's ranks and those that joined it, from copying through another
+    process's memory (its ``cma`` transport, ``process_vm_readv``): a rank that reads from a
+    peer that was just killed is then aborted by UCX, where the other transports leave the wait
+    to give up. A ``UCX_TLS`` the user set is kept."""
+    os.environ.setdefault("UCX_TLS", "^cma")
 
 
 def launcher() -> str:
@@ -79,15 +90,23 @@ def launcher() -> str:
     return here if os.access(here, os.X_OK) else (shutil.which("mpiexec") or "mpiexec")
 
 
-def launch(n: int, argv: List[str], port: str) -> subprocess.Popen:
-    """Start ``n`` new processes of the job (``vfgraph ARGV --elastic-join``) as a launcher job
-    of their own, told to connect to ``port``; they end when this process does."""
+def launch(n: int, command: List[str], port: str, group: int = 0,
+           hosts: Optional[List[Tuple[str, int]]] = None) -> subprocess.Popen:
+    """Start ``n`` processes running ``command`` as a launcher job of their own (on ``hosts``:
+    (host, processes), else where the launcher places them), the job's ``group``-th start,
+    told to connect to ``port``; they end when this process does."""
     from vfgraph.runtime.supervise import die_with_parent
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
-    env[PORT_ENV] = port
-    return subprocess.Popen([launcher(), "-n", str(n), sys.executable, "-m", "vfgraph.cli", *argv, JOIN_FLAG],
-                            env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    env[PORT_ENV], env[GROUP_ENV] = port, str(group)
+    where = ["-host", ",".join(f"{h}:{k}" for h, k in hosts)] if hosts else []
+    return subprocess.Popen([launcher(), *where, "-n", str(n), *command], env=env, stdin=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent)
+
+
+# a process that connects to the job's port and ends: the job's accept of new processes whose
+# launcher ended before they connected then ends too (MPI cannot cancel an accept)
+_UNBLOCK = f"import os\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Connect(os.environ['{PORT_ENV}'], root=0)\nos._exit(0)"
 
 
 def request_path(out: str) -> str:
@@ -149,15 +168,17 @@ def _wait(request) -> Any:
         time.sleep(0.002)
 
 
-def _barrier(comm) -> None:
-    request = comm.Ibarrier()
-    _poll(request.Test)
+def group() -> int:
+    """Which start of new processes this process is (see :data:`GROUP_ENV`); 0 for the job's
+    own ranks."""
+    return int(os.environ.get(GROUP_ENV) or 0)
 
 
-def count_slots(output: str) -> int:
-    """The slots a host-discovery script's output lists: one line per host, ``HOST`` (one slot)
-    or ``HOST:SLOTS`` (the format of Horovod's elastic mode)."""
-    total = 0
+def parse_hosts(output: str) -> List[Tuple[str, int]]:
+    """The hosts a host-discovery script's output lists and their slots, in its order: one line
+    per host, ``HOST`` (one slot) or ``HOST:SLOTS`` (the format of Horovod's elastic mode); the
+    names of this host (``localhost``, its own name) as :func:`socket.gethostname` says it."""
+    hosts: dict = {}
     for line in output.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
@@ -165,18 +186,44 @@ def count_slots(output: str) -> int:
         host, sep, slots = line.rpartition(":") if ":" in line else (line, "", "1")
         if not host or not slots.isdigit():
             raise ValueError(f"{line!r} is not HOST or HOST:SLOTS")
-        total += int(slots)
-    return total
+        host = socket.gethostname() if host in ("localhost", "127.0.0.1", socket.getfqdn()) else host
+        hosts[host] = hosts.get(host, 0) + int(slots)
+    return list(hosts.items())
+
+
+def count_slots(output: str) -> int:
+    """The slots a host-discovery script's output lists (:func:`parse_hosts`)."""
+    return sum(n for _, n in parse_hosts(output))
+
+
+def place(n: int, hosts: List[Tuple[str, int]], used: List[str]) -> List[Tuple[str, int]]:
+    """Where to start ``n`` new ranks, as (host, ranks): the free slots of ``hosts`` ((host,
+    slots), as discovered) in their order, a slot being used by each of the job's processes
+    on its host (``used``: their hosts); beyond the free slots, one more rank on each host in
+    turn."""
+    free = [(h, max(0, k - used.count(h))) for h, k in hosts]
+    got: dict = {}
+    left = n
+    for h, k in free:
+        take = min(k, left)
+        if take:
+            got[h] = got.get(h, 0) + take
+            left -= take
+    for i in range(left):
+        h = hosts[i % len(hosts)][0]
+        got[h] = got.get(h, 0) + 1
+    return list(got.items())
 
 
 class Discovery:
     """(rank 0) Runs a host-discovery script every ``interval`` seconds on a thread of its own;
-    :attr:`slots` is the count from its latest good run (None before one). A run that fails or
-    prints something else is logged once per distinct reason, and the count kept."""
+    :attr:`hosts` are the hosts and slots of its latest good run (None before one), :attr:`slots`
+    their count. A run that fails or prints something else is logged once per distinct reason,
+    and the hosts kept."""
 
     def __init__(self, command: str, interval: float):
         self.command, self.interval = command, interval
-        self.slots: Optional[int] = None
+        self.hosts: Optional[List[Tuple[str, int]]] = None
         self._said = ""
         threading.Thread(target=self._loop, name="vfgraph-discovery", daemon=True).start()
 
@@ -189,12 +236,29 @@ class Discovery:
                                      timeout=max(10.0, 2 * self.interval))
                 if res.returncode:
                     raise ValueError(f"exit status {res.returncode}: {res.stderr.strip()[-200:]}")
-                self.slots = count_slots(res.stdout)
+                self.hosts = parse_hosts(res.stdout)
             except (OSError, ValueError, subprocess.SubprocessError) as e:
                 if str(e) != self._said:
-                    log.warning("host discovery script %r: %s; keeping the last count", self.command, e)
+                    log.warning("host discovery script %r: %s; keeping the last hosts", self.command, e)
                     self._said = str(e)
             time.sleep(self.interval)
+
+    @property
+    def slots(self) -> Optional[int]:
+        return None if self.hosts is None else sum(n for _, n in self.hosts)
+
+
+@dataclass
+class Start:
+    """(rank 0) One start of new processes: its launcher, how many, which (:data:`GROUP_ENV`),
+    whether they merged into the job, and whether all of them left it since."""
+
+    proc: subprocess.Popen
+    n: int
+    group: int
+    merged: bool = False
+    left: bool = False
+    unblocked: float = 0.0  # when a process of rank 0's connected in their place (they never did)
 
 
 class Elastic:
@@ -213,12 +277,19 @@ class Elastic:
         self.started = started or time.time()  # requests older than the job are not its own
         self.discovery_command, self.interval = discovery, interval
         self.discovery: Optional[Discovery] = None  # (rank 0) started at the first step
-        self._discovered: Optional[int] = None  # the last count acted on
+        self._discovered: Optional[List[Tuple[str, int]]] = None  # the last hosts acted on
         self.refused: Optional[int] = None  # the schedule entry (its step) whose new ranks were refused
         self.inter = None  # the intercommunicator to the processes started for the next growth
         self.spawning: Optional[threading.Thread] = None  # the connection of them, under way or done
         self.port: Optional[str] = None  # (rank 0) the port new processes connect to
-        self.groups: List[Tuple[subprocess.Popen, int, bool]] = []  # (rank 0) (launcher, ranks, merged) of each start
+        self.groups: List[Start] = []  # (rank 0) each start of new processes still running
+        self.launched = 0  # (rank 0) starts so far
+        self.members: List[int] = []  # the group (:func:`group`) of each rank of the job, in rank order
+        self.where: List[str] = []  # the host of each rank of the job, in rank order
+        self.helpers: List[subprocess.Popen] = []  # (rank 0) processes that ended an accept (_UNBLOCK)
+        self.control = None  # the job's ranks, for rank 0 to tell the others that ranks were lost
+        self.survivors = 0  # (rank 0) ranks that joined and outlived the latest loss: they connect again
+        self._told: list = []  # (rank 0) the messages that say so, under way
         self.watching: Optional[threading.Thread] = None  # (rank 0) the watch over them
         self.ending = False  # (rank 0) the job is ending: new processes ending is expected
         self.lost: Optional[str] = None  # (rank 0) which ranks the job lost, while it goes on without them
@@ -228,7 +299,7 @@ class Elastic:
         self.spawned = 0
         self.spawn_seconds = 0.0
         self.fingerprints: dict = {}  # (rank 0) the model fingerprint of each new process that is ready
-        self.parked: List[Tuple[Any, int]] = []  # (rank 0) (communicator, rank) of every rank that left
+        self.parked: List[Tuple[Any, int, int, str]] = []  # (rank 0) (communicator, rank, group, host) of each that left
 
     def target(self, step: int) -> Optional[int]:
         return self._entry(step)[1]
@@ -252,12 +323,12 @@ class Elastic:
         asked = self._read_request(w, step)
         if asked is not None or self.discovery is None or self.discovery.slots is None:
             return asked
-        slots = self.discovery.slots
-        if slots == self._discovered or self.spawning is not None:  # (a change under way: after it)
+        hosts, slots = self.discovery.hosts, self.discovery.slots
+        if hosts == self._discovered or self.spawning is not None:  # (a change under way: after it)
             return None
-        self._discovered = slots
+        self._discovered = hosts
         want = max(1, min(slots, self.max_ranks))
-        if want == (self.target(step) or w.size):
+        if want == (w.size if self.refused == self._entry(step)[0] else self.target(step) or w.size):
             return None
         log.info("host discovery: %d slot%s at step %d; resizing to %d rank%s", slots, "s" if slots != 1 else "",
                  step, want, "s" if want != 1 else "")
@@ -294,6 +365,7 @@ class Elastic:
         return n
 
     def check_start(self, w: World) -> None:
+        self.members, self.where = [0] * w.size, w.gather(socket.gethostname())
         first = self.target(0)
         if first is not None and first != w.size:
             raise InputError(f"--elastic-schedule starts with {first} ranks at step 0, but the job was started "
@@ -334,7 +406,12 @@ class Elastic:
         if w.is_root:
             if self.port is None:
                 self.port = MPI.Open_port()
-            self.groups.append((launch(n, self.argv, self.port), n, False))
+            self.launched += 1
+            hosts = None
+            if self.discovery is not None and self.discovery.hosts:  # on the hosts' free slots
+                hosts = place(n, self.discovery.hosts, self.where + [p[3] for p in self.parked])
+            command = [sys.executable, "-m", "vfgraph.cli", *self.argv, JOIN_FLAG]
+            self.groups.append(Start(launch(n, command, self.port, self.launched, hosts), n, self.launched))
             if self.watching is None:
                 self.watching = threading.Thread(target=self._watch, name="vfgraph-watch", daemon=True)
                 self.watching.start()
@@ -349,7 +426,8 @@ class Elastic:
         self.spawning = threading.Thread(target=accept, name="vfgraph-spawn", daemon=True)
         self.spawning.start()
         if w.is_root:
-            log.info("starting %d new rank%s for the next growth", n, "s" if n > 1 else "")
+            log.info("starting %d new rank%s for the next growth%s", n, "s" if n > 1 else "",
+                     f" on {', '.join(f'{h}:{k}' for h, k in hosts)}" if hosts else "")
 
     def _spawned(self) -> None:
         """Wait (polling) until the new processes started by :meth:`_spawn` connected."""
@@ -358,41 +436,62 @@ class Elastic:
     def _watch(self) -> None:
         """(rank 0, a thread) Watch the processes it started. When ranks that joined end while
         the job runs, the job goes on without them (:meth:`_lose`) when rank 0's own launcher
-        started it alone and no new ranks are being started; otherwise, and when new
-        processes end before they connected (the job would wait for them for ever), it stops
-        every process it started and ends with a message."""
+        started it alone and no new ranks are being started. When new processes end before
+        they connected, a process of rank 0's connects in their place, so that the job's
+        accept ends and :meth:`_grow` refuses them. Otherwise (or when that has not happened
+        within 60 s) it stops every process it started and ends with a message. Ranks that had
+        left the job may end."""
         from mpi4py import MPI
 
         while not self.ending:
             time.sleep(0.1)
-            for proc, n, merged in list(self.groups):
-                code = proc.poll()
+            for start in list(self.groups):
+                code = start.proc.poll()
                 if code is None or code == 0 or self.ending:  # (0: the job's last step is done; ending)
                     continue
-                if not merged and self.spawning is not None and not self.spawning.is_alive():
+                if not start.merged and self.spawning is not None and not self.spawning.is_alive():
                     continue  # connected, then failed or was refused: _grow says so and goes on
-                what = (f"{n} rank{'s' if n > 1 else ''} that joined the job" if merged else
+                if not start.merged and start is self.groups[-1]:  # they never connected
+                    if not start.unblocked:  # end the job's accept: _grow refuses them and goes on
+                        start.unblocked = time.monotonic()
+                        self.helpers.append(launch(1, [sys.executable, "-c", _UNBLOCK], self.port))
+                        continue
+                    if time.monotonic() - start.unblocked < 60:
+                        continue
+                n, pid = start.n, start.proc.pid
+                if start.left:
+                    log.warning("%d rank%s that had left the job (launcher pid %d) ended with status %d; the job "
+                                "goes on", n, "s" if n > 1 else "", pid, code)
+                    self.groups.remove(start)
+                    self.parked = [p for p in self.parked if p[2] != start.group]
+                    continue
+                what = (f"{n} rank{'s' if n > 1 else ''} that joined the job" if start.merged else
                         f"{n} new process{'es' if n > 1 else ''} that never connected")
-                if merged and self.spawning is None and MPI.COMM_WORLD.Get_size() == 1:
-                    self._lose(f"{what} (launcher pid {proc.pid}) ended with status {code}")
+                if start.merged and self.spawning is None and MPI.COMM_WORLD.Get_size() == 1:
+                    self._lose(f"{what} (launcher pid {pid}) ended with status {code}", start.group)
                     break
                 log.error("%s (launcher pid %d) ended with status %d while the job ran; the job stops (resume from "
-                          "the last checkpoint with --resume)", what, proc.pid, code)
+                          "the last checkpoint with --resume)", what, pid, code)
                 self._stop_all()
                 os._exit(LOST_EXIT)
 
-    def _lose(self, what: str, timeout: float = 60.0) -> None:
-        """(rank 0, the watch thread) Ranks were lost: stop every other process the job
-        started (they wait in a step for the lost ones), and make rank 0's waits for them give
-        up, so that its training goes back to the last step it completed and on alone
-        (:meth:`recover`). If it has not within ``timeout`` seconds (it waits in a call that
-        cannot give up), the job ends."""
+    def _lose(self, what: str, lost: int, timeout: float = 60.0) -> None:
+        """(rank 0, the watch thread) The ranks of group ``lost`` ended: tell the other ranks
+        that joined the job (they wait in a step for the lost ones), and make rank 0's waits
+        give up, so that its training goes back to the last step it completed and on with
+        those ranks (:meth:`recover`). If it has not within ``timeout`` seconds (a rank waits in
+        a call that cannot give up), the job ends."""
         from vfgraph import ops
         from vfgraph.runtime import world
 
         self.lost, self.lost_at, self.recovered = what, time.perf_counter(), False
-        self._stop_all()
-        self.groups, self.parked = [], []
+        gone = [s for s in self.groups if s.group == lost or not s.merged]
+        self._stop(gone)
+        self.groups = [s for s in self.groups if s not in gone]
+        self.parked = [p for p in self.parked if p[2] != lost]
+        others = [r for r, g in enumerate(self.members) if g not in (0, lost)]
+        self.survivors = len(others)
+        self._told = [self.control.isend(what, dest=r, tag=LOST) for r in others]
         world.lost.set()
         ops.abandon(True)
         deadline = time.monotonic() + timeout
@@ -403,19 +502,52 @@ class Elastic:
                 os._exit(LOST_EXIT)
             time.sleep(0.05)
 
-    def recover(self) -> World:
-        """(rank 0, after its step gave up because ranks were lost) The world of rank 0 alone,
-        the ops pointed at it; the schedule, requests and discovery grow the job again."""
+    def _listen(self, control) -> None:
+        """(a rank that joined, a thread while ``control`` is the job's) Wait for rank 0 to say
+        that the job lost ranks, and make this rank's waits for them give up."""
+        from vfgraph import ops
+        from vfgraph.runtime import world
+
+        request = control.irecv(source=0, tag=LOST)
+        while self.control is control:
+            done, what = request.test()
+            if done:
+                self.lost = what
+                world.lost.set()
+                ops.abandon(True)
+                return
+            time.sleep(0.01)
+        request.Cancel()
+
+    def recover(self, step: int) -> Tuple[World, int]:
+        """(every rank left in the job, after its step gave up because ranks were lost) Rank 0
+        (``step``: the last it completed) takes the ranks that joined and outlived the loss
+        back, one after another (they connect to its port again, as new ranks do); returns the
+        world they make, the ops pointed at it, and rank 0's step. Rank 0 then gives them its
+        variables; the schedule, requests and discovery grow the job again."""
         from mpi4py import MPI
 
         from vfgraph import ops
         from vfgraph.runtime import world
 
-        w = self._switch(MPI.COMM_WORLD.Dup())
         world.lost.clear()
         ops.abandon(False)
+        if group() == 0:  # rank 0 (its launcher started it alone)
+            w = self._switch(MPI.COMM_WORLD.Dup())
+            for i in range(self.survivors):
+                inter = w.comm.Accept(self.port, root=0)
+                inter.send({"step": step, "requested": self.requested, "refused_entry": self.refused,
+                            "more": self.survivors - i - 1}, dest=0, tag=GO)
+                w = self._switch(inter.Merge(high=False))
+        else:
+            inter = MPI.COMM_SELF.Connect(os.environ[PORT_ENV], root=0)
+            go = _wait(inter.irecv(source=0, tag=GO))
+            step, self.requested, self.refused = go["step"], [tuple(e) for e in go["requested"]], go["refused_entry"]
+            w = self._switch(inter.Merge(high=True))
+            for _ in range(go["more"]):  # the survivors after it
+                w = self._switch(w.comm.Accept(None, root=0).Merge(high=False))
         self.recovered, self.regrowing = True, True
-        return w
+        return w, step
 
     def _grow(self, w: World, step: int) -> Tuple[World, dict]:
         from mpi4py import MPI
@@ -426,11 +558,12 @@ class Elastic:
             status = MPI.Status()
             while self.inter.Iprobe(source=MPI.ANY_SOURCE, tag=READY, status=status):
                 self.fingerprints[status.Get_source()] = self.inter.recv(source=status.Get_source(), tag=READY)
-            code = self.groups[-1][0].poll()
+            code = self.groups[-1].proc.poll()
             if code is not None and len(self.fingerprints) < self.spawned:  # ended before it said it was ready
+                why = (f"its launcher ended (status {code}) before it connected" if self.groups[-1].unblocked else
+                       f"it ended (status {code}) before it loaded the model")
                 for r in range(self.spawned):
-                    self.fingerprints.setdefault(r, {"error": f"it ended (status {code}) before it loaded the model",
-                                                     "ended": True})
+                    self.fingerprints.setdefault(r, {"error": why, "ended": True})
             return len(self.fingerprints) >= self.spawned
 
         # a request, or growing back after a loss: train on until the new ranks are ready
@@ -440,7 +573,7 @@ class Elastic:
         self._spawned()
         if w.is_root:  # wait (polling) until every new process has loaded the model
             _poll(all_ready)
-        _barrier(w.comm)
+        arrive(w.comm)
         began = time.perf_counter()
         old = w.size
         why = w.bcast(self._refusal() if w.is_root else None)
@@ -460,8 +593,7 @@ class Elastic:
                 self.inter.send({"step": step, "requested": self.requested, "refused_entry": self.refused}, dest=r,
                                 tag=GO)
         if w.is_root:
-            proc, n, _ = self.groups[-1]
-            self.groups[-1] = (proc, n, True)
+            self.groups[-1].merged = True
         self.regrowing = False
         merged = self.inter.Merge(high=False)
         self.inter, self.spawning = None, None
@@ -486,14 +618,23 @@ class Elastic:
         stays = w.rank < want
         kept = w.comm.Split(0 if stays else MPI.UNDEFINED, w.rank)
         if w.is_root:
-            self.parked.extend((w.comm, r) for r in range(want, w.size))
+            self.parked.extend((w.comm, r, self.members[r], self.where[r]) for r in range(want, w.size))
+            for s in self.groups:
+                s.left = s.left or (s.merged and s.group not in self.members[:want])
         if not stays:
             return None, None
         return self._switch(kept), {"old": w.size, "new": want, "waited": 0.0, "began": began}
 
     def _switch(self, comm) -> World:
+        """(every rank of ``comm``) Make ``comm`` the job's: the ops use it, each rank's
+        group is known, and ranks that joined listen for a loss."""
         self.use_comm(comm.Dup())
-        return World(comm.Get_rank(), comm.Get_size(), comm)
+        w = World(comm.Get_rank(), comm.Get_size(), comm)
+        self.control = comm.Dup()
+        self.members, self.where = (list(x) for x in zip(*w.gather((group(), socket.gethostname()))))
+        if group():
+            threading.Thread(target=self._listen, args=(self.control,), name="vfgraph-listen", daemon=True).start()
+        return w
 
     def park(self, w: World) -> None:
         """On a rank that left: wait, idle, until rank 0 ends the job."""
@@ -507,7 +648,7 @@ class Elastic:
         if failed:
             self._stop_all()
             return
-        for comm, r in self.parked:
+        for comm, r, *_ in self.parked:
             comm.send(None, dest=r, tag=END)
         self.parked = []
         if self.spawning is not None:
@@ -518,21 +659,25 @@ class Elastic:
 
     def _stop_all(self) -> None:
         """(rank 0) Stop the launchers it started and what they run."""
-        for proc, _, _ in self.groups:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc, _, _ in self.groups:
+        self._stop(self.groups)
+
+    @staticmethod
+    def _stop(starts: List[Start]) -> None:
+        for s in starts:
+            if s.proc.poll() is None:
+                s.proc.terminate()
+        for s in starts:
             try:
-                proc.wait(10)
+                s.proc.wait(10)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                s.proc.kill()
+                s.proc.wait()
 
     def _reap(self, timeout: float = 60.0) -> None:
         """(rank 0, at exit) Wait for the processes it started to end (they end with the job),
         stopping those still running after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        for proc, _, _ in self.groups:
+        for proc in [s.proc for s in self.groups] + self.helpers:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -573,8 +718,7 @@ _parent = None  # (a new process) the intercommunicator to the job, once connect
 _joined = False  # (a spawned process) whether it has joined the job
 
 
-def join(inter, use_comm: Callable[[Any], None], started: float, fingerprint: str,
-         elastic: Elastic) -> Tuple[Optional[World], int]:
+def join(inter, started: float, fingerprint: str, elastic: Elastic) -> Tuple[Optional[World], int]:
     """In a spawned process that has loaded the model (``fingerprint``: of its files) and the
     data: say so, wait (polling) for the job to let it in, and merge into the job's
     communicator; ``elastic`` takes the requests the job has taken so far. Returns the world
@@ -592,7 +736,6 @@ def join(inter, use_comm: Callable[[Any], None], started: float, fingerprint: st
     elastic.requested, elastic.refused = [tuple(e) for e in go["requested"]], go["refused_entry"]
     merged = inter.Merge(high=True)
     _joined = True
-    use_comm(merged.Dup())
-    w = World(merged.Get_rank(), merged.Get_size(), merged)
+    w = elastic._switch(merged)
     log.info("rank %d joined at step %d, %.3g s after its command began", w.rank, go["step"], time.time() - started)
     return w, go["step"]

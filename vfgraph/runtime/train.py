@@ -374,7 +374,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                                requests=el.request_path(out), max_ranks=elastic.max_ranks, started=elastic.started,
                                discovery=elastic.discovery, interval=elastic.interval)
         if inter is not None:  # loaded: join the job at its next step, with rank 0's variables
-            w, joined_at = el.join(inter, ops.set_communicator, elastic.started, fingerprint, scheduled)
+            w, joined_at = el.join(inter, elastic.started, fingerprint, scheduled)
             if w is None:  # the job ended first
                 return None
             loaded.signatures[f"{signature}_broadcast"]()
@@ -552,20 +552,28 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                             memory = remember(done)
                     break
                 except (tf.errors.AbortedError, RankLost):
-                    if not (keeps and memory and scheduled.lost):
+                    if not (scheduled is not None and scheduled.lost and (memory or not keeps)):
                         raise
-                    from_step, saved = memory
-                    for v, value in zip(held_vars, saved):
-                        v.assign(value)
+                    if keeps:  # rank 0: back to its last completed step
+                        from_step, saved = memory
+                        for v, value in zip(held_vars, saved):
+                            v.assign(value)
+                    lost, failed_at = scheduled.lost, step
+                    w, from_step = scheduled.recover(from_step)  # with the ranks that joined and are left
                     del losses[from_step:]  # (one per step from step 0)
-                    w, group = scheduled.recover(), 0
-                    per, balancer = shares(batch_size // b, 1), None
+                    group, joined_at = w.rank, None
+                    per = shares(batch_size // b, w.size)
                     lo, hi = _rows(per, group, b)
-                    bar.n = from_step
-                    bar.refresh()
-                    log.warning("%s at step %d; the job goes on alone from step %d, its last completed step, "
-                                "with the variables it had then (%.3g s after the loss was seen)", scheduled.lost,
-                                step, from_step, time.perf_counter() - scheduled.lost_at)
+                    balancer = Balancer(sum(per), w.size, per) if auto and w.size > 1 else None
+                    if w.size > 1:  # they take rank 0's variables again
+                        loaded.signatures[f"{signature}_broadcast"]()
+                    if w.is_root:
+                        bar.n = from_step
+                        bar.refresh()
+                        log.warning("%s at step %d; the job goes on %s from step %d, its last completed step, with "
+                                    "the variables it had then (%.3g s after the loss was seen)", lost, failed_at,
+                                    "alone" if w.size == 1 else f"with {w.size} ranks", from_step,
+                                    time.perf_counter() - scheduled.lost_at)
                     scheduled.lost = None
     except tf.errors.OpError as e:
         lines = [x.strip() for x in e.message.splitlines() if x.strip()]
