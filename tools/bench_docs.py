@@ -367,6 +367,22 @@ def render_elastic(r: dict) -> str:
             table(["round", "rank", "joined at step", "start-up (s)"], starts))
 
 
+def render_lost_rank(r: dict) -> str:
+    """tools/bench_lost_rank.py: a rank of an elastic run killed at random moments."""
+    rows = [[str(t["layout"]), num(t["kill_after_s"]), str(t["exit"]), "yes" if t["survived"] else "no",
+             t["went_on"] or "-", str(t["from_step"]) if t["from_step"] is not None else "-",
+             num(t["recovery_s"] * 1e3) if t["recovery_s"] is not None else "-", "yes" if t["grew_back"] else "no",
+             "yes" if t["same_result"] else "no"] for t in r["trials"]]
+    total = sum(s["trials"] for s in r["summary"].values())
+    survived = sum(s["survived"] for s in r["summary"].values())
+    return (f"{r['model']}; {r['steps']} steps, one intra-op thread per rank; schedules "
+            f"{', '.join(f'{n} ranks: {s}' for n, s in r['schedules'].items())}; the rank of the last start of new "
+            f"ranks killed (SIGKILL) {num(r['after_s'][0])}-{num(r['after_s'][1])} s after the last growth. Survived: "
+            f"{survived} of {total}.\n\n" +
+            table(["ranks", "kill after (s)", "exit", "survived", "went on", "from step",
+                   "loss seen to training on (ms)", "grew back", "same result as 1 rank"], rows))
+
+
 def render_elastic_scheduling(r: dict) -> str:
     """tools/elastic_sched.py: a job trace replayed with static and elastic allocation."""
     profile = [[m, r["models"].get(m, m), *[num(r["profile"][m][k] * 1e3) for k in sorted(r["profile"][m], key=int)]]
@@ -392,7 +408,7 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
     "pipeline": render_pipeline, "stage-memory": render_stage_memory, "deterministic": render_deterministic,
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
-    "elastic-scheduling": render_elastic_scheduling,
+    "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,
 }
 
 
