@@ -49,6 +49,24 @@ def test_grow_and_shrink_on_a_schedule_is_bit_identical_to_one_rank(exact, digit
     assert losses(str(tmp_path / "elastic")) == losses(str(tmp_path / "one"))
 
 
+def test_a_growth_after_a_shrink_calls_back_the_ranks_that_left(exact, digits, tmp_path):
+    """1 -> 2 -> 1 -> 2 ranks: the rank that left at the shrink waits, warm, and comes back for
+    the second growth (no new process is started for it); bit-identical to one rank."""
+    model = exact("mlp:adam")
+    run_train(0, model, digits["train"], str(tmp_path / "one"), 12, "--threads", "1")
+    res = run_train(1, model, digits["train"], str(tmp_path / "elastic"), 12, "--threads", "1", "--max-ranks", "2",
+                    "--elastic-schedule", "0:1,3:2,6:1,9:2", timeout=600)
+    resized = re.findall(r"resized (\d) -> (\d) ranks at step (\d+)", res.stderr)
+    assert resized == [("1", "2", "3"), ("2", "1", "6"), ("1", "2", "9")], res.stderr[-3000:]
+    assert "resized 1 -> 2 ranks at step 9: 1 rank that had left came back" in res.stderr, res.stderr[-3000:]
+    assert "rank 1 came back at step 9" in res.stderr
+    assert len(re.findall(r"starting \d new ranks? for the next growth", res.stderr)) == 1, res.stderr[-3000:]
+    reference, got = params(str(tmp_path / "one")), params(str(tmp_path / "elastic"))
+    differ = [k for k in reference if not np.array_equal(reference[k], got[k])]
+    assert not differ, f"{differ[:3]} differ from one rank"
+    assert losses(str(tmp_path / "elastic")) == losses(str(tmp_path / "one"))
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--max-ranks", "4", "--elastic-schedule", "0:1,5:5"), "5 ranks is outside 1..4"),
     (("--max-ranks", "4", "--elastic-schedule", "0:1,5:0"), "0 ranks is outside 1..4"),
@@ -219,9 +237,9 @@ def elastic_cmd(model, digits, out, max_ranks, schedule):
             str(max_ranks), "--elastic-schedule", schedule]
 
 
-def run_and_kill(cmd, out, after, group):
-    """Run the elastic job ``cmd`` (writing ``out``); a second after it logs ``after``, kill
-    (SIGKILL) its rank of the ``group``-th start of new ranks. Its exit status and log; no
+def run_and_kill(cmd, out, after, group, delay=1.0):
+    """Run the elastic job ``cmd`` (writing ``out``); ``delay`` seconds after it logs ``after``,
+    kill (SIGKILL) its rank of the ``group``-th start of new ranks. Its exit status and log; no
     process of the job may be left behind."""
     import signal
 
@@ -232,7 +250,7 @@ def run_and_kill(cmd, out, after, group):
             lines.append(line)
             if after in line:
                 break
-        time.sleep(1)  # training on the new layout
+        time.sleep(delay)  # training on the new layout
         ranks = [pid for pid, args in processes() if "--elastic-join" in args and out in args
                  and "vfgraph.cli" in args[1:3]  # (the rank, not its launcher)
                  and environment(pid).get("VFGRAPH_ELASTIC_GROUP") == str(group)]
@@ -282,3 +300,4 @@ def test_a_lost_rank_leaves_the_ranks_that_joined_before_it_in_the_job(exact, di
     reference, got = params(long_reference), params(out)
     assert all(np.array_equal(reference[k], got[k]) for k in reference)
     assert losses(out) == losses(long_reference)
+

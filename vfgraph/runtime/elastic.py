@@ -5,12 +5,13 @@
 The global batch and its V virtual nodes stay fixed; only their shares over the ranks change,
 so the training is the same on any layout (bit-identical in deterministic mode).
 
-- **Growing** from n to m ranks: rank 0 starts m - n new processes as a job of their own
-  (``mpiexec -n m-n``, the launcher beside this Python) as soon as the schedule's next change
-  is that growth, so they import TensorFlow and load the model while the job trains on; they
-  connect to a port rank 0 opened (``MPI_Comm_connect``/``MPI_Comm_accept``, on a thread of
-  every rank). At the step of
-  the growth (once the new processes say they are ready) every rank merges into one
+- **Growing** from n to m ranks: ranks that left the job come back first (at once: they are
+  warm). For the rest, rank 0 starts new processes as a job of their own (``mpiexec``, the
+  launcher beside this Python; on the free slots of the hosts a discovery script lists) as
+  soon as the schedule's next change is that growth, so they import TensorFlow and load the
+  model while the job trains on; they connect to a port rank 0 opened
+  (``MPI_Comm_connect``/``MPI_Comm_accept``, on a thread of every rank). At the step of the
+  growth (once the new processes say they are ready) every rank merges into one
   communicator (``MPI_Intercomm_merge``: the old ranks keep their numbers), the ops switch to
   it, and the model's ``train_broadcast`` signature checks that every rank runs the same graph
   and gives the new ranks every variable of rank 0, the optimizer's slots and step counter
@@ -19,14 +20,17 @@ so the training is the same on any layout (bit-identical in deterministic mode).
   schedule waits at its step for new ranks still loading (the schedule's layouts are exact);
   one from a request trains on until they are ready.
 - **Shrinking** to m ranks: ranks m.. leave the communicator (``MPI_Comm_split``) at the step
-  of the change and wait, idle, for the end of the job (MPI ends its processes together).
+  of the change and wait, idle, for the end of the job (MPI ends its processes together) or
+  for a growth to call them back (they connect to rank 0's port again).
 
-- **Losing ranks**: new ranks run under a launcher of their own, so their end does not end
-  the job's launcher. Rank 0 watches those launchers; when ranks that joined end while the
-  job runs, it stops the other new ranks, its waits for the lost ones give up, and it goes
-  back to its last completed step (its variables kept in memory while the job runs on more
-  than one rank) and on alone, growing again as the schedule, requests or discovery say.
-  Where it cannot, the job ends with a message (exit status 4; the last checkpoint is kept).
+- **Losing ranks**: each start of new ranks runs under a launcher of its own, so its end does
+  not end the job's launcher. Rank 0 watches those launchers; when ranks that joined end
+  while the job runs, it tells the other ranks that joined, every rank's waits for the lost
+  ones give up, rank 0 goes back to its last completed step (its variables kept in memory
+  while the job runs on more than one rank), and the ranks left connect to its port again,
+  take its variables and train on with it, growing again as the schedule, requests or
+  discovery say. Where it cannot, the job ends with a message (exit status 4; the last
+  checkpoint is kept).
 
 Every rank runs the same logic on the same schedule, so all reach each change at the same
 step. A process that waits for others polls (sleeping) instead of spinning in MPI."""
@@ -151,11 +155,16 @@ def parse_schedule(text: str, max_ranks: int) -> List[Tuple[int, int]]:
 
 
 def _poll(test: Callable[[], Any], interval: float = 0.002) -> Any:
-    """Wait until ``test()`` returns a true value, sleeping between tries; returns it."""
+    """Wait until ``test()`` returns a true value, sleeping between tries; returns it. Gives up
+    (:class:`RankLost`) when the job lost ranks."""
+    from vfgraph.runtime import world
+
     while True:
         got = test()
         if got:
             return got
+        if world.lost.is_set():
+            raise world.RankLost()
         time.sleep(interval)
 
 
@@ -282,11 +291,14 @@ class Elastic:
         self.inter = None  # the intercommunicator to the processes started for the next growth
         self.spawning: Optional[threading.Thread] = None  # the connection of them, under way or done
         self.port: Optional[str] = None  # (rank 0) the port new processes connect to
+        self.back_port: Optional[str] = None  # (rank 0) the port ranks coming back connect to
+        self.back_to = ""  # (a rank that joined, after a loss) the port to connect to again
         self.groups: List[Start] = []  # (rank 0) each start of new processes still running
         self.launched = 0  # (rank 0) starts so far
         self.members: List[int] = []  # the group (:func:`group`) of each rank of the job, in rank order
         self.where: List[str] = []  # the host of each rank of the job, in rank order
         self.helpers: List[subprocess.Popen] = []  # (rank 0) processes that ended an accept (_UNBLOCK)
+        self.calling: set = set()  # (rank 0) the groups of ranks that left being called back
         self.control = None  # the job's ranks, for rank 0 to tell the others that ranks were lost
         self.survivors = 0  # (rank 0) ranks that joined and outlived the latest loss: they connect again
         self._told: list = []  # (rank 0) the messages that say so, under way
@@ -379,22 +391,52 @@ class Elastic:
         that leaves) and, when it changed, what happened (``old``, ``new`` ranks, ``waited``:
         seconds spent waiting for new ranks to load the model, ``began``: when the change
         itself began, a ``time.perf_counter()``). Collective over ``w``."""
-        if self.requests:  # rank 0 reads it; every rank takes it at the same step
-            n = w.bcast(self._request(w, step) if w.is_root else None)
-            if n is not None:
-                self.requested.append((step, n))
+        # rank 0 reads the requests and counts the ranks that left and could come back; every
+        # rank takes them at the same step
+        n, idle = w.bcast((self._request(w, step), len(self._reusable())) if w.is_root else None)
+        if n is not None:
+            self.requested.append((step, n))
         want = self.target(step) or w.size
         if want < w.size:
             return self._shrink(w, want, step)
         if want > w.size:
             if self.refused == self._entry(step)[0]:
                 return w, None  # (its new ranks opened another model: the job goes on as it is)
+            if self.spawning is None and idle:  # ranks that left come back first (at once: they are warm)
+                return self._reuse(w, min(idle, want - w.size), step)
             if self.spawning is None:
                 self._spawn(w, want - w.size)
             return self._grow(w, step)
-        if self.spawning is None and (self._next_change(step) or 0) > w.size:
-            self._spawn(w, self._next_change(step) - w.size)  # they warm up while the job trains on
+        if self.spawning is None and (self._next_change(step) or 0) > w.size + idle:
+            self._spawn(w, self._next_change(step) - w.size - idle)  # they warm up while the job trains on
         return w, None
+
+    def _reusable(self) -> List[Tuple[Any, int, int, str]]:
+        """(rank 0) The ranks that left the job and may come back for a growth: all of them, or,
+        under a host-discovery script, those on the hosts it lists."""
+        hosts = self.discovery.hosts if self.discovery is not None else None
+        return [p for p in self.parked if not hosts or p[3] in dict(hosts)]
+
+    def _reuse(self, w: World, n: int, step: int) -> Tuple[World, dict]:
+        """(every rank of ``w``) Grow by ``n`` ranks that had left the job: rank 0 calls them
+        back (the last to leave first), and they connect to its port, as survivors of a loss do."""
+        from mpi4py import MPI
+
+        began, old = time.perf_counter(), w.size
+        if w.is_root:
+            if self.back_port is None:
+                self.back_port = MPI.Open_port()
+            back = self._reusable()[-n:]
+            self.parked = [p for p in self.parked if p not in back]
+            self.calling = {p[2] for p in back}
+            for comm, r, *_ in back:
+                comm.send({"port": self.back_port}, dest=r, tag=END)
+        w = self._take_back(w, n, step)
+        if w.is_root:
+            self.calling = set()
+            for s in self.groups:
+                s.left = s.left and s.group not in self.members
+        return w, {"old": old, "new": w.size, "began": began, "back": n}
 
     def _spawn(self, w: World, n: int) -> None:
         """Start ``n`` new processes (rank 0, as a launcher job of their own) and accept their
@@ -406,6 +448,8 @@ class Elastic:
         if w.is_root:
             if self.port is None:
                 self.port = MPI.Open_port()
+            if self.back_port is None:  # (opened here: MPICH crashes opening a port while an accept waits)
+                self.back_port = MPI.Open_port()
             self.launched += 1
             hosts = None
             if self.discovery is not None and self.discovery.hosts:  # on the hosts' free slots
@@ -459,7 +503,7 @@ class Elastic:
                     if time.monotonic() - start.unblocked < 60:
                         continue
                 n, pid = start.n, start.proc.pid
-                if start.left:
+                if start.left and start.group not in self.calling:
                     log.warning("%d rank%s that had left the job (launcher pid %d) ended with status %d; the job "
                                 "goes on", n, "s" if n > 1 else "", pid, code)
                     self.groups.remove(start)
@@ -476,24 +520,24 @@ class Elastic:
                 os._exit(LOST_EXIT)
 
     def _lose(self, what: str, lost: int, timeout: float = 60.0) -> None:
-        """(rank 0, the watch thread) The ranks of group ``lost`` ended: tell the other ranks
-        that joined the job (they wait in a step for the lost ones), and make rank 0's waits
-        give up, so that its training goes back to the last step it completed and on with
+        """(rank 0, the watch thread) The ranks of group ``lost`` ended: make rank 0's waits
+        give up and tell the other ranks that joined the job (they wait in a step for the lost
+        ones), so that the training goes back to the last step rank 0 completed and on with
         those ranks (:meth:`recover`). If it has not within ``timeout`` seconds (a rank waits in
         a call that cannot give up), the job ends."""
         from vfgraph import ops
         from vfgraph.runtime import world
 
         self.lost, self.lost_at, self.recovered = what, time.perf_counter(), False
+        world.lost.set()
+        ops.abandon(True)
         gone = [s for s in self.groups if s.group == lost or not s.merged]
         self._stop(gone)
         self.groups = [s for s in self.groups if s not in gone]
         self.parked = [p for p in self.parked if p[2] != lost]
         others = [r for r, g in enumerate(self.members) if g not in (0, lost)]
         self.survivors = len(others)
-        self._told = [self.control.isend(what, dest=r, tag=LOST) for r in others]
-        world.lost.set()
-        ops.abandon(True)
+        self._told = [self.control.isend({"what": what, "port": self.back_port}, dest=r, tag=LOST) for r in others]
         deadline = time.monotonic() + timeout
         while not self.recovered:
             if time.monotonic() > deadline:
@@ -510,9 +554,9 @@ class Elastic:
 
         request = control.irecv(source=0, tag=LOST)
         while self.control is control:
-            done, what = request.test()
+            done, said = request.test()
             if done:
-                self.lost = what
+                self.lost, self.back_to = said["what"], said["port"]
                 world.lost.set()
                 ops.abandon(True)
                 return
@@ -532,22 +576,37 @@ class Elastic:
 
         world.lost.clear()
         ops.abandon(False)
+        self.regrowing = True
         if group() == 0:  # rank 0 (its launcher started it alone)
-            w = self._switch(MPI.COMM_WORLD.Dup())
-            for i in range(self.survivors):
-                inter = w.comm.Accept(self.port, root=0)
-                inter.send({"step": step, "requested": self.requested, "refused_entry": self.refused,
-                            "more": self.survivors - i - 1}, dest=0, tag=GO)
-                w = self._switch(inter.Merge(high=False))
+            w = self._take_back(self._switch(MPI.COMM_WORLD.Dup()), self.survivors, step)
         else:
-            inter = MPI.COMM_SELF.Connect(os.environ[PORT_ENV], root=0)
-            go = _wait(inter.irecv(source=0, tag=GO))
-            step, self.requested, self.refused = go["step"], [tuple(e) for e in go["requested"]], go["refused_entry"]
-            w = self._switch(inter.Merge(high=True))
-            for _ in range(go["more"]):  # the survivors after it
-                w = self._switch(w.comm.Accept(None, root=0).Merge(high=False))
-        self.recovered, self.regrowing = True, True
+            w, step = self._come_back(self.back_to)
+        self.recovered = True
         return w, step
+
+    def _take_back(self, w: World, n: int, step: int) -> World:
+        """(every rank of ``w``) Let ``n`` ranks that connect to rank 0's port
+        (:meth:`_come_back`) into the job, one after another; rank 0 tells each the job's step
+        and state. The world they make."""
+        for i in range(n):
+            inter = w.comm.Accept(self.back_port if w.is_root else None, root=0)
+            if w.is_root:
+                inter.send({"step": step, "requested": self.requested, "refused_entry": self.refused,
+                            "regrowing": self.regrowing, "more": n - i - 1}, dest=0, tag=GO)
+            w = self._switch(inter.Merge(high=False))
+        return w
+
+    def _come_back(self, port: str) -> Tuple[World, int]:
+        """(a rank coming back into the job: one that outlived a loss, or had left) Connect to
+        rank 0's ``port``, take the job's state, and let the ranks after it in; the world and
+        the job's step."""
+        from mpi4py import MPI
+
+        inter = MPI.COMM_SELF.Connect(port, root=0)
+        go = _wait(inter.irecv(source=0, tag=GO))
+        self.requested, self.refused = [tuple(e) for e in go["requested"]], go["refused_entry"]
+        self.regrowing, self.spawning, self.inter = go["regrowing"], None, None
+        return self._take_back(self._switch(inter.Merge(high=True)), go["more"], go["step"]), go["step"]
 
     def _grow(self, w: World, step: int) -> Tuple[World, dict]:
         from mpi4py import MPI
@@ -636,9 +695,11 @@ class Elastic:
             threading.Thread(target=self._listen, args=(self.control,), name="vfgraph-listen", daemon=True).start()
         return w
 
-    def park(self, w: World) -> None:
-        """On a rank that left: wait, idle, until rank 0 ends the job."""
-        _wait(w.comm.irecv(source=0, tag=END))
+    def park(self, w: World) -> Optional[Tuple[World, int]]:
+        """On a rank that left: wait, idle, until rank 0 ends the job (None) or calls it back
+        for a growth (the world and the step it comes back at)."""
+        said = _wait(w.comm.irecv(source=0, tag=END))
+        return None if said is None else self._come_back(said["port"])
 
     def finish(self, w: World, failed: bool = False) -> None:
         """On rank 0 at the end of the job: release the ranks that left and any new processes

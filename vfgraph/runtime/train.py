@@ -466,6 +466,12 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     def remember(done: int) -> Tuple[int, list]:
         return done, [np.array(v.numpy()) for v in held_vars]
 
+    def layout(w: World) -> tuple:
+        """(an elastic job, on a new world) The virtual nodes per rank, this rank's rows of the
+        batch, and the balancer of --vnodes-per-rank auto."""
+        per = shares(batch_size // b, w.size)
+        return (per, *_rows(per, w.rank, b), Balancer(sum(per), w.size, per) if auto and w.size > 1 else None)
+
     try:
         if w.size > 1 and joined_at is None:
             table = w.describe()
@@ -482,9 +488,16 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                         where = f"step {step}"
                         if scheduled is not None and step != joined_at:
                             new, change = scheduled.boundary(w, step)
-                            if new is None:  # this rank left the job: idle until it ends
-                                scheduled.park(w)
-                                return None
+                            if new is None:  # this rank left the job: idle until it ends, or a growth calls it back
+                                back = scheduled.park(w)
+                                if back is None:
+                                    return None
+                                w, from_step = back
+                                group, joined_at = w.rank, from_step
+                                per, lo, hi, balancer = layout(w)
+                                loaded.signatures[f"{signature}_broadcast"]()  # rank 0's variables, as the others
+                                log.info("rank %d came back at step %d", w.rank, from_step)
+                                break  # (on from that step)
                             if change and "refused" in change:
                                 if w.is_root:
                                     log.warning("%s", change["refused"])
@@ -494,17 +507,21 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                                     memory = remember(step)
                                 if change["new"] > change["old"]:  # the new ranks take every variable of rank 0
                                     loaded.signatures[f"{signature}_broadcast"]()
-                                per = shares(batch_size // b, w.size)
-                                lo, hi = _rows(per, group, b)
-                                balancer = Balancer(sum(per), w.size, per) if auto and w.size > 1 else None
+                                per, lo, hi, balancer = layout(w)
                                 if w.is_root:
                                     took = time.perf_counter() - change["began"]
-                                    started_in = (f" (they started in {change['spawn']:.3g} s, beside the training)"
-                                                  if "spawn" in change else "")
-                                    log.info("resized %d -> %d ranks at step %d: %.3g s waiting for new ranks to "
-                                             "load the model%s, then %.3g s to change; virtual nodes per rank %s",
-                                             change["old"], change["new"], step, change["waited"], started_in, took,
-                                             text(per))
+                                    n = change["new"] - change["old"]
+                                    if "back" in change:
+                                        log.info("resized %d -> %d ranks at step %d: %d rank%s that had left came "
+                                                 "back, in %.3g s; virtual nodes per rank %s", change["old"],
+                                                 change["new"], step, n, "s" if n > 1 else "", took, text(per))
+                                    else:
+                                        started_in = (f" (they started in {change['spawn']:.3g} s, beside the "
+                                                      "training)" if "spawn" in change else "")
+                                        log.info("resized %d -> %d ranks at step %d: %.3g s waiting for new ranks "
+                                                 "to load the model%s, then %.3g s to change; virtual nodes per "
+                                                 "rank %s", change["old"], change["new"], step, change["waited"],
+                                                 started_in, took, text(per))
                         fetched = time.perf_counter()
                         batch = batches_for(data, keys, batch_size, step, seed)
                         feed = {k: v[lo:hi] for k, v in batch.items()}
@@ -550,7 +567,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                         bar.update(1)
                         if keeps and w.size > 1:  # the step is complete: what the job goes back to
                             memory = remember(done)
-                    break
+                    else:
+                        break  # (every step done; a rank called back goes round again)
                 except (tf.errors.AbortedError, RankLost):
                     if not (scheduled is not None and scheduled.lost and (memory or not keeps)):
                         raise
@@ -562,9 +580,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                     w, from_step = scheduled.recover(from_step)  # with the ranks that joined and are left
                     del losses[from_step:]  # (one per step from step 0)
                     group, joined_at = w.rank, None
-                    per = shares(batch_size // b, w.size)
-                    lo, hi = _rows(per, group, b)
-                    balancer = Balancer(sum(per), w.size, per) if auto and w.size > 1 else None
+                    per, lo, hi, balancer = layout(w)
                     if w.size > 1:  # they take rank 0's variables again
                         loaded.signatures[f"{signature}_broadcast"]()
                     if w.is_root:
