@@ -151,9 +151,7 @@ def test_resize_requests_while_the_job_runs(exact, digits, tmp_path, long_refere
     assert len(refused) == 1 and "outside 1..2" in refused[0], text[-3000:]
     assert re.search(r"request for 2 ranks taken at step \d+", text)
     assert re.search(r"resized 1 -> 2 ranks at step \d+", text), text[-3000:]
-    reference, got = params(long_reference), params(out)
-    assert all(np.array_equal(reference[k], got[k]) for k in reference)
-    assert losses(out) == losses(long_reference)
+    assert_one_rank_result(out, long_reference)
 
 
 def test_a_host_discovery_script_grows_and_shrinks_the_job(exact, digits, tmp_path, long_reference):
@@ -203,9 +201,14 @@ def test_a_host_discovery_script_grows_and_shrinks_the_job(exact, digits, tmp_pa
                      r"\d+\) before it connected; the job goes on with 1 rank\n", text), text[-3000:]
     assert re.search(rf"starting 1 new rank for the next growth on {re.escape(socket.gethostname())}:1\n", text)
     assert re.search(r"resized 2 -> 1 ranks at step \d+", text), text[-3000:]
-    reference, got = params(long_reference), params(out)
-    assert all(np.array_equal(reference[k], got[k]) for k in reference)
-    assert losses(out) == losses(long_reference)
+    assert_one_rank_result(out, long_reference)
+
+
+def assert_one_rank_result(out, reference):
+    """The model trained into ``out`` has the parameters and losses of ``reference``, bit for bit."""
+    want, got = params(reference), params(out)
+    assert all(np.array_equal(want[k], got[k]) for k in want)
+    assert losses(out) == losses(reference)
 
 
 def processes():
@@ -278,9 +281,7 @@ def test_a_rank_killed_mid_run_is_survived_with_the_uninterrupted_result(exact, 
     assert int(lost[0][1]) in (int(lost[0][0]), int(lost[0][0]) - 1)  # the step it was on, or the one before
     assert float(lost[0][2]) < 30, lost  # giving up the wait
     assert re.search(r"resized 1 -> 2 ranks at step \d+", text[text.index("goes on alone"):]), text[-3000:]
-    reference, got = params(long_reference), params(out)
-    assert all(np.array_equal(reference[k], got[k]) for k in reference)
-    assert losses(out) == losses(long_reference)
+    assert_one_rank_result(out, long_reference)
 
 
 def test_a_lost_rank_leaves_the_ranks_that_joined_before_it_in_the_job(exact, digits, tmp_path, long_reference):
@@ -297,7 +298,5 @@ def test_a_lost_rank_leaves_the_ranks_that_joined_before_it_in_the_job(exact, di
                       r"goes on with 2 ranks from step (\d+)", text)
     assert len(lost) == 1, text[-3000:]
     assert re.search(r"resized 2 -> 3 ranks at step \d+", text[text.index("goes on with 2 ranks"):]), text[-3000:]
-    reference, got = params(long_reference), params(out)
-    assert all(np.array_equal(reference[k], got[k]) for k in reference)
-    assert losses(out) == losses(long_reference)
+    assert_one_rank_result(out, long_reference)
 
