@@ -187,12 +187,22 @@ class _Loop:
     value it adds, where a pass placed that value. ``exact``: the floating-point sums of each
     dtype are carried as one vector of exact fixed-point words (one ``VfExactAdd`` per virtual
     node, :func:`vfgraph.ir.blocks.exact_add`), so that their value does not depend on the order
-    of the additions; they are made floating point after the reduce."""
+    of the additions; they are made floating point after the reduce.
+
+    A virtual-node function with side effects (a pipeline stage's sends and receives) is
+    waited for through a "finished" token the loop carries: iteration i's token (its index)
+    comes after its call's side effects and its sums. The body has no control outputs, which
+    lowered would hold every loop variable's next iteration until the whole call is done, so
+    that the iterations ran one after another. ``lag`` L > 0 (a 1F1B pipeline stage): the loop
+    carries the last L tokens and virtual node i's messages (so its work, which starts from
+    what it receives) wait for virtual node i - L to finish: one forward, then one backward."""
 
     def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library, new_function,
-                 in_flight: int = 1, tag: str = "", messages: int = 0, exact: bool = False):
+                 in_flight: int = 1, tag: str = "", messages: int = 0, exact: bool = False, lag: int = 0):
         self.g, self.step, self.vdef, self.vnodes, self.b = g, step, vdef, vnodes, b
-        self.in_flight, self.messages = in_flight, messages
+        self.in_flight, self.messages, self.lag = in_flight, messages, lag
+        # the last virtual nodes' "finished" tokens the loop carries (see _body)
+        self.tokens = max(lag, 1) if lag or vdef.signature.control_output else 0
         sig = step.signature
         self.keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
         self.vnode_outs = [o for o in step.outputs if o.side == "vnode"]
@@ -212,7 +222,7 @@ class _Loop:
         self.layout = LoopLayout.of(
             [(t, s) if c == "mean" else (types_pb2.DT_VARIANT, [])
              for c, t, s in (self.carried[k] for k in self.plain)] +
-            [(I64, [2 * sum(sizes) + 1]) for _, _, sizes in self.groups],
+            [(I64, [2 * sum(sizes) + 1]) for _, _, sizes in self.groups] + [(I32, [])] * self.tokens,
             [(I32, [])] + [(t, g.arg_shape(a)) for a, t in zip(sig.batch_args, self.batch_types)] +
             [(g.dtype(TensorRef(a)), []) for a in sig.resource_args] +
             [(g.dtype(TensorRef(a)), g.arg_shape(a)) for a in sig.captured_args])
@@ -231,6 +241,7 @@ class _Loop:
         args = self.layout.args(fb, ["i"] + carried_names + ["nv", "per"] + [f"batch_{k}" for k in range(n_batch)] +
                                 [f"resource_{k}" for k in range(len(sig.invariant_args))])
         i, carried, nv, fixed = self.layout.split(args)
+        carried, done = carried[:len(carried) - self.tokens], carried[len(carried) - self.tokens:]
         per, batch, res = fixed[0], fixed[1:1 + n_batch], fixed[1 + n_batch:]
         rows = slice_reader(fb, i, per)
         by_name = {a: rows(x, t) for a, x, t in zip(sig.batch_args, batch, self.batch_types)}
@@ -240,13 +251,13 @@ class _Loop:
             by_name[VNODE_INDEX] = fb.op("Cast", [i], name="index", SrcT=type_attr(I32),
                                          DstT=type_attr(types_pb2.DT_INT64), Truncate=False)[0]
         if MESSAGE_BASE in v_args:  # the first tag of this virtual node's messages between stages
+            # (with a lag L, after virtual node i - L has finished)
+            after = [fb.op("Identity", [done[self.lag - 1]], name="after", T=type_attr(I32))] if self.lag else []
             by_name[MESSAGE_BASE] = fb.op("Mul", [i, fb.const(self.messages, I32, "messages")[0]], name="tags",
-                                          T=type_attr(I32))[0]
+                                          deps=after, T=type_attr(I32))[0]
         call = fb.op("StatefulPartitionedCall", [by_name[a] for a in v_args], name="vnode",
                      Tin=types_attr([a.type for a in self.vdef.signature.input_arg]), Tout=types_attr(self.v_types),
                      f=func_attr(self.vdef.signature.name))
-        if self.vdef.signature.control_output:  # (a stage's sends: kept when the call is inlined)
-            fb.control_ret(call)
         new = []
         for k, acc in zip(self.plain, carried):
             combine, t, shape = self.carried[k]
@@ -258,6 +269,10 @@ class _Loop:
                 new.append(append(fb, acc, i, call[k], t))
         for (t, ks, sizes), acc in zip(self.groups, carried[len(self.plain):]):
             new.append(exact_add(fb, acc, [call[k] for k in ks], t, sum(sizes)))
+        if done:  # virtual node i has finished: its call's side effects and its sums
+            finished = fb.op("Identity", [i], name="finished", deps=[call] + [r.node for r in new],
+                             T=type_attr(I32))[0]
+            new += [finished] + done[:-1]
         for k, (ref, t) in enumerate(zip(self.layout.join(next_index(fb, i), new, nv, fixed), self.layout.types)):
             fb.ret(f"out_{k}", ref, t)
         return fb.finish()
@@ -295,9 +310,13 @@ class _Loop:
             else:
                 inits.append(reserve(fb, nv, t))
         inits += [zeros(fb, [2 * sum(sizes) + 1], I64, shapes=[[2 * sum(sizes) + 1]]) for _, _, sizes in self.groups]
+        inits += [fb.const(-1, I32, "none_finished")[0]] * self.tokens
         loop = while_loop(fb, self.layout, inits, nv, [per] + batch + res, self.cond_name, self.body_name,
                           "vnodes_loop", lower=True, parallel_iterations=self.in_flight)
         _, carried, _, _ = self.layout.split(loop.outputs())
+        carried = carried[:len(carried) - self.tokens]
+        if self.tokens:  # the call's side effects (a stage's sends) run before the function ends
+            fb.control_ret(loop)
         every = [None] * len(self.carried)
         for k, ref in zip(self.plain, carried):
             every[k] = ref
@@ -627,8 +646,9 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         mine = [k for k, o in enumerate(owners) if o == s]
         view = TrainStep(sig, step.function, [step.cut[k - n_out] for k in mine if k >= n_out], step.vnode_nodes,
                          step.writes, [o for k, o in enumerate(step.outputs) if k in mine], step.batch_dependent)
+        # 1F1B: stage s (from 0) starts virtual node i once i - (K - s) has finished
         loop = _Loop(g, view, vdef_s, vnodes, b, lib, item.new_function, stages.in_flight(vnodes), tag,
-                     len(messages), exact)
+                     len(messages), exact, lag=k_count - s if s and stages.schedule == "1f1b" else 0)
         udef_s = _stage_update_function(item, udef, sig, step, [k - n_out for k in mine if k >= n_out], s, tag)
         reduce_s = function_name(sig.function, tag, "reduce")
         item.set_function(reduce_function(reduce_s, _reduce_specs(g, view, exact)))

@@ -39,6 +39,36 @@ def staged(models, tmp_path_factory):
     return get
 
 
+@pytest.mark.parametrize("k, schedule", [(3, "1f1b"), (2, "gpipe")])
+def test_stage_loops_overlap_their_virtual_nodes(models, k, schedule):
+    """Each stage's virtual-node loop lets consecutive virtual nodes run at once: its body has
+    no control outputs (lowered, they would hold the next iteration until the whole call, sends
+    and receives included, was done) and waits for the call through a carried token; under 1F1B
+    stage s (from 0) > 0 starts virtual node i's messages once virtual node i - (K - s) has
+    finished, under GPipe no stage waits."""
+    import vfgraph
+    from vfgraph.ir.graph import FunctionGraph
+
+    item = vfgraph.rewrite(models("mlp:adam"), vnodes=8, vnode_batch=8, stages=k, schedule=schedule)
+    for s in range(k):
+        (body,) = [f for name, f in item.library.items() if name.endswith(f"_vnodes_stage{s + 1}_body")]
+        assert not body.control_ret and not body.signature.control_output
+        g = FunctionGraph(body, item.library)
+        (finished,) = [n for n in g.nodes if n.startswith("finished")]
+        assert any(ctl and t.node == "vnode" for t, ctl in g.inputs(finished))
+        waits = [t.node for t, ctl in g.inputs("tags") if ctl]
+        if schedule == "1f1b" and s:
+            (after,) = waits
+            token = g.data_inputs(after)[0]
+            assert token.is_function_arg
+            # the token of virtual node i - (K - s): the last of the K - s the loop carries
+            args = [a.name for a in body.signature.input_arg]
+            assert args.index(token.node) == args.index("nv") - 1
+            assert sum(1 for a in args[:args.index("nv")] if a.startswith("carried_")) >= k - s
+        else:
+            assert not waits
+
+
 @pytest.mark.parametrize("name, k, schedule", CASES, ids=[f"{n}-k{k}-{s}" for n, k, s in CASES])
 def test_stages_on_ranks_train_what_one_process_trains(staged, digits, tmp_path, name, k, schedule):
     model = staged(name, k, schedule)
