@@ -269,8 +269,9 @@ class _Loop:
                 new.append(append(fb, acc, i, call[k], t))
         for (t, ks, sizes), acc in zip(self.groups, carried[len(self.plain):]):
             new.append(exact_add(fb, acc, [call[k] for k in ks], t, sum(sizes)))
-        if done:  # virtual node i has finished: its call's side effects and its sums
-            finished = fb.op("Identity", [i], name="finished", deps=[call] + [r.node for r in new],
+        if done:  # virtual node i has finished, and so have those before it: their calls' side effects and sums
+            before = fb.op("Identity", [done[0]], name="before", T=type_attr(I32))
+            finished = fb.op("Identity", [i], name="finished", deps=[call, before] + [r.node for r in new],
                              T=type_attr(I32))[0]
             new += [finished] + done[:-1]
         for k, (ref, t) in enumerate(zip(self.layout.join(next_index(fb, i), new, nv, fixed), self.layout.types)):
