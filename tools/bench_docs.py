@@ -284,11 +284,19 @@ def render_pipeline(r: dict) -> str:
                      num(row["efficiency"]), num(row["speedup_over_two_ops"])])
     ranks = ""
     if all("ranks" in row for row in r["results"]):
-        ranks = ("\nThe same model with its 2 stages on 2 MPI ranks (`--stages 2`, `mpiexec -n 2`, 1F1B, one "
-                 "intra-op and two inter-op threads per rank, as `vfgraph train` runs it; the slower rank's step):\n\n" + table(
-                     ["M", "one core", "2 ranks", "speed-up over one core", "GPipe bound"],
+        rounds = c.get("rounds", 1)
+        ranks = ("\nThe same model with its 2 stages on 2 MPI ranks (`--stages 2`, 1F1B, one intra-op and two "
+                 "inter-op threads per rank, as `vfgraph train` runs it; the slower rank's step"
+                 + (f"; the one-core step and each run on ranks {rounds} times, alternating, the median run (of an even "
+                    "number, the faster of the middle two)"
+                    if rounds > 1 else "") + "), each rank bound to a core of its own (`mpiexec -bind-to core -n 2`) "
+                 "and unbound (`mpiexec -n 2`, MPICH's default):\n\n" + table(
+                     ["M", "one core", "2 ranks, bound", "speed-up over one core", "GPipe bound",
+                      "efficiency (target >= 0.9 at M >= 8)", "2 ranks, unbound", "speed-up, unbound"],
                      [[str(row["vnodes"]), num(row["one-core"]["step_s"] * 1000, 1),
-                       num(row["ranks"]["step_s"] * 1000, 1), num(row["speedup_ranks"]), num(row["bound"])]
+                       num(row["ranks"]["step_s"] * 1000, 1), num(row["speedup_ranks"]), num(row["bound"]),
+                       num(row["efficiency_ranks"]), num(row["ranks-unbound"]["step_s"] * 1000, 1),
+                       num(row["speedup_ranks_unbound"])]
                       for row in r["results"]]))
     last = r["results"][-1]
     on_ranks = [m for m in ("ranks", "ranks-gpipe") if m in last]
@@ -300,7 +308,7 @@ def render_pipeline(r: dict) -> str:
     share = table(["stage", "device", "parameters", "share of the model"], [
         [str(k), s["device"], f"{num(s['parameter_bytes'] / MIB)} MiB", f"{s['parameter_bytes'] / total:.0%}"]
         for k, s in enumerate(r["stages"], 1)])
-    return (f"MLP of {c['layers']} Dense layers of {c['width']} units, SGD, {c['vnode_batch']} examples per virtual "
+    return (f"MLP of {c['layers']} Dense layers of {c['width']} units on {c.get('inputs', c['width'])} input features, SGD, {c['vnode_batch']} examples per virtual "
             f"node, {c['stages']} stages; step time in ms, median of {c['steps']} steps, each configuration in a "
             "fresh process.\n\n" + table(
                 ["M", "one core", "2 intra-op threads", "2 inter-op threads", "1F1B", "GPipe",

@@ -4,8 +4,11 @@ virtual nodes (the pipeline's micro-batches), next to GPipe's bound; and the pea
 the 1F1B and GPipe schedules at the largest M.
 
 The model is an MLP of ``--layers`` equal Dense layers (``--width`` units, ReLU) and a
-10-class head, trained with SGD; a virtual node holds ``--vnode-batch`` examples, so a step
-of M virtual nodes trains M * b examples. Every configuration runs in a fresh process:
+10-class head, trained with SGD, on inputs of ``--inputs`` features (default 1.5 x width,
+which balances its two stages: the first layer computes no gradient for its input, a
+matrix product of the others, and its wider input makes up for it, so each half of the
+layers costs the same); a virtual node holds ``--vnode-batch`` examples, so a step of M
+virtual nodes trains M * b examples. Every configuration runs in a fresh process:
 
   one-core    the unpartitioned rewrite, one intra-op and one inter-op thread (one device)
   two-threads the unpartitioned rewrite, two intra-op threads (the same two cores, each op
@@ -16,8 +19,14 @@ of M virtual nodes trains M * b examples. Every configuration runs in a fresh pr
               intra-op thread and one inter-op thread per stage
   ranks       with --ranks: the rewrite with --stages 2 (no devices, 1F1B; at the largest M
               GPipe too, for its peak memory per rank), under
-              ``mpiexec -n 2``, each rank running its stage with one intra-op thread and two
-              inter-op threads, as ``vfgraph train`` runs it (the slower rank's median step)
+              ``mpiexec -bind-to core -n 2`` (each rank bound to a core of its own), each rank
+              running its stage with one intra-op thread and two inter-op threads, as
+              ``vfgraph train`` runs it (the slower rank's median step); and the same under
+              ``mpiexec -n 2`` (MPICH's default: no binding, the ranks' threads move between
+              the cores)
+
+With ``--rounds R`` the one-core step and the runs on ranks (what the 2-rank figures are
+compared with) run R times each, alternating, and report the median of their medians.
 
 GPipe's bound on the speed-up of K stages over one device is K * M / (M + K - 1) (the
 pipeline's bubble); efficiency is the measured speed-up (one-core time / pipeline time) over
@@ -44,18 +53,21 @@ from benchlib import ROOT, git_state, write_report
 K = 2
 
 
-def export_model(path: str, layers: int, width: int, optimizer: str = "sgd", lr: float = 0.01) -> None:
-    """An MLP of ``layers`` Dense layers of ``width`` units (ReLU) and a 10-class head, trained
-    with ``optimizer``, saved with its train and serving signatures."""
+def export_model(path: str, layers: int, width: int, optimizer: str = "sgd", lr: float = 0.01,
+                 inputs: int = 0) -> None:
+    """An MLP of ``layers`` Dense layers of ``width`` units (ReLU) and a 10-class head on
+    ``inputs`` features (default ``width``), trained with ``optimizer``, saved with its train
+    and serving signatures."""
+    inputs = inputs or width
     import keras
     import tensorflow as tf
 
     import export
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width, activation="relu")
+    model = keras.Sequential([keras.Input((inputs,))] + [keras.layers.Dense(width, activation="relu")
                                                         for _ in range(layers)] + [keras.layers.Dense(10)])
-    specs = {"x": tf.TensorSpec([None, width], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
+    specs = {"x": tf.TensorSpec([None, inputs], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
     m = export.build_module(model, specs, optimizer, lr, export.sparse_ce)
     tf.saved_model.save(m, path, signatures={"train": m.train, "serving_default": m.serve})
 
@@ -92,7 +104,7 @@ def worker(args) -> None:
     fn = loaded.signatures[f"train_stage_{rank + 1}" if ranks else "train"]
     rng = np.random.default_rng(0)
     n = args.vnodes * args.vnode_batch
-    feed = {"x": tf.constant(rng.normal(size=(n, args.width)).astype(np.float32)),
+    feed = {"x": tf.constant(rng.normal(size=(n, args.inputs)).astype(np.float32)),
             "y": tf.constant(rng.integers(0, 10, n).astype(np.int32))}
     fn(**feed)
     base = proc_status("VmRSS")
@@ -114,14 +126,22 @@ def worker(args) -> None:
 
 def run_worker(model: str, mode: str, vnodes: int, a) -> dict:
     ranks = mode.startswith("ranks")
-    launcher = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(K)] if ranks else []
+    launcher = ([os.path.join(os.path.dirname(sys.executable), "mpiexec")] +
+                ([] if mode == "ranks-unbound" else ["-bind-to", "core"]) + ["-n", str(K)]) if ranks else []
     cmd = launcher + [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--mode", mode,
-           "--vnodes", str(vnodes), "--vnode-batch", str(a.vnode_batch), "--width", str(a.width),
+           "--vnodes", str(vnodes), "--vnode-batch", str(a.vnode_batch), "--width", str(a.width), "--inputs", str(a.inputs),
            "--steps", str(a.steps)]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     if res.returncode:
         raise SystemExit(f"{mode} M={vnodes} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def median_run(runs: list) -> dict:
+    """The run whose median step is the median of ``runs``' (the lower middle one of an even
+    number), with every run's median step under ``round_step_s``."""
+    order = sorted(runs, key=lambda r: r["step_s"])
+    return {**order[(len(order) - 1) // 2], "round_step_s": [r["step_s"] for r in runs]}
 
 
 def main() -> None:
@@ -130,9 +150,11 @@ def main() -> None:
     p.add_argument("--json", default="", help="write the report here")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=512)
+    p.add_argument("--inputs", type=int, default=0, help="input features (default: 1.5 x width)")
     p.add_argument("--vnode-batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--ranks", action="store_true", help="also time the stages on 2 MPI ranks")
+    p.add_argument("--rounds", type=int, default=1, help="runs of the one-core step and of the ranks' (median)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -140,6 +162,7 @@ def main() -> None:
     a = p.parse_args()
     if a.worker:
         return worker(a)
+    a.inputs = a.inputs or a.width * 3 // 2
     if a.quick:
         a.steps = 3
     counts = [2, 8] if a.quick else [2, 4, 8, 16]
@@ -151,7 +174,7 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="bench_pipeline_")
     src = os.path.join(tmp, "mlp")
-    export_model(src, a.layers, a.width)
+    export_model(src, a.layers, a.width, inputs=a.inputs)
     results, stages_info = [], None
     print(f"{'M':>3} {'one-core s':>10} {'two-thr s':>10} {'two-ops s':>10} {'1f1b s':>8} {'gpipe s':>8} "
           f"{'speed-up':>8} {'bound':>6} {'efficiency':>10}")
@@ -170,15 +193,20 @@ def main() -> None:
                 rec = records.get(item, Stages)["train"]
                 stages_info = [{"device": s.device, "parameter_bytes": s.parameter_bytes, "ops": s.ops,
                                 "flops": s.flops} for s in rec.parts]
-        row = {"vnodes": m,
-               "one-core": run_worker(paths["base"], "one-core", m, a),
+        rounds = {mode: [] for mode in ("one-core", "ranks", "ranks-unbound")}
+        for _ in range(a.rounds):  # alternating, so that the machine's load moves all alike
+            rounds["one-core"].append(run_worker(paths["base"], "one-core", m, a))
+            if a.ranks:
+                rounds["ranks"].append(run_worker(paths["ranks"], "ranks", m, a))
+                rounds["ranks-unbound"].append(run_worker(paths["ranks"], "ranks-unbound", m, a))
+        row = {"vnodes": m, **{mode: median_run(runs) for mode, runs in rounds.items() if runs},
                "two-threads": run_worker(paths["base"], "two-threads", m, a),
                "two-ops": run_worker(paths["base"], "two-ops", m, a),
                "1f1b": run_worker(paths["1f1b"], "1f1b", m, a),
                "gpipe": run_worker(paths["gpipe"], "gpipe", m, a)}
         if a.ranks:
-            row["ranks"] = run_worker(paths["ranks"], "ranks", m, a)
             row["speedup_ranks"] = row["one-core"]["step_s"] / row["ranks"]["step_s"]
+            row["speedup_ranks_unbound"] = row["one-core"]["step_s"] / row["ranks-unbound"]["step_s"]
             if "ranks-gpipe" in paths:
                 row["ranks-gpipe"] = run_worker(paths["ranks-gpipe"], "ranks-gpipe", m, a)
         best = min(row["1f1b"]["step_s"], row["gpipe"]["step_s"])
@@ -188,12 +216,16 @@ def main() -> None:
         row["speedup_over_two_ops"] = row["two-ops"]["step_s"] / best
         row["bound"] = K * m / (m + K - 1)
         row["efficiency"] = row["speedup"] / row["bound"]
+        if a.ranks:
+            row["efficiency_ranks"] = row["speedup_ranks"] / row["bound"]
         results.append(row)
         print(f"{m:>3} {row['one-core']['step_s']:>10.3f} {row['two-threads']['step_s']:>10.3f} "
               f"{row['two-ops']['step_s']:>10.3f} "
               f"{row['1f1b']['step_s']:>8.3f} {row['gpipe']['step_s']:>8.3f} {row['speedup']:>8.2f} "
               f"{row['bound']:>6.2f} {row['efficiency']:>10.2f}"
-              + (f"   2 ranks {row['ranks']['step_s']:.3f} s, x{row['speedup_ranks']:.2f}" if a.ranks else ""))
+              + (f"   2 ranks {row['ranks']['step_s']:.3f} s, x{row['speedup_ranks']:.2f} "
+                 f"(efficiency {row['efficiency_ranks']:.2f}); unbound {row['ranks-unbound']['step_s']:.3f} s"
+                 if a.ranks else ""))
     last = results[-1]
     mib = float(1 << 20)
     print(f"\npeak memory rise at M={last['vnodes']}: one-core {last['one-core']['peak_rise_bytes'] / mib:.1f} MiB, "
@@ -209,8 +241,8 @@ def main() -> None:
               f"({s['parameter_bytes'] / total:.0%} of the model)")
     if a.json:
         write_report(a.json, {
-            "config": {"layers": a.layers, "width": a.width, "vnode_batch": a.vnode_batch, "stages": K,
-                       "steps": a.steps, "quick": a.quick, "tensorflow": tf.__version__,
+            "config": {"layers": a.layers, "width": a.width, "inputs": a.inputs, "vnode_batch": a.vnode_batch, "stages": K,
+                       "steps": a.steps, "rounds": a.rounds, "quick": a.quick, "tensorflow": tf.__version__,
                        "cpu_count": os.cpu_count(), "python": platform.python_version(), "git": git_state()},
             "results": results, "stages": stages_info, "parameter_bytes": total})
 
