@@ -26,7 +26,8 @@ virtual nodes trains M * b examples. Every configuration runs in a fresh process
               the cores)
 
 With ``--rounds R`` the one-core step and the runs on ranks (what the 2-rank figures are
-compared with) run R times each, alternating, and report the median of their medians.
+compared with) run R times each, alternating, and report the run whose median step is the
+median of theirs (of an even number, the faster of the middle two).
 
 GPipe's bound on the speed-up of K stages over one device is K * M / (M + K - 1) (the
 pipeline's bubble); efficiency is the measured speed-up (one-core time / pipeline time) over
