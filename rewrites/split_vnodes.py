@@ -311,7 +311,8 @@ class _Loop:
             else:
                 inits.append(reserve(fb, nv, t))
         inits += [zeros(fb, [2 * sum(sizes) + 1], I64, shapes=[[2 * sum(sizes) + 1]]) for _, _, sizes in self.groups]
-        inits += [fb.const(-1, I32, "none_finished")[0]] * self.tokens
+        if self.tokens:
+            inits += [fb.const(-1, I32, "none_finished")[0]] * self.tokens
         loop = while_loop(fb, self.layout, inits, nv, [per] + batch + res, self.cond_name, self.body_name,
                           "vnodes_loop", lower=True, parallel_iterations=self.in_flight)
         _, carried, _, _ = self.layout.split(loop.outputs())
