@@ -89,7 +89,7 @@ def worker(args) -> None:
         import vfgraph.ops
 
         rank = MPI.COMM_WORLD.Get_rank()
-        tf.config.threading.set_inter_op_parallelism_threads(2)  # as vfgraph train gives a stage rank
+        tf.config.threading.set_inter_op_parallelism_threads(1)  # as vfgraph train gives a stage rank
         tf.config.threading.set_intra_op_parallelism_threads(1)
         vfgraph.ops.set_communicator(MPI.COMM_WORLD.Dup(), stages=K)  # (the stages' reduce runs on it)
     elif args.mode in ("1f1b", "gpipe"):

@@ -24,7 +24,12 @@
 // order in which concurrent iterations post them does not matter). They wait by
 // polling nonblocking calls: a blocking MPI call can hold the MPI library's own lock
 // while it waits, which would stop every other thread's MPI call, the other
-// messages' among them.
+// messages' among them. A message's thread runs at the lowest priority (SCHED_IDLE) and
+// tests its request between yields: it takes the CPU only when nothing else of the host
+// wants it, so it sees a message the moment the stage has nothing else to do, and never
+// preempts the stage's computing; while any message is in flight, one thread of normal
+// priority keeps MPI's progress going every millisecond (MessageWait), so a send whose
+// transport needs this rank's progress goes on while the stage computes.
 
 #include <mpi.h>
 #include <sys/mman.h>
@@ -36,11 +41,13 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <condition_variable>
 #include <mutex>
 #include <set>
 #include <string>
 #include <chrono>
 #include <thread>
+#include <sched.h>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -964,17 +971,96 @@ absl::Status PeerComm(const std::string& op, const std::string& node, int stage,
   return absl::OkStatus();
 }
 
-// Sends `count` elements of `type` at `data` to `peer` as message `tag`, polling.
-int SendPolling(const void* data, int count, MPI_Datatype type, int peer, int tag, MPI_Comm comm) {
-  return Polled([&](MPI_Request* r) { return MPI_Isend(data, count, type, peer, tag, comm, r); });
+// The waits of VfSend and VfRecv. A message's thread lowers itself to SCHED_IDLE
+// (IdleThread) and then spins on MPI_Test and sched_yield: the scheduler gives it the CPU
+// only when no other thread wants it, which costs the stage's computing nothing and sees
+// an arrival at once when the stage waits for it. Sleeping between tests instead (as the
+// collectives do) wakes the thread thousands of times a step, each wake-up preempting the
+// stage's computing, and sees an arrival up to a sleep late. Such a thread may not run for
+// as long as the stage computes, and some transports (TCP between hosts, say) move a
+// large message only while the sender makes progress: while any message is in flight, a
+// keeper thread of normal priority calls MPI_Iprobe (which makes progress) every
+// millisecond, under the keeper's mutex, which the last wait's end takes, so the keeper
+// never calls MPI once no message is in flight (MPI may then be finalised).
+class MessageWait {
+ public:
+  MessageWait() {
+    std::lock_guard<std::mutex> lock(Mutex());
+    if (Count()++ == 0) Wake().notify_one();
+    static std::once_flag started;
+    std::call_once(started, [] { std::thread(Keep).detach(); });
+  }
+  ~MessageWait() {
+    std::lock_guard<std::mutex> lock(Mutex());
+    --Count();
+  }
+
+ private:
+  static std::mutex& Mutex() {
+    static std::mutex* m = new std::mutex;
+    return *m;
+  }
+  static std::condition_variable& Wake() {
+    static std::condition_variable* c = new std::condition_variable;
+    return *c;
+  }
+  static int& Count() {
+    static int count = 0;
+    return count;
+  }
+  static void Keep() {
+    std::unique_lock<std::mutex> lock(Mutex());
+    for (;;) {
+      Wake().wait(lock, [] { return Count() > 0; });
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      lock.lock();
+      if (Count() > 0) {
+        int flag = 0;
+        MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &flag, MPI_STATUS_IGNORE);
+      }
+    }
+  }
+};
+
+// Lowers the calling thread to SCHED_IDLE; false where the system has no such policy.
+bool IdleThread() {
+#ifdef SCHED_IDLE
+  struct sched_param param = {};
+  return sched_setscheduler(0, SCHED_IDLE, &param) == 0;
+#else
+  return false;
+#endif
 }
 
-// Receives message `tag` from `peer` into `count` elements of `type` at `data`, polling.
-int RecvPolling(void* data, int count, MPI_Datatype type, int peer, int tag, MPI_Comm comm,
-                MPI_Status* status) {
+// Waits for a message's `request`: spinning where the thread runs at SCHED_IDLE (`idle`),
+// else as the collectives wait (WaitPolling).
+int WaitMessage(MPI_Request* request, MPI_Status* status, bool idle) {
+  if (!idle) return WaitPolling(request, status);
+  MessageWait in_flight;
+  for (;;) {
+    int flag = 0;
+    const int rc = MPI_Test(request, &flag, status);
+    if (rc != MPI_SUCCESS || flag) return rc;
+    if (Abandoned().load()) return kAbandoned;
+    std::this_thread::yield();
+  }
+}
+
+// Sends `count` elements of `type` at `data` to `peer` as message `tag`.
+int SendMessage(const void* data, int count, MPI_Datatype type, int peer, int tag, MPI_Comm comm,
+                bool idle) {
+  MPI_Request request;
+  const int rc = MPI_Isend(data, count, type, peer, tag, comm, &request);
+  return rc != MPI_SUCCESS ? rc : WaitMessage(&request, MPI_STATUS_IGNORE, idle);
+}
+
+// Receives message `tag` from `peer` into `count` elements of `type` at `data`.
+int RecvMessage(void* data, int count, MPI_Datatype type, int peer, int tag, MPI_Comm comm,
+                MPI_Status* status, bool idle) {
   MPI_Request request;
   const int rc = MPI_Irecv(data, count, type, peer, tag, comm, &request);
-  return rc != MPI_SUCCESS ? rc : WaitPolling(&request, status);
+  return rc != MPI_SUCCESS ? rc : WaitMessage(&request, status, idle);
 }
 
 class SendOp : public AsyncOpKernel {
@@ -992,15 +1078,16 @@ class SendOp : public AsyncOpKernel {
     OP_REQUIRES_OK_ASYNC(context, PeerComm("VfSend", name(), stage_, stages_, tag, &comm, &peer),
                          done);
     std::thread([this, context, done, input, tag, comm, peer]() {
+      const bool idle = IdleThread();
       std::vector<int64_t> header = {static_cast<int64_t>(input.dtype()), input.dims()};
       for (int d = 0; d < input.dims(); ++d) header.push_back(input.dim_size(d));
-      int rc = SendPolling(header.data(), static_cast<int>(header.size()), MPI_INT64_T, peer, 2 * tag,
-                           comm.comm);
+      int rc = SendMessage(header.data(), static_cast<int>(header.size()), MPI_INT64_T, peer, 2 * tag,
+                           comm.comm, idle);
       const char* data = static_cast<const char*>(input.tensor_data().data());
       const int64_t bytes = static_cast<int64_t>(input.TotalBytes());
       for (int64_t at = 0; rc == MPI_SUCCESS && at < bytes; at += kMaxCount) {
         const int n = static_cast<int>(std::min(kMaxCount, bytes - at));
-        rc = SendPolling(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm);
+        rc = SendMessage(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm, idle);
       }
       if (rc != MPI_SUCCESS) {
         context->SetStatus(MpiFailure("VfSend", name(), "MPI_Isend", rc, comm));
@@ -1029,19 +1116,19 @@ class RecvOp : public AsyncOpKernel {
     OP_REQUIRES_OK_ASYNC(context, PeerComm("VfRecv", name(), stage_, stages_, tag, &comm, &peer),
                          done);
     std::thread([this, context, done, tag, comm, peer]() {
-      context->SetStatus(Receive(context, tag, comm, peer));
+      context->SetStatus(Receive(context, tag, comm, peer, IdleThread()));
       done();
     }).detach();
   }
 
  private:
-  absl::Status Receive(OpKernelContext* context, int tag, const Comm& comm, int peer) {
+  absl::Status Receive(OpKernelContext* context, int tag, const Comm& comm, int peer, bool idle) {
     // The header: the dtype, the rank and at most kMaxDims dimensions.
     constexpr int kMaxDims = 254;
     MPI_Status status;
     std::vector<int64_t> header(2 + kMaxDims);
-    int rc = RecvPolling(header.data(), static_cast<int>(header.size()), MPI_INT64_T, peer, 2 * tag,
-                         comm.comm, &status);
+    int rc = RecvMessage(header.data(), static_cast<int>(header.size()), MPI_INT64_T, peer, 2 * tag,
+                         comm.comm, &status, idle);
     if (rc != MPI_SUCCESS) return MpiFailure("VfRecv", name(), "MPI_Irecv", rc, comm);
     int words = 0;
     MPI_Get_count(&status, MPI_INT64_T, &words);
@@ -1067,7 +1154,7 @@ class RecvOp : public AsyncOpKernel {
     const int64_t bytes = static_cast<int64_t>(output->TotalBytes());
     for (int64_t at = 0; at < bytes; at += kMaxCount) {
       const int n = static_cast<int>(std::min(kMaxCount, bytes - at));
-      rc = RecvPolling(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm, MPI_STATUS_IGNORE);
+      rc = RecvMessage(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm, MPI_STATUS_IGNORE, idle);
       if (rc != MPI_SUCCESS) return MpiFailure("VfRecv", name(), "MPI_Irecv", rc, comm);
     }
     return absl::OkStatus();

@@ -305,7 +305,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     # ranked: rank r runs stage r % K of replica r // K; each replica trains on its share of the batch
     groups, group = (w.size // k_count, w.rank // k_count) if ranked else (w.size, w.rank)
     in_process = stages.count if stages is not None and not stages.on_ranks else 1  # stages on this process's devices
-    threads = w.agree(lambda: place_threads(w, threads, in_process, stage_rank=ranked))
+    threads = w.agree(lambda: place_threads(w, threads, in_process))
     prepare_devices(stages)
     out = os.path.abspath(out)
     ckpt_dir = out + ".ckpt"
