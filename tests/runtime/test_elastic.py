@@ -119,10 +119,12 @@ def test_a_new_rank_with_another_model_is_refused_and_the_job_goes_on(exact, dig
 def test_resize_requests_while_the_job_runs(exact, digits, tmp_path, long_reference):
     """`vfgraph resize`: a request above --max-ranks is refused with one line and the job goes on;
     a request for 2 ranks is taken at the next step and the job grows once the new rank has
-    loaded the model, training on meanwhile; the result is the one-rank result, bit for bit."""
+    loaded the model, training on meanwhile, and a request for 1 rank shrinks it again; the
+    result is the one-rank result, bit for bit."""
     import sys
 
     from test_mpi_train import MPIEXEC, wait_for_checkpoint
+    from vfgraph.runtime.elastic import request
 
     steps = LONG
     model = exact("mlp:adam")
@@ -142,7 +144,13 @@ def test_resize_requests_while_the_job_runs(exact, digits, tmp_path, long_refere
                 time.sleep(0.05)
         bad = subprocess.run(cli + ["resize", out, "0"], capture_output=True, text=True, env=ENV, timeout=60)
         assert bad.returncode == 2 and "give at least 1" in bad.stderr and "Traceback" not in bad.stderr
-        text = proc.stderr.read()
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "resized 1 -> 2 ranks" in line:  # and back to 1 rank for the last steps
+                request(out, 1)
+                break
+        text = "".join(lines) + proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.wait(timeout=600)
@@ -151,6 +159,7 @@ def test_resize_requests_while_the_job_runs(exact, digits, tmp_path, long_refere
     assert len(refused) == 1 and "outside 1..2" in refused[0], text[-3000:]
     assert re.search(r"request for 2 ranks taken at step \d+", text)
     assert re.search(r"resized 1 -> 2 ranks at step \d+", text), text[-3000:]
+    assert re.search(r"resized 2 -> 1 ranks at step \d+", text), text[-3000:]
     assert_one_rank_result(out, long_reference)
 
 
@@ -240,11 +249,14 @@ def elastic_cmd(model, digits, out, max_ranks, schedule):
             str(max_ranks), "--elastic-schedule", schedule]
 
 
-def run_and_kill(cmd, out, after, group, delay=1.0):
+def run_and_kill(cmd, out, after, group, regrown, delay=1.0):
     """Run the elastic job ``cmd`` (writing ``out``); ``delay`` seconds after it logs ``after``,
-    kill (SIGKILL) its rank of the ``group``-th start of new ranks. Its exit status and log; no
-    process of the job may be left behind."""
+    kill (SIGKILL) its rank of the ``group``-th start of new ranks; once it logs ``regrown``
+    after that (the growth that replaces the rank), ask it for 1 rank, so that it trains its
+    last steps alone. Its exit status and log; no process of the job may be left behind."""
     import signal
+
+    from vfgraph.runtime.elastic import request
 
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
     lines = []
@@ -259,11 +271,19 @@ def run_and_kill(cmd, out, after, group, delay=1.0):
                  and environment(pid).get("VFGRAPH_ELASTIC_GROUP") == str(group)]
         assert len(ranks) == 1, "".join(lines)[-3000:]
         os.kill(ranks[0], signal.SIGKILL)
+        for line in proc.stderr:
+            lines.append(line)
+            if re.search(regrown, line):
+                request(out, 1)
+                break
         lines.extend(proc.stderr)
     finally:
         proc.wait(timeout=600)
     assert not [pid for pid, args in processes() if out in " ".join(args)], "processes of the job were left behind"
-    return proc.returncode, "".join(lines)
+    text = "".join(lines)
+    assert re.search(r"request for 1 ranks taken at step \d+", text), text[-3000:]
+    assert re.search(r"resized \d -> 1 ranks at step \d+", text), text[-3000:]
+    return proc.returncode, text
 
 
 def test_a_rank_killed_mid_run_is_survived_with_the_uninterrupted_result(exact, digits, tmp_path, long_reference):
@@ -273,7 +293,7 @@ def test_a_rank_killed_mid_run_is_survived_with_the_uninterrupted_result(exact, 
     bit."""
     out = str(tmp_path / "elastic")
     code, text = run_and_kill(elastic_cmd(exact("mlp:adam"), digits, out, 2, "0:1,2:2"), out,
-                              "resized 1 -> 2 ranks at step 2", group=1)
+                              "resized 1 -> 2 ranks at step 2", 1, r"resized 1 -> 2 ranks at step \d+")
     assert code == 0, text[-3000:]
     lost = re.findall(r"1 rank that joined the job \(launcher pid \d+\) ended with status \d+ at step (\d+); the job "
                       r"goes on alone from step (\d+), .* \(([0-9.e+-]+) s after the loss was seen\)", text)
@@ -292,7 +312,7 @@ def test_a_lost_rank_leaves_the_ranks_that_joined_before_it_in_the_job(exact, di
     for bit."""
     out = str(tmp_path / "elastic")
     code, text = run_and_kill(elastic_cmd(exact("mlp:adam"), digits, out, 3, "0:1,2:2,4:3"), out,
-                              "resized 2 -> 3 ranks at step 4", group=2)
+                              "resized 2 -> 3 ranks at step 4", 2, r"resized 2 -> 3 ranks at step \d+")
     assert code == 0, text[-3000:]
     lost = re.findall(r"1 rank that joined the job \(launcher pid \d+\) ended with status \d+ at step (\d+); the job "
                       r"goes on with 2 ranks from step (\d+)", text)
