@@ -285,8 +285,10 @@ def render_pipeline(r: dict) -> str:
     ranks = ""
     if all("ranks" in row for row in r["results"]):
         rounds = c.get("rounds", 1)
-        ranks = ("\nThe same model with its 2 stages on 2 MPI ranks (`--stages 2`, 1F1B, one intra-op and two "
-                 "inter-op threads per rank, as `vfgraph train` runs it; the slower rank's step"
+        inter = {1: "one", 2: "two"}.get(c.get("rank_inter_op_threads", 2), str(c.get("rank_inter_op_threads")))
+        ranks = ("\nThe same model with its 2 stages on 2 MPI ranks (`--stages 2`, 1F1B, one intra-op and "
+                 f"{inter} inter-op thread{'s' if inter != 'one' else ''} per rank, as `vfgraph train` runs it; "
+                 "the slower rank's step"
                  + (f"; the one-core step and each run on ranks {rounds} times, alternating, the median run (of an even "
                     "number, the faster of the middle two)"
                     if rounds > 1 else "") + "), each rank bound to a core of its own (`mpiexec -bind-to core -n 2`) "

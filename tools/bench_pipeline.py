@@ -20,7 +20,7 @@ virtual nodes trains M * b examples. Every configuration runs in a fresh process
   ranks       with --ranks: the rewrite with --stages 2 (no devices, 1F1B; at the largest M
               GPipe too, for its peak memory per rank), under
               ``mpiexec -bind-to core -n 2`` (each rank bound to a core of its own), each rank
-              running its stage with one intra-op thread and two inter-op threads, as
+              running its stage with one intra-op thread and one inter-op thread, as
               ``vfgraph train`` runs it (the slower rank's median step); and the same under
               ``mpiexec -n 2`` (MPICH's default: no binding, the ranks' threads move between
               the cores)
@@ -52,6 +52,7 @@ import time
 from benchlib import ROOT, git_state, write_report
 
 K = 2
+RANK_INTER_OP = 1  # inter-op threads of a stage rank (vfgraph.runtime.world.place_threads)
 
 
 def export_model(path: str, layers: int, width: int, optimizer: str = "sgd", lr: float = 0.01,
@@ -89,7 +90,7 @@ def worker(args) -> None:
         import vfgraph.ops
 
         rank = MPI.COMM_WORLD.Get_rank()
-        tf.config.threading.set_inter_op_parallelism_threads(1)  # as vfgraph train gives a stage rank
+        tf.config.threading.set_inter_op_parallelism_threads(RANK_INTER_OP)  # as vfgraph train gives a stage rank
         tf.config.threading.set_intra_op_parallelism_threads(1)
         vfgraph.ops.set_communicator(MPI.COMM_WORLD.Dup(), stages=K)  # (the stages' reduce runs on it)
     elif args.mode in ("1f1b", "gpipe"):
@@ -243,6 +244,7 @@ def main() -> None:
     if a.json:
         write_report(a.json, {
             "config": {"layers": a.layers, "width": a.width, "inputs": a.inputs, "vnode_batch": a.vnode_batch, "stages": K,
+                       "rank_inter_op_threads": RANK_INTER_OP,
                        "steps": a.steps, "rounds": a.rounds, "quick": a.quick, "tensorflow": tf.__version__,
                        "cpu_count": os.cpu_count(), "python": platform.python_version(), "git": git_state()},
             "results": results, "stages": stages_info, "parameter_bytes": total})
