@@ -67,21 +67,34 @@ def test_a_growth_after_a_shrink_calls_back_the_ranks_that_left(exact, digits, t
     assert losses(str(tmp_path / "elastic")) == losses(str(tmp_path / "one"))
 
 
-@pytest.mark.parametrize("extra, message", [
-    (("--max-ranks", "4", "--elastic-schedule", "0:1,5:5"), "5 ranks is outside 1..4"),
-    (("--max-ranks", "4", "--elastic-schedule", "0:1,5:0"), "0 ranks is outside 1..4"),
-    (("--max-ranks", "4", "--elastic-schedule", "0:2,5:1"), "starts with 2 ranks at step 0"),
-    (("--max-ranks", "4", "--elastic-schedule", "5:2,0:1"), "the steps must increase"),
-    (("--max-ranks", "4", "--elastic-schedule", "0:1,x"), "give STEP:RANKS pairs"),
-    (("--elastic-schedule", "0:1,5:2"), "--max-ranks goes with"),
-    (("--max-ranks", "2", "--elastic-schedule", "0:1,5:2", "--vnodes-per-rank", "1"), "give auto"),
-], ids=["above-max", "below-one", "start-size", "order", "syntax", "no-max", "fixed-shares"])
-def test_bad_schedules_are_refused_with_one_line(exact, digits, tmp_path, extra, message):
-    res = subprocess.run(train_cmd(1, exact("mlp:adam"), digits["train"], str(tmp_path / "o"), 4, *extra),
-                         capture_output=True, text=True, env=ENV, timeout=300)
-    errors = [line for line in res.stderr.splitlines() if line.startswith("vfgraph train")]
-    assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res.stderr[-2000:]
-    assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
+BAD_SCHEDULES = {
+    "above-max": (("--max-ranks", "4", "--elastic-schedule", "0:1,5:5"), "5 ranks is outside 1..4"),
+    "below-one": (("--max-ranks", "4", "--elastic-schedule", "0:1,5:0"), "0 ranks is outside 1..4"),
+    "start-size": (("--max-ranks", "4", "--elastic-schedule", "0:2,5:1"), "starts with 2 ranks at step 0"),
+    "order": (("--max-ranks", "4", "--elastic-schedule", "5:2,0:1"), "the steps must increase"),
+    "syntax": (("--max-ranks", "4", "--elastic-schedule", "0:1,x"), "give STEP:RANKS pairs"),
+    "no-max": (("--elastic-schedule", "0:1,5:2"), "--max-ranks goes with"),
+    "fixed-shares": (("--max-ranks", "2", "--elastic-schedule", "0:1,5:2", "--vnodes-per-rank", "1"), "give auto"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused(exact, digits, tmp_path_factory):
+    """Every bad schedule's run (started together): its exit status, stderr and output path."""
+    root = tmp_path_factory.mktemp("bad_schedules")
+    procs = {case: subprocess.Popen(train_cmd(1, exact("mlp:adam"), digits["train"], str(root / case), 4, *extra),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+             for case, (extra, _) in BAD_SCHEDULES.items()}
+    done = {case: p.communicate(timeout=300)[1] for case, p in procs.items()}
+    return {case: (procs[case].returncode, stderr, root / case) for case, stderr in done.items()}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCHEDULES))
+def test_bad_schedules_are_refused_with_one_line(refused, case):
+    code, stderr, out = refused[case]
+    errors = [line for line in stderr.splitlines() if line.startswith("vfgraph train")]
+    assert code == 2 and len(errors) == 1 and BAD_SCHEDULES[case][1] in errors[0], stderr[-2000:]
+    assert "Traceback" not in stderr and not out.exists()
 
 
 def test_a_new_rank_with_another_model_is_refused_and_the_job_goes_on(exact, digits, tmp_path):

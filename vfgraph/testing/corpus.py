@@ -238,7 +238,9 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
 
     # V=1: the original step, bit for bit
     v1 = vfgraph.save(vfgraph.rewrite(original, vnodes=1), os.path.join(workdir, "v1"), force=True)
-    held = [tf.saved_model.load(original), tf.saved_model.load(v1)]  # a signature needs its object alive
+    # the original as loaded above (only served so far: its variables are as saved); a signature
+    # needs its object alive
+    held = [orig, tf.saved_model.load(v1)]
     a, b = (m.signatures["train"] for m in held)
     la, lb = _steps(a, sample, 2), _steps(b, sample, 2)
     va, vb = variable_values(a), variable_values(b)
@@ -282,7 +284,9 @@ def _check_v4(res: CorpusResult, original: str, v4: str, new, workdir: str, samp
                               os.path.join(workdir, "v4_sgd"), force=True)
     else:
         return
-    held = [tf.saved_model.load(ref_model), tf.saved_model.load(ref_v4)]
+    # a fresh original (the V=1 check stepped the first); the V=4 model as loaded before when it
+    # is the one compared (only served so far)
+    held = [tf.saved_model.load(ref_model), new if ref_v4 == v4 else tf.saved_model.load(ref_v4)]
     fa, fb = (m.signatures["train"] for m in held)
     if batch_stats:
         inputs = sample(fa, BATCH, 7)
