@@ -318,6 +318,36 @@ def collectives(model_dir):
     check("stages the ranks cannot hold", lambda: expect_error(
         lambda: ops.send(tf.constant(1.0), 41, stage=0, stages=3), tf.errors.FailedPreconditionError,
         "runs 3 pipeline stages, which 2 ranks cannot hold"))
+    def idle_wait():
+        """A receive whose message is late waits on a thread at SCHED_IDLE (policy 5), which
+        takes a CPU only when nothing else of the host wants it."""
+        import threading
+        import time
+
+        if rank == 0:
+            time.sleep(1.0)
+            ops.send(tf.constant([5.0]), 50, stage=1, stages=2)
+            return True
+
+        def policy(tid):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    return int(f.read().rsplit(")", 1)[1].split()[38])  # field 41, policy
+            except (OSError, IndexError, ValueError):
+                return -1
+
+        got = {}
+        waiting = threading.Thread(target=lambda: got.update(v=ops.recv(50, tf.float32, stage=0, stages=2).numpy()))
+        waiting.start()
+        idle = False
+        while waiting.is_alive() and not idle:
+            idle = any(policy(tid) == 5 for tid in os.listdir("/proc/self/task"))
+            time.sleep(0.01)
+        waiting.join()
+        return idle and equal(got["v"], np.array([5.0], np.float32))
+
+    if sys.platform.startswith("linux"):
+        check("a late message waits at SCHED_IDLE", idle_wait)
     check("send/recv then collectives in step",
           lambda: equal(ops.allreduce(tf.constant([rank], tf.int64)).numpy(), np.array([1], np.int64)))
 
