@@ -305,6 +305,9 @@ class Elastic:
         self.watching: Optional[threading.Thread] = None  # (rank 0) the watch over them
         self.ending = False  # (rank 0) the job is ending: new processes ending is expected
         self.lost: Optional[str] = None  # (rank 0) which ranks the job lost, while it goes on without them
+        # held while a thread marks a loss (self.lost, the ops' and the world's waits give up) and while
+        # recover() unmarks it: the training thread reacts to the first mark, and recovers only after all
+        self._marking = threading.Lock()
         self.recovered = True  # (rank 0) whether the training went on after the latest loss
         self.lost_at = 0.0  # (rank 0) when the latest loss was seen (time.perf_counter())
         self.regrowing = False  # (rank 0) the next growth replaces lost ranks: the job trains on meanwhile
@@ -528,9 +531,10 @@ class Elastic:
         from vfgraph import ops
         from vfgraph.runtime import world
 
-        self.lost, self.lost_at, self.recovered = what, time.perf_counter(), False
-        world.lost.set()
-        ops.abandon(True)
+        with self._marking:
+            self.lost, self.lost_at, self.recovered = what, time.perf_counter(), False
+            world.lost.set()
+            ops.abandon(True)
         gone = [s for s in self.groups if s.group == lost or not s.merged]
         self._stop(gone)
         self.groups = [s for s in self.groups if s not in gone]
@@ -556,9 +560,10 @@ class Elastic:
         while self.control is control:
             done, said = request.test()
             if done:
-                self.lost, self.back_to = said["what"], said["port"]
-                world.lost.set()
-                ops.abandon(True)
+                with self._marking:
+                    self.lost, self.back_to = said["what"], said["port"]
+                    world.lost.set()
+                    ops.abandon(True)
                 return
             time.sleep(0.01)
         request.Cancel()
@@ -574,8 +579,9 @@ class Elastic:
         from vfgraph import ops
         from vfgraph.runtime import world
 
-        world.lost.clear()
-        ops.abandon(False)
+        with self._marking:  # (after the thread that marked the loss is done)
+            world.lost.clear()
+            ops.abandon(False)
         self.regrowing = True
         if group() == 0:  # rank 0 (its launcher started it alone)
             w = self._take_back(self._switch(MPI.COMM_WORLD.Dup()), self.survivors, step)
