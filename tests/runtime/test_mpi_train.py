@@ -203,6 +203,30 @@ def _rank_pid(rank, marker):
     return None
 
 
+def _left_behind(proc, marker) -> str:
+    """The processes of a job that did not end: the launcher's and those whose command line
+    holds ``marker`` (state, kernel wait, parent), and every process that holds its output
+    pipes open (which the test's wait for the job reads to their end)."""
+    pipes = {f"pipe:[{os.fstat(f.fileno()).st_ino}]" for f in (proc.stdout, proc.stderr)}
+    lines = []
+    for pid in sorted((p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()), key=int):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/wchan") as f:
+                wchan = f.read().strip()
+            fds = os.listdir(f"/proc/{pid}/fd")
+            holds = any(os.readlink(f"/proc/{pid}/fd/{fd}") in pipes for fd in fds)
+        except OSError:
+            continue
+        if holds or marker in cmd or int(pid) == proc.pid:
+            lines.append(f"pid {pid} ppid {fields[1]} state {fields[0]} wchan {wchan} threads {fields[17]}"
+                         f"{' holds the output' if holds else ''}: {cmd[:160]}")
+    return "\n".join(lines)
+
+
 def test_killed_rank_stops_the_job_and_resume_reaches_the_same_parameters(v8, digits, tmp_path):
     model, steps = v8("mlp:momentum"), 1500
     out = str(tmp_path / "killed")
@@ -215,7 +239,11 @@ def test_killed_rank_stops_the_job_and_resume_reaches_the_same_parameters(v8, di
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()
-        out_text, err_text = proc.communicate(timeout=60)
+        try:
+            out_text, err_text = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"the job did not end within 60 s of the kill; what is left of it:\n"
+                                 f"{_left_behind(proc, out)}\n{(e.stderr or b'')[-2000:]!r}") from None
         err = out_text + err_text
     finally:
         if proc.poll() is None:
