@@ -34,6 +34,16 @@ def long_reference(exact, digits, tmp_path_factory):
     return out
 
 
+def read_until(stream, lines: list, pattern: str) -> bool:
+    """Read ``stream``'s lines into ``lines`` up to and with the first that matches the regular
+    expression ``pattern`` (to its end if none does); whether one did."""
+    for line in stream:
+        lines.append(line)
+        if re.search(pattern, line):
+            return True
+    return False
+
+
 def test_grow_and_shrink_on_a_schedule_is_bit_identical_to_one_rank(exact, digits, tmp_path):
     model = exact("mlp:adam")
     run_train(0, model, digits["train"], str(tmp_path / "one"), 20, "--threads", "1")
@@ -113,13 +123,11 @@ def test_a_new_rank_with_another_model_is_refused_and_the_job_goes_on(exact, dig
            "--max-ranks", "2", "--elastic-schedule", "0:1,10:2"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
     lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if "starting 1 new rank" in line:  # (the new process imports TensorFlow before it reads the model)
-            shutil.copytree(exact("cnn:momentum"), path + ".new")
-            os.rename(path, path + ".old")
-            os.rename(path + ".new", path)
-            break
+    # (the new process imports TensorFlow before it reads the model)
+    if read_until(proc.stderr, lines, "starting 1 new rank"):
+        shutil.copytree(exact("cnn:momentum"), path + ".new")
+        os.rename(path, path + ".old")
+        os.rename(path + ".new", path)
     lines.extend(proc.stderr)
     assert proc.wait(timeout=600) == 0, "".join(lines)[-3000:]
     text = "".join(lines)
@@ -158,11 +166,8 @@ def test_resize_requests_while_the_job_runs(exact, digits, tmp_path, long_refere
         bad = subprocess.run(cli + ["resize", out, "0"], capture_output=True, text=True, env=ENV, timeout=60)
         assert bad.returncode == 2 and "give at least 1" in bad.stderr and "Traceback" not in bad.stderr
         lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if "resized 1 -> 2 ranks" in line:  # and back to 1 rank for the last steps
-                request(out, 1)
-                break
+        if read_until(proc.stderr, lines, "resized 1 -> 2 ranks"):
+            request(out, 1)  # and back to 1 rank for the last steps
         text = "".join(lines) + proc.stderr.read()
     finally:
         if proc.poll() is None:
@@ -201,16 +206,10 @@ def test_a_host_discovery_script_grows_and_shrinks_the_job(exact, digits, tmp_pa
         hosts.write_text("localhost:one\n")  # unreadable: logged, the job goes on
         time.sleep(1)
         hosts.write_text("localhost:1\nnohost.invalid:1\n")  # the free slot: where no launcher reaches
-        for line in proc.stderr:
-            lines.append(line)
-            if "refused 1 new rank" in line:
-                break
+        read_until(proc.stderr, lines, "refused 1 new rank")
         hosts.write_text("localhost:2\n")
-        for line in proc.stderr:
-            lines.append(line)
-            if "resized 1 -> 2" in line:
-                hosts.write_text("localhost\n")  # one slot again
-                break
+        if read_until(proc.stderr, lines, "resized 1 -> 2"):
+            hosts.write_text("localhost\n")  # one slot again
         lines.extend(proc.stderr)
     finally:
         proc.wait(timeout=600)
@@ -274,21 +273,15 @@ def run_and_kill(cmd, out, after, group, regrown, delay=1.0):
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=ENV)
     lines = []
     try:
-        for line in proc.stderr:
-            lines.append(line)
-            if after in line:
-                break
+        read_until(proc.stderr, lines, re.escape(after))
         time.sleep(delay)  # training on the new layout
         ranks = [pid for pid, args in processes() if "--elastic-join" in args and out in args
                  and "vfgraph.cli" in args[1:3]  # (the rank, not its launcher)
                  and environment(pid).get("VFGRAPH_ELASTIC_GROUP") == str(group)]
         assert len(ranks) == 1, "".join(lines)[-3000:]
         os.kill(ranks[0], signal.SIGKILL)
-        for line in proc.stderr:
-            lines.append(line)
-            if re.search(regrown, line):
-                request(out, 1)
-                break
+        if read_until(proc.stderr, lines, regrown):
+            request(out, 1)
         lines.extend(proc.stderr)
     finally:
         proc.wait(timeout=600)
