@@ -1,7 +1,8 @@
 """partition-stages: cut a training step into K pipeline stages placed on K devices.
 
 The forward computation is cut into K consecutive stages (:mod:`vfgraph.analysis.stages`:
-balanced by estimated cost, or where ``split-at`` says); every backward op goes on the stage
+balanced by estimated cost, by the measured times of a profiled step with ``balance=profile``
+(:mod:`vfgraph.analysis.profile`), or where ``split-at`` says); every backward op goes on the stage
 of the forward op it differentiates, every variable, its update and its optimizer state on
 the stage whose forward ops read it. The pass writes where each op runs (the ``device`` of
 its node) and where each variable lives (the object graph's saved device), and nothing else:
@@ -28,9 +29,11 @@ from dataclasses import dataclass
 from typing import ClassVar, Dict, Optional, Tuple
 
 from vfgraph import records
+from vfgraph.analysis.profile import profile_step
 from vfgraph.analysis.stages import StagePlan, plan_stages
 from vfgraph.analysis.train_step import analyze_train_step, check_batch_inputs, training_signature
 from vfgraph.errors import PipelineError
+from vfgraph.io.savedmodel import is_saved_model_dir
 from vfgraph.io.signatures import has_object_graph, set_variable_devices
 from vfgraph.ir.attrs import type_attr
 from vfgraph.ir.graph import FunctionGraph, TensorRef
@@ -40,6 +43,7 @@ from vfgraph.passes.base import Pass, PassResult, option, register
 from vfgraph.records import StagePart, Stages, VirtualNodes
 
 SCHEDULES = ("1f1b", "gpipe")
+BALANCES = ("estimate", "profile")
 STAGE_ATTR = "_vf_stage"  # a node's stage (0-based) when the stages are MPI ranks
 
 
@@ -59,6 +63,11 @@ class PartitionStagesPass(Pass):
     split_at: str = option("", "the forward ops that start stages 2..K, separated by ';' (default: the cuts that "
                                "balance the estimated cost)")
     schedule: str = option("1f1b", "1f1b: at most K virtual nodes in flight; gpipe: all of a step's")
+    balance: str = option("estimate", "what the cuts balance: estimate (each op's cost estimated from static shapes) "
+                                      "or profile (each op's time in a step run here, on this machine's CPU; the "
+                                      "cuts chosen are in the notes: give them as split-at to repeat the rewrite)")
+    profile_batch: int = option(32, "with balance=profile: the examples in the profiled step's batch (a virtual "
+                                    "node's batch, as the stages will run it)")
     signature: str = option("", "the training signature (default: 'train', or the one found)")
 
     def call(self, item: GraphItem) -> PassResult:
@@ -66,6 +75,10 @@ class PartitionStagesPass(Pass):
         split_at = tuple(s.strip() for s in self.split_at.split(";")) if self.split_at.strip() else ()
         if self.schedule not in SCHEDULES:
             raise PipelineError(f"schedule={self.schedule!r}: choose {' or '.join(SCHEDULES)}")
+        if self.balance not in BALANCES:
+            raise PipelineError(f"balance={self.balance!r}: choose {' or '.join(BALANCES)}")
+        if self.profile_batch < 1:
+            raise PipelineError(f"profile-batch={self.profile_batch}: give the examples of a profiled batch (>= 1)")
         if not has_object_graph(item):
             raise PipelineError(f"{item.source}: partition-stages takes TF2 SavedModels (with an object graph); this "
                                 f"is a {item.kind.replace('_', ' ')}: export the model with tf.saved_model.save")
@@ -79,7 +92,13 @@ class PartitionStagesPass(Pass):
         g.verify()
         check_batch_inputs(g, sig)
         step = analyze_train_step(g, sig)
-        plan = plan_stages(g, step, self.stages, split_at)
+        profile = None
+        if self.balance == "profile" and not split_at and self.stages > 1:
+            if not is_saved_model_dir(item.source):
+                raise PipelineError(f"balance=profile runs the model's training step from its SavedModel directory; "
+                                    f"{item.source} is not one (balance by the estimate, or give split-at)")
+            profile = profile_step(item.source, sig, batch=self.profile_batch)
+        plan = plan_stages(g, step, self.stages, split_at, profile)
         if not devices and plan.shared:
             raise PipelineError(f"signature {sig.key!r}: variable {plan.shared[0].name!r} is read by stages "
                                 f"{', '.join(map(str, plan.shared[0].stages))}, which MPI ranks cannot share; give "
@@ -108,6 +127,11 @@ class PartitionStagesPass(Pass):
             replicated=plan.replicated))
         notes = [f"signature {sig.key!r}: {len(plan.stages)} stages on "
                  + (", ".join(devices) if devices else f"MPI ranks 0..{len(plan.stages) - 1}")]
+        if profile is not None:
+            times = ", ".join(f"{st.measured_ns / 1e6:.2f}" for st in plan.stages)
+            notes.append(f"signature {sig.key!r}: the cuts balance a profiled step's measured times (stages: {times} ms "
+                         f"per step of {profile.batch} examples); to repeat this rewrite exactly, split at "
+                         + ";".join(c.before for c in plan.cuts))
         if plan.shared:
             notes.append(f"signature {sig.key!r}: variables read by several stages stay where the loader puts them: "
                          + ", ".join(v.name for v in plan.shared[:3]) + (" ..." if len(plan.shared) > 3 else ""))

@@ -54,12 +54,15 @@ def _is_saved_model_text(path: str) -> bool:
 def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "",
                      has_training: bool = True, allreduce: bool = False, fusion_mb: float = 4,
                      stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
-                     schedule: str = "1f1b", deterministic: bool = False) -> str:
+                     schedule: str = "1f1b", deterministic: bool = False, balance: str = "estimate",
+                     profile_batch: int = 32) -> str:
     parts = []
     if has_training and (stages > 1 or devices or split_at):
         opts = [f"stages={stages}"] + (["devices=" + ";".join(devices)] if devices else [])
         opts += ["split-at=" + ";".join(split_at)] if split_at else []
         opts += [f"schedule={schedule}"] if schedule != "1f1b" else []
+        opts += [f"balance={balance}"] if balance != "estimate" else []
+        opts += [f"profile-batch={profile_batch}"] if balance != "estimate" and profile_batch != 32 else []
         opts += [f"signature={train_signature}"] if train_signature else []
         parts.append("partition-stages{" + ",".join(opts) + "}")
     if has_training:
@@ -80,7 +83,8 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
             outputs: Optional[Sequence[str]] = None, allreduce: str = "mpi", fusion_mb: float = 4,
             checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False,
             verify_each: bool = False, stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
-            schedule: str = "1f1b", deterministic: bool = False) -> GraphItem:
+            schedule: str = "1f1b", deterministic: bool = False, balance: str = "estimate",
+            profile_batch: int = 32) -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
     With ``in_place``, a loaded item is rewritten itself and returned, without the copy (a
     model's size in memory and the time to copy it): for an item loaded only to be rewritten
@@ -98,7 +102,9 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     stage k placed on ``devices[k]``, or without ``devices`` run by MPI rank k of
     ``mpiexec -n stages`` (``train_stage_<k+1>`` signatures); ``split_at`` names the forward
     ops that start stages 2..K, ``schedule`` "1f1b" keeps at most K virtual nodes in flight,
-    "gpipe" all.
+    "gpipe" all. Without ``split_at`` the cuts balance each op's estimated cost, or with
+    ``balance="profile"`` its measured time in a step of ``profile_batch`` examples run here
+    (on this machine's CPU; the notes name the cuts chosen, to repeat the rewrite exactly).
 
     ``deterministic`` sums the virtual nodes' gradients and outputs exactly (fixed point), so
     that any layout of the V virtual nodes over ranks (1x8, 2x4, 5+3) trains bit-identical
@@ -109,7 +115,7 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
         return _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce,
                         fusion_mb, checkpoint, loss, in_place, verify_each,
                         dict(stages=stages, devices=tuple(devices), split_at=tuple(split_at), schedule=schedule,
-                             deterministic=deterministic))
+                             deterministic=deterministic, balance=balance, profile_batch=profile_batch))
 
 
 @contextlib.contextmanager

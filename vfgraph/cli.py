@@ -98,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--split-at", metavar="OP,...",
                    help="with --stages: the forward ops that start stages 2..K (default: the cuts that balance "
                         "the estimated cost; 'vfgraph inspect MODEL --stages K' shows them)")
+    _balance_options(r)
     r.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
                    help="with --stages: 1f1b (default) keeps at most K virtual nodes in flight, so at most K "
                         "virtual nodes' activations; gpipe runs all of a step's at once")
@@ -115,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
                         "variables, optimizer state, estimated FLOPs per stage and the bytes crossing each cut")
     i.add_argument("--split-at", metavar="OP,...",
                    help="with --stages: the forward ops that start stages 2..K, instead of the balanced choice")
+    _balance_options(i)
     _tf1_options(i)
 
     d = command("diff", "canonical unified diff of two models, variables included (exit 1 when they differ)")
@@ -329,11 +331,29 @@ def cmd_rewrite(args) -> int:
     return 0
 
 
+def _balance_options(p) -> None:
+    p.add_argument("--balance", choices=("estimate", "profile"), default="estimate",
+                   help="with --stages: what the cuts balance: estimate (default: each op's cost estimated from "
+                        "static shapes; the same cuts on any machine) or profile (each op's time in a training step "
+                        "run here on a synthetic batch, on this machine's CPU)")
+    p.add_argument("--profile-batch", type=int, default=32, metavar="N",
+                   help="with --balance profile: the examples in the profiled step's batch (a virtual node's "
+                        "batch, as the stages will run it; default 32)")
+
+
+def _check_balance(args, stages) -> None:
+    if args.profile_batch < 1:
+        raise InputError(f"--profile-batch {args.profile_batch}: give the examples of the profiled batch (>= 1)")
+    if args.balance != "estimate" and stages is None:
+        raise InputError("--balance profile without --stages: give the number of pipeline stages to balance")
+
+
 def _partition_options(args) -> dict:
     """``vfgraph.rewrite``'s pipeline-stage options from --stages, --devices, --split-at and
     --schedule (checked before any work)."""
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else []
     split_at = [op.strip() for op in args.split_at.split(",") if op.strip()] if args.split_at else []
+    _check_balance(args, args.stages if args.stages is not None or devices or split_at else None)
     if args.stages is None and not devices and not split_at:
         return {}
     stages = args.stages if args.stages is not None else len(devices)
@@ -355,7 +375,8 @@ def _partition_options(args) -> dict:
         devices = [canonical_device(d) for d in devices]
     except ValueError as e:
         raise InputError(f"--devices: {e}") from None
-    return {"stages": stages, "devices": devices, "split_at": split_at, "schedule": args.schedule}
+    return {"stages": stages, "devices": devices, "split_at": split_at, "schedule": args.schedule,
+            "balance": args.balance, "profile_batch": args.profile_batch}
 
 
 def cmd_inspect(args) -> int:
@@ -367,6 +388,7 @@ def cmd_inspect(args) -> int:
     stages = args.stages if args.stages is not None else (len(split_at) + 1 if split_at else None)
     if stages is not None and stages < 1:
         raise InputError(f"--stages {stages}: give at least 1 stage")
+    _check_balance(args, stages)
     item = vfgraph.load(args.model, checkpoint=args.checkpoint, loss=args.loss)
     lib = item.library
     report = {"model": item.source, "signatures": {}, "rewrites": records.rewrites(item),
@@ -408,7 +430,13 @@ def cmd_inspect(args) -> int:
             if stages is not None:
                 from vfgraph.analysis.stages import plan_stages
 
-                plan = plan_stages(g, step, stages, split_at)
+                profile = None
+                if args.balance == "profile":
+                    profile = _profile(item, sig, args.profile_batch)
+                    if not split_at:  # the estimate's cuts, timed: how far they are from the measured balance
+                        cuts = [c.before for c in plan_stages(g, step, stages).cuts]
+                        report["stages_by_estimate"] = plan_stages(g, step, stages, cuts, profile).to_json()
+                plan = plan_stages(g, step, stages, split_at, profile)
                 report["stages"] = plan.to_json()
         report["signatures"][key] = entry
     if args.json:
@@ -458,20 +486,36 @@ def cmd_inspect(args) -> int:
         top = list(e["ops"].items())[:12]
         print(f"  ops: {', '.join(f'{k} {v}' for k, v in top)}{' ...' if len(e['ops']) > 12 else ''}")
     if plan is not None:
-        _print_stages(plan)
+        _print_stages(plan, report.get("stages_by_estimate"))
     return 0
 
 
-def _print_stages(plan) -> None:
-    """The stage plan as a small table."""
-    how = "split at the given ops" if plan.chosen == "split-at" else "balanced by estimated cost"
+def _profile(item, sig, batch: int):
+    from vfgraph.analysis.profile import profile_step
+    from vfgraph.io.savedmodel import is_saved_model_dir
+
+    if not is_saved_model_dir(item.source):
+        raise InputError(f"--balance profile runs the training step of a SavedModel directory; {item.source} is not "
+                         "one (balance by the estimate, or give --split-at)")
+    return profile_step(item.source, sig, batch=batch)
+
+
+def _print_stages(plan, by_estimate: Optional[dict] = None) -> None:
+    """The stage plan as a small table; ``by_estimate``: the estimate's cuts, timed by the same
+    profile (JSON), for comparison."""
+    how = {"split-at": "split at the given ops", "balanced": "balanced by estimated cost",
+           "measured": "balanced by measured time"}[plan.chosen]
+    timed = plan.profile_batch > 0
     print(f"\nstages of signature {plan.signature!r}: {len(plan.stages)} ({how}; FLOPs and bytes per example, "
-          "estimated from static shapes)")
-    rows = [("stage", "fwd ops", "bwd ops", "est. FLOPs", "params", "opt state", "first op")]
+          "estimated from static shapes" + (f"; time per step of {plan.profile_batch} examples, measured here on one "
+                                            "CPU thread" if timed else "") + ")")
+    rows = [("stage", "fwd ops", "bwd ops", "est. FLOPs") + (("time",) if timed else ()) +
+            ("params", "opt state", "first op")]
     for st in plan.stages:
-        rows.append((str(st.index), str(st.forward_ops), str(st.backward_ops), f"{st.flops:,}",
-                     f"{len(st.variables)} ({outputs.size_text(st.parameter_bytes)})",
-                     f"{len(st.optimizer_state)} ({outputs.size_text(st.optimizer_state_bytes)})", st.first))
+        rows.append((str(st.index), str(st.forward_ops), str(st.backward_ops), f"{st.flops:,}")
+                    + ((f"{st.measured_ns / 1e6:.2f} ms",) if timed else ())
+                    + (f"{len(st.variables)} ({outputs.size_text(st.parameter_bytes)})",
+                       f"{len(st.optimizer_state)} ({outputs.size_text(st.optimizer_state_bytes)})", st.first))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         cells = [c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
@@ -481,6 +525,14 @@ def _print_stages(plan) -> None:
         print(f"  cut {c.index}|{c.index + 1}: {len(c.tensors)} tensor(s), {outputs.size_text(c.bytes)} ({names})")
     share = max(st.flops for st in plan.stages) / max(plan.flops, 1)
     print(f"  largest stage: {share:.0%} of {plan.flops:,} estimated FLOPs")
+    if timed:
+        total = sum(st.measured_ns for st in plan.stages)
+        print(f"  largest stage: {max(st.measured_ns for st in plan.stages) / max(total, 1):.0%} of "
+              f"{total / 1e6:.2f} ms measured")
+    if by_estimate is not None:
+        times = [st["measured_us"] for st in by_estimate["stages"]]
+        print(f"  the estimate's cuts ({', '.join(c['before'] for c in by_estimate['cuts'])}) measure "
+              + " / ".join(f"{t / 1e3:.2f}" for t in times) + f" ms: largest stage {max(times) / max(sum(times), 1e-9):.0%}")
     if plan.replicated:
         print(f"  on every stage: {', '.join(plan.replicated)} ({outputs.size_text(plan.replicated_bytes)})")
     for v in plan.shared:

@@ -22,11 +22,14 @@ import bisect
 import difflib
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from vfgraph.analysis.train_step import TrainStep
 from vfgraph.errors import DetectionError, InputError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
+
+if TYPE_CHECKING:
+    from vfgraph.analysis.profile import StepProfile
 
 # Ops that alias, relabel or describe their input: no arithmetic.
 _FREE = frozenset({"Identity", "IdentityN", "Snapshot", "StopGradient", "PreventGradient", "Shape", "ShapeN",
@@ -56,13 +59,23 @@ class Stage:
     optimizer_state_bytes: int
     shared: Tuple[str, ...] = ()     # variables its forward ops read that other stages read too
     inputs: Tuple[str, ...] = ()     # signature inputs its ops read directly
+    forward_ns: int = -1             # measured, per step of the profile (-1: not profiled)
+    backward_ns: int = -1
 
     @property
     def flops(self) -> int:
         return self.forward_flops + self.backward_flops
 
+    @property
+    def measured_ns(self) -> int:
+        """Its forward and backward ops' measured time (-1: not profiled)."""
+        return self.forward_ns + self.backward_ns if self.forward_ns >= 0 else -1
+
     def to_json(self) -> dict:
-        return {"index": self.index, "first": self.first, "last": self.last, "forward_ops": self.forward_ops,
+        measured = {} if self.forward_ns < 0 else {
+            "forward_us": self.forward_ns / 1000, "backward_us": self.backward_ns / 1000,
+            "measured_us": self.measured_ns / 1000}
+        return {**measured, "index": self.index, "first": self.first, "last": self.last, "forward_ops": self.forward_ops,
                 "backward_ops": self.backward_ops, "forward_flops": self.forward_flops,
                 "backward_flops": self.backward_flops, "flops": self.flops, "variables": list(self.variables),
                 "parameter_bytes": self.parameter_bytes, "optimizer_state": list(self.optimizer_state),
@@ -105,7 +118,7 @@ class StagePlan:
     function: str
     stages: Tuple[Stage, ...]
     cuts: Tuple[Cut, ...]
-    chosen: str                          # "balanced" (cost model) or "split-at" (given)
+    chosen: str                          # "balanced" (cost model), "measured" (profile) or "split-at" (given)
     shared: Tuple[SharedVariable, ...]
     replicated: Tuple[str, ...]          # every stage keeps a copy (step counters, learning rates)
     replicated_bytes: int
@@ -114,6 +127,7 @@ class StagePlan:
     order: Tuple[str, ...] = field(repr=False, default=())  # the forward ops, in the order cut
     node_stage: Mapping[str, int] = field(repr=False, default_factory=dict)     # per-example op -> stage
     split_nodes: Mapping[str, Tuple[int, ...]] = field(repr=False, default_factory=dict)  # IdentityN: per output
+    profile_batch: int = 0               # the batch of the profile its measured times are of (0: none)
 
     @property
     def flops(self) -> int:
@@ -135,6 +149,7 @@ class StagePlan:
         return {
             "signature": self.signature, "function": self.function, "count": len(self.stages),
             "chosen": self.chosen, "stages": [s.to_json() for s in self.stages],
+            **({"profile_batch": self.profile_batch} if self.profile_batch else {}),
             "cuts": [c.to_json() for c in self.cuts],
             "shared": [{"variable": v.name, "stages": list(v.stages), "bytes": v.bytes} for v in self.shared],
             "replicated": list(self.replicated), "replicated_bytes": self.replicated_bytes,
@@ -421,21 +436,30 @@ class _Many:
 _MANY = _Many()
 
 
-def plan_stages(g: FunctionGraph, step: TrainStep, stages: int, split_at: Sequence[str] = ()) -> StagePlan:
+def plan_stages(g: FunctionGraph, step: TrainStep, stages: int, split_at: Sequence[str] = (),
+                profile: Optional["StepProfile"] = None) -> StagePlan:
     """Cut the training step ``step`` of function ``g`` into ``stages`` pipeline stages.
 
-    Without ``split_at`` the cuts minimise the largest stage's estimated cost (its forward
-    ops and the backward ops placed with them), ties broken by the fewest bytes per example
-    crossing the cuts: exact, by dynamic programming over the forward order. ``split_at``
-    names the forward ops that start stages 2..K instead. Raises InputError for a number of
-    stages or a split the step cannot take, DetectionError for a step with no forward part.
+    Without ``split_at`` the cuts minimise the largest stage's cost (its forward ops and the
+    backward ops placed with them), ties broken by the fewest bytes per example crossing the
+    cuts: exact, by dynamic programming over the forward order. The cost is the estimate
+    (see the module's note) or, given a ``profile`` of the step
+    (:func:`vfgraph.analysis.profile.profile_step`), each op's measured time, which the plan's
+    stages then report too. ``split_at`` names the forward ops that start stages 2..K instead.
+    Raises InputError for a number of stages or a split the step cannot take (or a profile
+    of another model), DetectionError for a step with no forward part.
     """
     sig = step.signature
     if stages < 1:
         raise InputError(f"{stages} stages: a plan needs at least 1 stage")
     s = _Step(g, step)
-    n = len(s.order)
-    fwd_cost = [s.cost[x] for x in s.order]
+    measured = None
+    if profile is not None:
+        from vfgraph.analysis.profile import function_costs
+
+        measured = function_costs(profile, g, s.cost)
+    cost = s.cost if measured is None else {n: measured.get(n, 0) for n in s.cost}
+    fwd_cost = [cost[x] for x in s.order]
     costed = sum(1 for c in fwd_cost if c > 0)
     if split_at:
         if len(split_at) != stages - 1:
@@ -457,13 +481,15 @@ def plan_stages(g: FunctionGraph, step: TrainStep, stages: int, split_at: Sequen
             cuts.append(p)
     else:
         if stages > costed:
-            raise InputError(f"{stages} stages: signature {sig.key!r} has only {costed} forward op(s) with an "
-                             f"estimated cost; give at most {costed} stage(s)")
+            what = "a measured time" if measured is not None else "an estimated cost"
+            raise InputError(f"{stages} stages: signature {sig.key!r} has only {costed} forward op(s) with {what}; "
+                             f"give at most {costed} stage(s)")
         weight = list(fwd_cost)
         for x, a in s.anchor.items():
-            weight[a] += s.cost[x]
+            weight[a] += cost[x]
         cuts = _best_cuts(weight, fwd_cost, _live_bytes(s), stages)
-    return _build(s, cuts, "split-at" if split_at else "balanced")
+    chosen = "split-at" if split_at else "balanced" if measured is None else "measured"
+    return _build(s, cuts, chosen, measured, profile.batch if profile is not None else 0)
 
 
 def _live_bytes(s: _Step) -> List[int]:
@@ -570,7 +596,8 @@ def _var_bytes(sig, arg: str) -> int:
     return 0 if v is None or v.shape is None else _elements(v.shape) * dtype_size(v.dtype)
 
 
-def _build(s: _Step, cuts: List[int], chosen: str) -> StagePlan:
+def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[str, int]] = None,
+           profile_batch: int = 0) -> StagePlan:
     g, step = s.g, s.step
     sig = step.signature
     k = len(cuts) + 1
@@ -625,14 +652,18 @@ def _build(s: _Step, cuts: List[int], chosen: str) -> StagePlan:
         counts[s.how[n]] += 1
     fwd_count, bwd_count = [0] * (k + 1), [0] * (k + 1)
     fwd_flops, bwd_flops = [0] * (k + 1), [0] * (k + 1)
+    fwd_ns, bwd_ns = [0] * (k + 1), [0] * (k + 1)
+    ns = measured if measured is not None else {}
     inputs: List[Set[str]] = [set() for _ in range(k + 1)]
     for n, st in node_stage.items():
         if n in s.pos:
             fwd_count[st] += 1
             fwd_flops[st] += s.cost[n]
+            fwd_ns[st] += ns.get(n, 0)
         else:
             bwd_count[st] += 1
             bwd_flops[st] += s.cost[n]
+            bwd_ns[st] += ns.get(n, 0)
         for t in g.data_inputs(n):
             if t.is_function_arg and t.node in s.batch:
                 inputs[st].add(sig.input_keys.get(t.node, t.node))
@@ -654,7 +685,9 @@ def _build(s: _Step, cuts: List[int], chosen: str) -> StagePlan:
             optimizer_state=tuple(name(v) for v in slots),
             optimizer_state_bytes=sum(_var_bytes(sig, v) for v in slots),
             shared=tuple(name(v) for v in by_order(v for v, st in {**shared, **slot_shared}.items() if i in st)),
-            inputs=tuple(sorted(inputs[i]))))
+            inputs=tuple(sorted(inputs[i])),
+            forward_ns=fwd_ns[i] if measured is not None else -1,
+            backward_ns=bwd_ns[i] if measured is not None else -1))
 
     crossing: List[List[Tuple[str, int]]] = [[] for _ in cuts]
     for lo, hi, b, t in _forward_intervals(s):
@@ -681,4 +714,4 @@ def _build(s: _Step, cuts: List[int], chosen: str) -> StagePlan:
                      ((v, shared[v]) for v in by_order(shared))),
         replicated=tuple(name(r) for r in replicated), replicated_bytes=sum(_var_bytes(sig, r) for r in replicated),
         placement=counts, misplaced=tuple(misplaced), order=tuple(s.order), node_stage=node_stage,
-        split_nodes=split_nodes)
+        split_nodes=split_nodes, profile_batch=profile_batch)

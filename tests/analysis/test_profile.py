@@ -1,0 +1,142 @@
+"""A measured profile of a training step, and stage cuts that balance it (partition-stages
+with balance=profile; vfgraph inspect --balance profile)."""
+import json
+
+import pytest
+
+from vfgraph.errors import InputError
+
+SINES = 80
+
+
+@pytest.fixture(scope="module")
+def sine_mlp(tmp_path_factory):
+    """Three Dense(256), 80 sines, Dense(10): the sines cost far more than the estimate (one
+    operation an element) says, so the estimate cuts between the second and third layer and
+    leaves them all to stage 2."""
+    import export
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers = ([keras.Input((64,))] + [keras.layers.Dense(256, activation="relu") for _ in range(3)]
+              + [keras.layers.Lambda(_sine, name=f"sine_{i}") for i in range(SINES)] + [keras.layers.Dense(10)])
+    path = str(tmp_path_factory.mktemp("sine") / "sine_mlp")
+    export._digits_module(path, keras.Sequential(layers), "sgd", 0.01)
+    return path
+
+
+def _sine(t):
+    """x + sin(x) / 10: a sine whose gradient (1 + cos(x) / 10) keeps its size through 80 of them."""
+    import tensorflow as tf
+
+    return t + 0.1 * tf.sin(t)
+
+
+def loaded(path):
+    import vfgraph
+    from vfgraph.analysis.train_step import analyze_train_step
+    from vfgraph.ir.graph import FunctionGraph
+
+    item = vfgraph.load(path)
+    sig = item.training_signature()
+    g = FunctionGraph(item.library[sig.function], item.library)
+    return item, sig, g, analyze_train_step(g, sig)
+
+
+def test_a_profile_times_each_op_and_leaves_the_model_alone(models):
+    from vfgraph.analysis.profile import function_costs, profile_step
+    from vfgraph.analysis.stages import op_flops
+    from vfgraph.io.savedmodel import source_fingerprint
+
+    path = models("mlp:adam")
+    before = source_fingerprint(path)
+    item, sig, g, step = loaded(path)
+    prof = profile_step(path, sig, batch=64, steps=5)
+    assert prof.batch == 64 and prof.steps == 5 and prof.step_us > 0
+    per_example = {n: op_flops(g, n) for n in step.batch_dependent if n in g.nodes}
+    cost = function_costs(prof, g, per_example)
+    matmuls = [n for n, op in g.op_types().items() if op == "MatMul" and n in per_example]
+    assert len(matmuls) == 2 + 3  # two layers' forward products, their weight gradients, one input gradient
+    # Grappler fuses each forward MatMul with its BiasAdd (and ReLU): the product gets its share
+    assert all(cost.get(n, 0) > 0 for n in matmuls), {n: cost.get(n) for n in matmuls}
+    # one thread runs the ops one after another: their times fit in the step's
+    assert 0 < sum(cost.values()) / 1000 <= 1.05 * prof.step_us
+    assert source_fingerprint(path) == before
+
+
+def test_profiled_cuts_balance_what_the_estimate_misjudges(sine_mlp):
+    from vfgraph.analysis.profile import profile_step
+    from vfgraph.analysis.stages import plan_stages
+
+    item, sig, g, step = loaded(sine_mlp)
+    prof = profile_step(sine_mlp, sig, batch=64, steps=5)
+    estimate = plan_stages(g, step, 2)
+    measured = plan_stages(g, step, 2, profile=prof)
+    timed = plan_stages(g, step, 2, [c.before for c in estimate.cuts], prof)
+    # the estimate sees the sines as nothing beside the products: it cuts between two layers
+    assert estimate.chosen == "balanced" and not any("/sine_" in c for c in (estimate.cuts[0].after,
+                                                                               estimate.cuts[0].before))
+    assert measured.chosen == "measured" and measured.profile_batch == 64
+    assert "/sine_" in measured.cuts[0].before, (measured.cuts, [st.measured_ns for st in measured.stages])
+    worst = max(st.measured_ns for st in measured.stages)
+    assert worst < 0.8 * max(st.measured_ns for st in timed.stages)
+    assert all(st.measured_ns > 0 for st in measured.stages) and all(st.forward_ns == -1 for st in estimate.stages)
+    js = measured.to_json()
+    assert js["chosen"] == "measured" and js["stages"][0]["measured_us"] == measured.stages[0].measured_ns / 1000
+
+
+def test_rewrite_with_a_profile_names_its_cuts_to_repeat_it(sine_mlp):
+    import vfgraph
+    from vfgraph.ir.canonical import canonical_text
+
+    out = vfgraph.rewrite(sine_mlp, vnodes=2, allreduce="none", stages=2, balance="profile", profile_batch=32)
+    (note,) = [n for n in out.metadata.get("notes", []) if "profiled step" in n]
+    split = note.rsplit("split at ", 1)[1]
+    assert "sine_" in split
+    again = vfgraph.rewrite(sine_mlp, vnodes=2, allreduce="none", stages=2, split_at=[split])
+    assert canonical_text(again) == canonical_text(out)
+
+
+def test_inspect_with_a_profile(models, capsys):
+    from vfgraph import cli
+
+    capsys.readouterr()
+    assert cli.main(["inspect", models("mlp:sgd"), "--stages", "2", "--balance", "profile",
+                     "--profile-batch", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "balanced by measured time" in out and "time per step of 16 examples" in out
+    assert "the estimate's cuts (" in out and " ms measured" in out
+    assert cli.main(["inspect", models("mlp:sgd"), "--stages", "2", "--balance", "profile", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["stages"]["chosen"] == "measured" and got["stages"]["profile_batch"] == 32
+    assert all(s["measured_us"] > 0 for s in got["stages"]["stages"])
+    assert len(got["stages_by_estimate"]["stages"]) == 2
+
+
+def test_profile_options_are_checked(models, capsys):
+    from vfgraph.testing.cli import error_line, run_in_process
+
+    mlp = models("mlp:sgd")
+    for cmd, argv, want in [("inspect", ["--stages", 2, "--balance", "profile", "--profile-batch", 0],
+                             "--profile-batch 0: give"),
+                            ("inspect", ["--balance", "profile"], "--balance profile without --stages"),
+                            ("rewrite", ["--vnodes", 2, "--balance", "profile"], "--balance profile without --stages")]:
+        code, err = run_in_process(capsys, cmd, mlp, *argv)
+        assert code == 2 and want in error_line(err), (cmd, argv, err)
+
+
+def test_a_batch_for_the_profile():
+    from tensorflow.core.framework import types_pb2
+
+    from vfgraph.analysis.profile import synthetic_batch
+    from vfgraph.item import SignatureInfo, TensorSpecInfo
+
+    sig = SignatureInfo("train", "f", [], {}, [], {}, inputs=[
+        TensorSpecInfo("x", types_pb2.DT_FLOAT, [-1, 3]), TensorSpecInfo("y", types_pb2.DT_INT64, [-1]),
+        TensorSpecInfo("mask", types_pb2.DT_BOOL, [-1, 3])])
+    b = synthetic_batch(sig, 5)
+    assert b["x"].shape == (5, 3) and b["x"].std() > 0 and not b["y"].any() and b["mask"].all()
+    assert (synthetic_batch(sig, 5)["x"] == b["x"]).all()  # seeded
+    sig.inputs.append(TensorSpecInfo("tokens", types_pb2.DT_INT32, [-1, -1]))
+    with pytest.raises(InputError, match=r"input 'tokens' has shape \[-1, -1\], unknown past the batch"):
+        synthetic_batch(sig, 5)

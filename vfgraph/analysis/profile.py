@@ -1,0 +1,229 @@
+"""A measured profile of a training step: what each op of the training function costs.
+
+The step runs here, on this machine's CPU, on a synthetic batch (floats drawn from a normal
+distribution, integers zero, booleans true), as one TensorFlow graph in a session of its own
+with one intra-op and one inter-op thread (as a pipeline stage's rank runs it) and with
+TensorFlow's per-op step statistics turned on (``RunOptions.SOFTWARE_TRACE``: a timestamp
+before and after each kernel, no profiler threads, a step takes the time it takes without
+them). The model's variables are copied into that session, so the model and its files are
+left as they were. The session runs the graph as TensorFlow runs a training step: function
+calls inlined, Grappler's rewrites applied, so an op Grappler fused into the op after it
+(a MatMul and its BiasAdd into the Relu) has no time of its own; its share of the fused
+op's time, in proportion to the ops' estimated costs, is given back to it.
+
+The result is each op's time in microseconds per step (the median over the profiled steps),
+keyed by the op's name in the training function; an op inside a called function counts for
+its call. :func:`vfgraph.analysis.stages.plan_stages` balances stages with it.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Dict, Mapping
+
+from vfgraph.errors import InputError
+from vfgraph.ir.graph import FunctionGraph
+from vfgraph.item import SignatureInfo
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Measured times of a training step's ops (microseconds per step, medians)."""
+
+    signature: str
+    function: str
+    batch: int
+    steps: int
+    step_us: float                                    # the whole step's median wall time
+    ops: Mapping[str, float] = field(default_factory=dict)    # session node -> time per step
+    kinds: Mapping[str, str] = field(default_factory=dict)    # session node -> the op it ran
+
+    def to_json(self) -> dict:
+        return {"signature": self.signature, "function": self.function, "batch": self.batch, "steps": self.steps,
+                "step_us": round(self.step_us, 1), "ops": {k: round(v, 2) for k, v in sorted(self.ops.items())},
+                "kinds": dict(sorted(self.kinds.items()))}
+
+
+def synthetic_batch(sig: SignatureInfo, batch: int, seed: int = 0) -> Dict[str, "object"]:
+    """A batch of ``batch`` examples for the inputs of ``sig``: normal floats, zero integers
+    (an index, a label and a token id are valid at zero), true booleans. Raises InputError
+    for an input whose shape it cannot make (an unknown dimension past the batch's)."""
+    import numpy as np
+    from tensorflow.python.framework import dtypes
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for spec in sig.inputs:
+        if spec.shape is None:
+            raise InputError(f"signature {sig.key!r}: input {spec.key!r} has an unknown rank, so a batch for the "
+                             "profile cannot be made; export the signature with its input shapes")
+        shape = list(spec.shape)
+        if shape and shape[0] < 0:
+            shape[0] = batch
+        if any(d < 0 for d in shape):
+            raise InputError(f"signature {sig.key!r}: input {spec.key!r} has shape {spec.shape}, unknown past the "
+                             "batch dimension, so a batch for the profile cannot be made; export the signature "
+                             "with a fixed size there (e.g. the sequence length), or balance by the estimate")
+        dt = dtypes.as_dtype(spec.dtype)
+        if dt.is_floating:
+            out[spec.key] = rng.standard_normal(shape).astype(dt.as_numpy_dtype)
+        elif dt.is_integer:
+            out[spec.key] = np.zeros(shape, dt.as_numpy_dtype)
+        elif dt == dtypes.bool:
+            out[spec.key] = np.ones(shape, bool)
+        else:
+            raise InputError(f"signature {sig.key!r}: input {spec.key!r} is of type {dt.name}, for which the profile "
+                             "makes no values; balance by the estimate (or give --split-at)")
+    return out
+
+
+def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10, warmup: int = 3) -> StepProfile:
+    """Run the training signature ``sig`` of the SavedModel at ``path`` ``warmup + steps``
+    times on a synthetic batch of ``batch`` examples and measure each op (see the module's
+    note). Raises InputError when the model cannot be loaded or its step fails on the batch."""
+    import time
+
+    import tensorflow as tf
+    from tensorflow.python.ops import resource_variable_ops
+
+    from vfgraph.io.savedmodel import load_to_run
+
+    if batch < 1 or steps < 1:
+        raise InputError(f"a profile needs a batch of at least 1 example and at least 1 step (given {batch}, {steps})")
+    feed_values = synthetic_batch(sig, batch)
+    loaded = load_to_run(path)
+    fn = loaded.signatures.get(sig.key) if hasattr(loaded, "signatures") else None
+    if fn is None:
+        raise InputError(f"{path}: no signature {sig.key!r} to profile")
+    captures = list(fn.graph.internal_captures)
+    values = []
+    for handle in fn.captured_inputs:
+        if handle.dtype == tf.resource:
+            data = resource_variable_ops.get_eager_safe_handle_data(handle)
+            dtype = tf.dtypes.as_dtype(data.shape_and_type[0].dtype)
+            values.append(tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype).numpy())
+        else:
+            values.append(handle.numpy())
+    specs = tf.nest.flatten(fn.structured_input_signature[1])
+    keys = sorted(fn.structured_input_signature[1])
+    fed = [t for t in fn.graph.inputs if all(t is not c for c in captures)]
+    graph_def = fn.graph.as_graph_def()
+    outputs = [t.name for t in fn.graph.outputs]
+
+    g = tf.Graph()
+    with g.as_default(), tf.device("/CPU:0"):
+        input_map, feeds = {}, {}
+        for ph, handle, value in zip(captures, fn.captured_inputs, values):
+            if handle.dtype == tf.resource:
+                var = tf.compat.v1.Variable(value, name="profiled_variable", use_resource=True)
+                input_map[ph.name] = var.handle
+            else:
+                input_map[ph.name] = tf.constant(value)
+        for key, spec, ph in zip(keys, specs, fed):
+            p = tf.compat.v1.placeholder(spec.dtype, feed_values[key].shape, name="profiled_" + key)
+            input_map[ph.name] = p
+            feeds[p] = feed_values[key]
+        fetches = tf.compat.v1.import_graph_def(graph_def, input_map=input_map, return_elements=outputs,
+                                                name="step")
+        init = tf.compat.v1.global_variables_initializer()
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=1,
+                                      device_count={"GPU": 0})
+    trace = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.SOFTWARE_TRACE)
+    per_node: Dict[str, list] = {}
+    kinds: Dict[str, str] = {}
+    walls = []
+    with tf.compat.v1.Session(graph=g, config=config) as session:
+        try:
+            session.run(init)
+            for _ in range(warmup):
+                session.run(fetches, feeds)
+            for _ in range(steps):
+                meta = tf.compat.v1.RunMetadata()
+                t0 = time.perf_counter()
+                session.run(fetches, feeds, options=trace, run_metadata=meta)
+                walls.append((time.perf_counter() - t0) * 1e6)
+                seen: Dict[str, float] = {}
+                for dev in meta.step_stats.dev_stats:
+                    for ns in dev.node_stats:
+                        seen[ns.node_name] = seen.get(ns.node_name, 0.0) + ns.op_end_rel_micros
+                        kinds.setdefault(ns.node_name, _executed_op(ns.timeline_label))
+                for name, us in seen.items():
+                    per_node.setdefault(name, []).append(us)
+        except tf.errors.OpError as e:
+            first = (str(getattr(e, "message", "") or e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise InputError(f"{path}: signature {sig.key!r} fails on a synthetic batch of {batch} examples "
+                             f"({first}); balance by the estimate, or give --split-at") from None
+    times = {n: statistics.median(v + [0.0] * (steps - len(v))) for n, v in per_node.items()}
+    return StepProfile(sig.key, sig.function, batch, steps, statistics.median(walls), times, kinds)
+
+
+def _executed_op(label: str) -> str:
+    """The op a step-statistics timeline label names ("name = Op(inputs)") ("" when none)."""
+    _, eq, rest = label.partition(" = ")
+    return rest.split("(", 1)[0].strip() if eq else ""
+
+
+def function_costs(profile: StepProfile, g: FunctionGraph, estimate: Mapping[str, int]) -> Dict[str, int]:
+    """The profiled time of each op of the training function ``g``, in nanoseconds per step.
+
+    The session's nodes are the function's, inlined under the names of the calls that reached
+    it (``step/StatefulPartitionedCall/...``): the prefix is the one under which the most of
+    them are the function's ops. An inlined op of a function ``g`` calls counts for the call.
+    An op Grappler fused into another (the session ran the other under its own name as a
+    ``_Fused...`` op, its inputs' ops not at all) shares that op's time with the ops it
+    absorbed, the chain of ops feeding only it that ran no kernel of their own, in proportion
+    to their ``estimate``. Raises InputError when the profile is not of ``g`` (few of its ops
+    found)."""
+    names = g.nodes
+    votes: Dict[int, int] = {}
+    for n in profile.ops:
+        parts = n.split("/")
+        for k in range(len(parts)):
+            if "/".join(parts[k:]) in names:
+                votes[k] = votes.get(k, 0) + 1
+                break
+    if not votes:
+        raise InputError(f"the profile of signature {profile.signature!r} names none of the ops of {g.name!r}: it is "
+                         "of another model")
+    depth = max(votes, key=lambda k: (votes[k], -k))
+    ran: Dict[str, float] = {}
+    kind: Dict[str, str] = {}
+    for n, us in profile.ops.items():
+        parts = n.split("/")[depth:]
+        for j in range(len(parts), 0, -1):
+            op = "/".join(parts[:j])
+            if op in names:
+                ran[op] = ran.get(op, 0.0) + us
+                if j == len(parts):
+                    kind[op] = profile.kinds.get(n, "")
+                break
+    costed = [n for n, c in estimate.items() if c > 0]
+    found = sum(1 for n in costed if n in ran)
+    if costed and found < 0.25 * len(costed):
+        raise InputError(f"the profile of signature {profile.signature!r} times {found} of the {len(costed)} ops of "
+                         f"{g.name!r} with an estimated cost: it is of another model or version")
+    ops = g.op_types()
+    cost = {n: int(round(us * 1000)) for n, us in ran.items()}
+    for n, k in kind.items():
+        if not k.startswith("_Fused") or ops.get(n) == k:
+            continue
+        group, frontier = [n], [n]
+        while frontier and len(group) < 8:
+            nxt = []
+            for m in frontier:
+                for t in g.data_inputs(m):
+                    p = t.node
+                    if t.is_function_arg or p in ran or p in group or p not in estimate:
+                        continue
+                    if all(c in group for r in g.outputs(p) for c, _ in g.consumers(r)):
+                        group.append(p)
+                        nxt.append(p)
+            frontier = nxt
+        weights = [max(estimate.get(m, 0), 0) for m in group]
+        total = sum(weights)
+        if len(group) > 1 and total > 0:
+            whole = cost[n]
+            for m, w in zip(group, weights):
+                cost[m] = whole * w // total
+            cost[n] += whole - sum(cost[m] for m in group)
+    return cost
