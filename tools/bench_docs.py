@@ -334,6 +334,18 @@ def render_stage_memory(r: dict) -> str:
                  "rise / one process's"], rows))
 
 
+def render_balance(r: dict) -> str:
+    """tools/bench_balance.py: stage cuts balanced by a profile against the FLOP estimate's."""
+    rows = [[model_label(x["model"]) if x["model"] != "mlp" else "pipeline benchmark's MLP", str(x["stages"]),
+             f"{x['estimate']['flops_share']:.0%}", f"{x['estimate']['largest_share']:.0%}",
+             f"{x['profile']['largest_share']:.0%}", num(x["slowest_stage_speedup"]),
+             "yes" if x["same_cuts"] else "no"] for x in r["results"]]
+    return (f"A profiled batch of {r['config']['batch']} examples; ideal balance is 1/K of the time on the largest "
+            "stage. Times are the second profile's.\n\n" + table(
+                ["model", "K", "largest stage, est. FLOPs", "largest stage, estimate's cuts",
+                 "largest stage, profile's cuts", "slowest stage faster by", "same cuts"], rows))
+
+
 def render_deterministic(r: dict) -> str:
     """tools/bench_deterministic.py: step time with exact sums against the default mode."""
     rows = [[x["model"], str(x["ranks"]), num(x["default_s"] * 1000), num(x["deterministic_s"] * 1000),
@@ -416,7 +428,7 @@ def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
-    "pipeline": render_pipeline, "stage-memory": render_stage_memory, "deterministic": render_deterministic,
+    "pipeline": render_pipeline, "stage-memory": render_stage_memory, "balance": render_balance, "deterministic": render_deterministic,
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
     "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,
 }

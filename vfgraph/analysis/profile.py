@@ -101,24 +101,31 @@ def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10
         if handle.dtype == tf.resource:
             data = resource_variable_ops.get_eager_safe_handle_data(handle)
             dtype = tf.dtypes.as_dtype(data.shape_and_type[0].dtype)
-            values.append(tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype).numpy())
+            values.append((tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype).numpy(), dtype))
         else:
-            values.append(handle.numpy())
+            values.append((handle.numpy(), handle.dtype))
     specs = tf.nest.flatten(fn.structured_input_signature[1])
     keys = sorted(fn.structured_input_signature[1])
     fed = [t for t in fn.graph.inputs if all(t is not c for c in captures)]
     graph_def = fn.graph.as_graph_def()
     outputs = [t.name for t in fn.graph.outputs]
 
+    missing = sorted(set(keys) - set(feed_values))
+    if missing:
+        raise InputError(f"{path}: signature {sig.key!r} takes {missing[0]!r}, which its record of inputs lacks; "
+                         "re-export the model")
     g = tf.Graph()
     with g.as_default(), tf.device("/CPU:0"):
-        input_map, feeds = {}, {}
-        for ph, handle, value in zip(captures, fn.captured_inputs, values):
+        input_map, feeds, initial = {}, {}, {}
+        for ph, handle, (value, dtype) in zip(captures, fn.captured_inputs, values):
+            # every value fed, not written into the graph: a graph proto holds at most 2 GiB
+            given = tf.compat.v1.placeholder(dtype, value.shape, name="profiled_value")
+            initial[given] = value
             if handle.dtype == tf.resource:
-                var = tf.compat.v1.Variable(value, name="profiled_variable", use_resource=True)
-                input_map[ph.name] = var.handle
+                input_map[ph.name] = tf.compat.v1.Variable(given, name="profiled_variable", use_resource=True).handle
             else:
-                input_map[ph.name] = tf.constant(value)
+                input_map[ph.name] = tf.compat.v1.Variable(given, name="profiled_capture", trainable=False,
+                                                           use_resource=True).read_value()
         for key, spec, ph in zip(keys, specs, fed):
             p = tf.compat.v1.placeholder(spec.dtype, feed_values[key].shape, name="profiled_" + key)
             input_map[ph.name] = p
@@ -127,14 +134,14 @@ def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10
                                                 name="step")
         init = tf.compat.v1.global_variables_initializer()
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=1,
-                                      device_count={"GPU": 0})
+                                      device_count={"GPU": 0}, allow_soft_placement=True)
     trace = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.SOFTWARE_TRACE)
     per_node: Dict[str, list] = {}
     kinds: Dict[str, str] = {}
     walls = []
     with tf.compat.v1.Session(graph=g, config=config) as session:
         try:
-            session.run(init)
+            session.run(init, initial)
             for _ in range(warmup):
                 session.run(fetches, feeds)
             for _ in range(steps):
