@@ -4,8 +4,7 @@ The step runs here, on this machine's CPU, on a synthetic batch (floats drawn fr
 distribution, integers zero, booleans true), as one TensorFlow graph in a session of its own
 with one intra-op and one inter-op thread (as a pipeline stage's rank runs it) and with
 TensorFlow's per-op step statistics turned on (``RunOptions.SOFTWARE_TRACE``: a timestamp
-before and after each kernel, no profiler threads, a step takes the time it takes without
-them). The model's variables are copied into that session, so the model and its files are
+before and after each kernel, no profiler threads). The model's variables are copied into that session, so the model and its files are
 left as they were. The session runs the graph as TensorFlow runs a training step: function
 calls inlined, Grappler's rewrites applied, so an op Grappler fused into the op after it
 (a MatMul and its BiasAdd into the Relu) has no time of its own; its share of the fused
@@ -37,11 +36,6 @@ class StepProfile:
     step_us: float                                    # the whole step's median wall time
     ops: Mapping[str, float] = field(default_factory=dict)    # session node -> time per step
     kinds: Mapping[str, str] = field(default_factory=dict)    # session node -> the op it ran
-
-    def to_json(self) -> dict:
-        return {"signature": self.signature, "function": self.function, "batch": self.batch, "steps": self.steps,
-                "step_us": round(self.step_us, 1), "ops": {k: round(v, 2) for k, v in sorted(self.ops.items())},
-                "kinds": dict(sorted(self.kinds.items()))}
 
 
 def synthetic_batch(sig: SignatureInfo, batch: int, seed: int = 0) -> Dict[str, "object"]:

@@ -14,7 +14,8 @@ a matrix product ``2 * output elements * inner dimension``, a convolution
 ``2 * output elements * filter window * input channels`` (a depthwise one without the
 channels), an einsum ``2 * the product of its index sizes``, an op that only moves or
 relabels data (Identity, Reshape, Shape, ...) nothing, any other op its output elements.
-It ranks stages against each other; it is not a measured time.
+It ranks stages against each other; it is not a measured time. Given a profile of the step
+(:mod:`vfgraph.analysis.profile`), the plan balances each op's measured time instead.
 """
 from __future__ import annotations
 
