@@ -336,13 +336,13 @@ def _balance_options(p) -> None:
                    help="with --stages: what the cuts balance: estimate (default: each op's cost estimated from "
                         "static shapes; the same cuts on any machine) or profile (each op's time in a training step "
                         "run here on a synthetic batch, on this machine's CPU)")
-    p.add_argument("--profile-batch", type=int, default=32, metavar="N",
-                   help="with --balance profile: the examples in the profiled step's batch (a virtual node's "
-                        "batch, as the stages will run it; default 32)")
+    p.add_argument("--profile-batch", type=int, metavar="N",
+                   help="with --balance profile: the examples in the profiled step's batch, a virtual node's batch "
+                        "as the stages will run it (default: --vnode-batch where given, else 32)")
 
 
 def _check_balance(args, stages) -> None:
-    if args.profile_batch < 1:
+    if args.profile_batch is not None and args.profile_batch < 1:
         raise InputError(f"--profile-batch {args.profile_batch}: give the examples of the profiled batch (>= 1)")
     if args.balance != "estimate" and stages is None:
         raise InputError("--balance profile without --stages: give the number of pipeline stages to balance")
@@ -376,7 +376,7 @@ def _partition_options(args) -> dict:
     except ValueError as e:
         raise InputError(f"--devices: {e}") from None
     return {"stages": stages, "devices": devices, "split_at": split_at, "schedule": args.schedule,
-            "balance": args.balance, "profile_batch": args.profile_batch}
+            "balance": args.balance, "profile_batch": args.profile_batch or args.vnode_batch or 32}
 
 
 def cmd_inspect(args) -> int:
@@ -432,7 +432,7 @@ def cmd_inspect(args) -> int:
 
                 profile = None
                 if args.balance == "profile":
-                    profile = _profile(item, sig, args.profile_batch)
+                    profile = _profile(item, sig, args.profile_batch or 32)
                     if not split_at:  # the estimate's cuts, timed: how far they are from the measured balance
                         cuts = [c.before for c in plan_stages(g, step, stages).cuts]
                         report["stages_by_estimate"] = plan_stages(g, step, stages, cuts, profile).to_json()

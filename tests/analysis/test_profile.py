@@ -102,6 +102,16 @@ def test_rewrite_with_a_profile_names_its_cuts_to_repeat_it(sine_mlp):
     assert canonical_text(again) == canonical_text(out)
 
 
+def test_the_cli_profiles_a_virtual_nodes_batch(models, capsys, tmp_path):
+    from vfgraph.testing.cli import run_in_process
+
+    code, err = run_in_process(capsys, "rewrite", models("mlp:sgd"), "--vnodes", 2, "--vnode-batch", 8, "--stages", 2,
+                               "--balance", "profile", "--allreduce", "none", "-o", tmp_path / "out")
+    assert code == 0, err
+    (note,) = [line for line in err if "profiled step" in line]
+    assert "per step of 8 examples" in note and "split at " in note
+
+
 def test_inspect_with_a_profile(models, capsys):
     from vfgraph import cli
 
