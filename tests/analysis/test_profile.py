@@ -144,14 +144,13 @@ def test_a_batch_for_the_profile():
     from tensorflow.core.framework import types_pb2
 
     from vfgraph.analysis.profile import synthetic_batch
-    from vfgraph.item import SignatureInfo, TensorSpecInfo
 
-    sig = SignatureInfo("train", "f", [], {}, [], {}, inputs=[
-        TensorSpecInfo("x", types_pb2.DT_FLOAT, [-1, 3]), TensorSpecInfo("y", types_pb2.DT_INT64, [-1]),
-        TensorSpecInfo("mask", types_pb2.DT_BOOL, [-1, 3])])
-    b = synthetic_batch(sig, 5)
+    specs = [("x", types_pb2.DT_FLOAT, [-1, 3]), ("y", types_pb2.DT_INT64, [-1]), ("mask", types_pb2.DT_BOOL, [-1, 3])]
+    b = synthetic_batch(specs, 5, "train")
     assert b["x"].shape == (5, 3) and b["x"].std() > 0 and not b["y"].any() and b["mask"].all()
-    assert (synthetic_batch(sig, 5)["x"] == b["x"]).all()  # seeded
-    sig.inputs.append(TensorSpecInfo("tokens", types_pb2.DT_INT32, [-1, -1]))
-    with pytest.raises(InputError, match=r"input 'tokens' has shape \[-1, -1\], unknown past the batch"):
-        synthetic_batch(sig, 5)
+    assert (synthetic_batch(specs, 5, "train")["x"] == b["x"]).all()  # seeded
+    for spec, want in [(("tokens", types_pb2.DT_INT32, [-1, -1]), r"input 'tokens' has shape \[5, -1\], unknown past"),
+                       (("text", types_pb2.DT_STRING, [-1]), "input 'text' is of type string, for which the profile"),
+                       (("any", types_pb2.DT_FLOAT, None), "input 'any' has an unknown rank")]:
+        with pytest.raises(InputError, match=want):
+            synthetic_batch(specs + [spec], 5, "train")

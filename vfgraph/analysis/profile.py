@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from vfgraph.errors import InputError
 from vfgraph.ir.graph import FunctionGraph
@@ -38,35 +38,38 @@ class StepProfile:
     kinds: Mapping[str, str] = field(default_factory=dict)    # session node -> the op it ran
 
 
-def synthetic_batch(sig: SignatureInfo, batch: int, seed: int = 0) -> Dict[str, "object"]:
-    """A batch of ``batch`` examples for the inputs of ``sig``: normal floats, zero integers
-    (an index, a label and a token id are valid at zero), true booleans. Raises InputError
-    for an input whose shape it cannot make (an unknown dimension past the batch's)."""
+def synthetic_batch(specs: Sequence[Tuple[str, int, Optional[Sequence[int]]]], batch: int, where: str,
+                    seed: int = 0) -> Dict[str, "object"]:
+    """A batch of ``batch`` examples for inputs ``specs`` (key, dtype enum, shape with -1 for an
+    unknown dimension) of signature ``where``: normal floats, zero integers (an index, a label
+    and a token id are valid at zero), true booleans. Raises InputError for an input whose
+    shape it cannot make (an unknown dimension past the batch's) or whose type it has no
+    values for."""
     import numpy as np
     from tensorflow.python.framework import dtypes
 
     rng = np.random.default_rng(seed)
     out = {}
-    for spec in sig.inputs:
-        if spec.shape is None:
-            raise InputError(f"signature {sig.key!r}: input {spec.key!r} has an unknown rank, so a batch for the "
+    for key, dtype, shape in specs:
+        if shape is None:
+            raise InputError(f"signature {where!r}: input {key!r} has an unknown rank, so a batch for the "
                              "profile cannot be made; export the signature with its input shapes")
-        shape = list(spec.shape)
+        shape = list(shape)
         if shape and shape[0] < 0:
             shape[0] = batch
         if any(d < 0 for d in shape):
-            raise InputError(f"signature {sig.key!r}: input {spec.key!r} has shape {spec.shape}, unknown past the "
+            raise InputError(f"signature {where!r}: input {key!r} has shape {list(shape)}, unknown past the "
                              "batch dimension, so a batch for the profile cannot be made; export the signature "
                              "with a fixed size there (e.g. the sequence length), or balance by the estimate")
-        dt = dtypes.as_dtype(spec.dtype)
+        dt = dtypes.as_dtype(dtype)
         if dt.is_floating:
-            out[spec.key] = rng.standard_normal(shape).astype(dt.as_numpy_dtype)
+            out[key] = rng.standard_normal(shape).astype(dt.as_numpy_dtype)
         elif dt.is_integer:
-            out[spec.key] = np.zeros(shape, dt.as_numpy_dtype)
+            out[key] = np.zeros(shape, dt.as_numpy_dtype)
         elif dt == dtypes.bool:
-            out[spec.key] = np.ones(shape, bool)
+            out[key] = np.ones(shape, bool)
         else:
-            raise InputError(f"signature {sig.key!r}: input {spec.key!r} is of type {dt.name}, for which the profile "
+            raise InputError(f"signature {where!r}: input {key!r} is of type {dt.name}, for which the profile "
                              "makes no values; balance by the estimate (or give --split-at)")
     return out
 
@@ -84,11 +87,15 @@ def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10
 
     if batch < 1 or steps < 1:
         raise InputError(f"a profile needs a batch of at least 1 example and at least 1 step (given {batch}, {steps})")
-    feed_values = synthetic_batch(sig, batch)
     loaded = load_to_run(path)
     fn = loaded.signatures.get(sig.key) if hasattr(loaded, "signatures") else None
     if fn is None:
         raise InputError(f"{path}: no signature {sig.key!r} to profile")
+    structured = fn.structured_input_signature[1]
+    feed_values = synthetic_batch(
+        [(k, structured[k].dtype.as_datatype_enum,
+          None if structured[k].shape.rank is None else [-1 if d is None else d for d in structured[k].shape.as_list()])
+         for k in sorted(structured)], batch, sig.key)
     captures = list(fn.graph.internal_captures)
     values = []
     for handle in fn.captured_inputs:
@@ -98,16 +105,12 @@ def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10
             values.append((tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype).numpy(), dtype))
         else:
             values.append((handle.numpy(), handle.dtype))
-    specs = tf.nest.flatten(fn.structured_input_signature[1])
-    keys = sorted(fn.structured_input_signature[1])
+    specs = tf.nest.flatten(structured)
+    keys = sorted(structured)
     fed = [t for t in fn.graph.inputs if all(t is not c for c in captures)]
     graph_def = fn.graph.as_graph_def()
     outputs = [t.name for t in fn.graph.outputs]
 
-    missing = sorted(set(keys) - set(feed_values))
-    if missing:
-        raise InputError(f"{path}: signature {sig.key!r} takes {missing[0]!r}, which its record of inputs lacks; "
-                         "re-export the model")
     g = tf.Graph()
     with g.as_default(), tf.device("/CPU:0"):
         input_map, feeds, initial = {}, {}, {}
