@@ -33,7 +33,6 @@ from vfgraph.analysis.profile import profile_step
 from vfgraph.analysis.stages import StagePlan, plan_stages
 from vfgraph.analysis.train_step import analyze_train_step, check_batch_inputs, training_signature
 from vfgraph.errors import PipelineError
-from vfgraph.io.savedmodel import is_saved_model_dir
 from vfgraph.io.signatures import has_object_graph, set_variable_devices
 from vfgraph.ir.attrs import type_attr
 from vfgraph.ir.graph import FunctionGraph, TensorRef
@@ -94,9 +93,6 @@ class PartitionStagesPass(Pass):
         step = analyze_train_step(g, sig)
         profile = None
         if self.balance == "profile" and not split_at and self.stages > 1:
-            if not is_saved_model_dir(item.source):
-                raise PipelineError(f"balance=profile runs the model's training step from its SavedModel directory; "
-                                    f"{item.source} is not one (balance by the estimate, or give split-at)")
             profile = profile_step(item.source, sig, batch=self.profile_batch)
         plan = plan_stages(g, step, self.stages, split_at, profile)
         if not devices and plan.shared:

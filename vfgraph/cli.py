@@ -432,7 +432,9 @@ def cmd_inspect(args) -> int:
 
                 profile = None
                 if args.balance == "profile":
-                    profile = _profile(item, sig, args.profile_batch or 32)
+                    from vfgraph.analysis.profile import profile_step
+
+                    profile = profile_step(item.source, sig, batch=args.profile_batch or 32)
                     if not split_at:  # the estimate's cuts, timed: how far they are from the measured balance
                         cuts = [c.before for c in plan_stages(g, step, stages).cuts]
                         report["stages_by_estimate"] = plan_stages(g, step, stages, cuts, profile).to_json()
@@ -488,16 +490,6 @@ def cmd_inspect(args) -> int:
     if plan is not None:
         _print_stages(plan, report.get("stages_by_estimate"))
     return 0
-
-
-def _profile(item, sig, batch: int):
-    from vfgraph.analysis.profile import profile_step
-    from vfgraph.io.savedmodel import is_saved_model_dir
-
-    if not is_saved_model_dir(item.source):
-        raise InputError(f"--balance profile runs the training step of a SavedModel directory; {item.source} is not "
-                         "one (balance by the estimate, or give --split-at)")
-    return profile_step(item.source, sig, batch=batch)
 
 
 def _print_stages(plan, by_estimate: Optional[dict] = None) -> None:

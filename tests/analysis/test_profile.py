@@ -138,6 +138,9 @@ def test_profile_options_are_checked(models, capsys):
                             ("rewrite", ["--vnodes", 2, "--balance", "profile"], "--balance profile without --stages")]:
         code, err = run_in_process(capsys, cmd, mlp, *argv)
         assert code == 2 and want in error_line(err), (cmd, argv, err)
+    meta = models("tf1ckpt")  # a MetaGraphDef and its checkpoint: no SavedModel to run
+    code, err = run_in_process(capsys, "inspect", meta, "--stages", 2, "--balance", "profile")
+    assert code == 2 and f"{meta} is not one (balance by the estimate" in error_line(err), err
 
 
 def test_a_batch_for_the_profile():

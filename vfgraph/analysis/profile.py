@@ -77,16 +77,20 @@ def synthetic_batch(specs: Sequence[Tuple[str, int, Optional[Sequence[int]]]], b
 def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10, warmup: int = 3) -> StepProfile:
     """Run the training signature ``sig`` of the SavedModel at ``path`` ``warmup + steps``
     times on a synthetic batch of ``batch`` examples and measure each op (see the module's
-    note). Raises InputError when the model cannot be loaded or its step fails on the batch."""
+    note). Raises InputError when ``path`` is not a SavedModel directory TensorFlow can load or
+    its step fails on the batch."""
     import time
 
     import tensorflow as tf
     from tensorflow.python.ops import resource_variable_ops
 
-    from vfgraph.io.savedmodel import load_to_run
+    from vfgraph.io.savedmodel import is_saved_model_dir, load_to_run
 
     if batch < 1 or steps < 1:
         raise InputError(f"a profile needs a batch of at least 1 example and at least 1 step (given {batch}, {steps})")
+    if not is_saved_model_dir(path):
+        raise InputError(f"a profile runs the training step of a SavedModel directory; {path} is not one (balance by "
+                         "the estimate, or give the cuts with --split-at)")
     loaded = load_to_run(path)
     fn = loaded.signatures.get(sig.key) if hasattr(loaded, "signatures") else None
     if fn is None:
