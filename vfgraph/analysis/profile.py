@@ -82,7 +82,6 @@ def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10
     import time
 
     import tensorflow as tf
-    from tensorflow.python.ops import resource_variable_ops
 
     from vfgraph.io.savedmodel import is_saved_model_dir, load_to_run
 
@@ -100,40 +99,10 @@ def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10
         [(k, structured[k].dtype.as_datatype_enum,
           None if structured[k].shape.rank is None else [-1 if d is None else d for d in structured[k].shape.as_list()])
          for k in sorted(structured)], batch, sig.key)
-    captures = list(fn.graph.internal_captures)
-    values = []
-    for handle in fn.captured_inputs:
-        if handle.dtype == tf.resource:
-            data = resource_variable_ops.get_eager_safe_handle_data(handle)
-            dtype = tf.dtypes.as_dtype(data.shape_and_type[0].dtype)
-            values.append((tf.raw_ops.ReadVariableOp(resource=handle, dtype=dtype).numpy(), dtype))
-        else:
-            values.append((handle.numpy(), handle.dtype))
-    specs = tf.nest.flatten(structured)
-    keys = sorted(structured)
-    fed = [t for t in fn.graph.inputs if all(t is not c for c in captures)]
-    graph_def = fn.graph.as_graph_def()
-    outputs = [t.name for t in fn.graph.outputs]
-
-    g = tf.Graph()
-    with g.as_default(), tf.device("/CPU:0"):
-        input_map, feeds, initial = {}, {}, {}
-        for ph, handle, (value, dtype) in zip(captures, fn.captured_inputs, values):
-            # every value fed, not written into the graph: a graph proto holds at most 2 GiB
-            given = tf.compat.v1.placeholder(dtype, value.shape, name="profiled_value")
-            initial[given] = value
-            if handle.dtype == tf.resource:
-                input_map[ph.name] = tf.compat.v1.Variable(given, name="profiled_variable", use_resource=True).handle
-            else:
-                input_map[ph.name] = tf.compat.v1.Variable(given, name="profiled_capture", trainable=False,
-                                                           use_resource=True).read_value()
-        for key, spec, ph in zip(keys, specs, fed):
-            p = tf.compat.v1.placeholder(spec.dtype, feed_values[key].shape, name="profiled_" + key)
-            input_map[ph.name] = p
-            feeds[p] = feed_values[key]
-        fetches = tf.compat.v1.import_graph_def(graph_def, input_map=input_map, return_elements=outputs,
-                                                name="step")
-        init = tf.compat.v1.global_variables_initializer()
+    g, fetches, init, feeds, initial = _session_graph(fn, feed_values)
+    # the loaded model goes: its values wait in ``initial`` until the session's variables take
+    # them, so that no more than two copies of the model are held at once, and then one
+    del loaded, fn
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1, inter_op_parallelism_threads=1,
                                       device_count={"GPU": 0}, allow_soft_placement=True)
     trace = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.SOFTWARE_TRACE)
@@ -143,6 +112,7 @@ def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10
     with tf.compat.v1.Session(graph=g, config=config) as session:
         try:
             session.run(init, initial)
+            initial.clear()
             for _ in range(warmup):
                 session.run(fetches, feeds)
             for _ in range(steps):
@@ -163,6 +133,46 @@ def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10
                              f"({first}); balance by the estimate, or give --split-at") from None
     times = {n: statistics.median(v + [0.0] * (steps - len(v))) for n, v in per_node.items()}
     return StepProfile(sig.key, sig.function, batch, steps, statistics.median(walls), times, kinds)
+
+
+def _session_graph(fn, feed_values: Mapping[str, "object"]):
+    """A graph that runs the loaded training function ``fn`` as a session runs a step: its
+    inputs placeholders fed ``feed_values``, its variables and captured values variables of
+    the graph, initialised from the values they hold now (fed, not written into the graph: a
+    graph proto holds at most 2 GiB). Returns (graph, fetches, initializer, feeds, the
+    initializer's feeds)."""
+    import tensorflow as tf
+    from tensorflow.python.ops import resource_variable_ops
+
+    def value_of(captured):  # (its value, its dtype, whether it is a variable's)
+        if captured.dtype != tf.resource:
+            return captured.numpy(), captured.dtype, False
+        dtype = tf.dtypes.as_dtype(resource_variable_ops.get_eager_safe_handle_data(captured).shape_and_type[0].dtype)
+        return tf.raw_ops.ReadVariableOp(resource=captured, dtype=dtype).numpy(), dtype, True
+
+    structured = fn.structured_input_signature[1]
+    captures = list(fn.graph.internal_captures)
+    fed = [t for t in fn.graph.inputs if all(t is not c for c in captures)]
+    values = [value_of(c) for c in fn.captured_inputs]  # (eagerly: before the graph is the default)
+    g = tf.Graph()
+    with g.as_default(), tf.device("/CPU:0"):
+        input_map, feeds, initial = {}, {}, {}
+        for ph, (value, dtype, variable) in zip(captures, values):
+            given = tf.compat.v1.placeholder(dtype, value.shape, name="profiled_value")
+            initial[given] = value
+            if variable:
+                input_map[ph.name] = tf.compat.v1.Variable(given, name="profiled_variable", use_resource=True).handle
+            else:
+                input_map[ph.name] = tf.compat.v1.Variable(given, name="profiled_capture", trainable=False,
+                                                           use_resource=True).read_value()
+        for key, ph in zip(sorted(structured), fed):
+            p = tf.compat.v1.placeholder(structured[key].dtype, feed_values[key].shape, name="profiled_" + key)
+            input_map[ph.name] = p
+            feeds[p] = feed_values[key]
+        fetches = tf.compat.v1.import_graph_def(fn.graph.as_graph_def(), input_map=input_map,
+                                                return_elements=[t.name for t in fn.graph.outputs], name="step")
+        init = tf.compat.v1.global_variables_initializer()
+    return g, fetches, init, feeds, initial
 
 
 def _executed_op(label: str) -> str:
