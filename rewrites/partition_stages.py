@@ -125,8 +125,8 @@ class PartitionStagesPass(Pass):
                  + (", ".join(devices) if devices else f"MPI ranks 0..{len(plan.stages) - 1}")]
         if profile is not None:
             times = ", ".join(f"{st.measured_ns / 1e6:.2f}" for st in plan.stages)
-            notes.append(f"signature {sig.key!r}: the cuts balance a profiled step's measured times (stages: {times} ms "
-                         f"per step of {profile.batch} examples); to repeat this rewrite exactly, split at "
+            notes.append(f"signature {sig.key!r}: the cuts balance a profiled step's measured times (stages: "
+                         f"{times} ms per step of {profile.batch} examples); to repeat this rewrite exactly, split at "
                          + ";".join(c.before for c in plan.cuts))
         if plan.shared:
             notes.append(f"signature {sig.key!r}: variables read by several stages stay where the loader puts them: "

@@ -428,7 +428,8 @@ def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
-    "pipeline": render_pipeline, "stage-memory": render_stage_memory, "balance": render_balance, "deterministic": render_deterministic,
+    "pipeline": render_pipeline, "stage-memory": render_stage_memory, "balance": render_balance,
+    "deterministic": render_deterministic,
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
     "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,
 }

@@ -524,7 +524,8 @@ def _print_stages(plan, by_estimate: Optional[dict] = None) -> None:
     if by_estimate is not None:
         times = [st["measured_us"] for st in by_estimate["stages"]]
         print(f"  the estimate's cuts ({', '.join(c['before'] for c in by_estimate['cuts'])}) measure "
-              + " / ".join(f"{t / 1e3:.2f}" for t in times) + f" ms: largest stage {max(times) / max(sum(times), 1e-9):.0%}")
+              + " / ".join(f"{t / 1e3:.2f}" for t in times)
+              + f" ms: largest stage {max(times) / max(sum(times), 1e-9):.0%}")
     if plan.replicated:
         print(f"  on every stage: {', '.join(plan.replicated)} ({outputs.size_text(plan.replicated_bytes)})")
     for v in plan.shared:

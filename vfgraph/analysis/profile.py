@@ -4,11 +4,12 @@ The step runs here, on this machine's CPU, on a synthetic batch (floats drawn fr
 distribution, integers zero, booleans true), as one TensorFlow graph in a session of its own
 with one intra-op and one inter-op thread (as a pipeline stage's rank runs it) and with
 TensorFlow's per-op step statistics turned on (``RunOptions.SOFTWARE_TRACE``: a timestamp
-before and after each kernel, no profiler threads). The model's variables are copied into that session, so the model and its files are
-left as they were. The session runs the graph as TensorFlow runs a training step: function
-calls inlined, Grappler's rewrites applied, so an op Grappler fused into the op after it
-(a MatMul and its BiasAdd into the Relu) has no time of its own; its share of the fused
-op's time, in proportion to the ops' estimated costs, is given back to it.
+before and after each kernel, no profiler threads). The model's variables are copied into
+that session, so the model and its files are left as they were. The session runs the graph
+as TensorFlow runs a training step: function calls inlined, Grappler's rewrites applied, so
+an op Grappler fused into the op after it (a MatMul and its BiasAdd into the Relu) has no
+time of its own; its share of the fused op's time, in proportion to the ops' estimated
+costs, is given back to it.
 
 The result is each op's time in microseconds per step (the median over the profiled steps),
 keyed by the op's name in the training function; an op inside a called function counts for

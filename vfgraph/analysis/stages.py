@@ -76,8 +76,8 @@ class Stage:
         measured = {} if self.forward_ns < 0 else {
             "forward_us": self.forward_ns / 1000, "backward_us": self.backward_ns / 1000,
             "measured_us": self.measured_ns / 1000}
-        return {**measured, "index": self.index, "first": self.first, "last": self.last, "forward_ops": self.forward_ops,
-                "backward_ops": self.backward_ops, "forward_flops": self.forward_flops,
+        return {**measured, "index": self.index, "first": self.first, "last": self.last,
+                "forward_ops": self.forward_ops, "backward_ops": self.backward_ops, "forward_flops": self.forward_flops,
                 "backward_flops": self.backward_flops, "flops": self.flops, "variables": list(self.variables),
                 "parameter_bytes": self.parameter_bytes, "optimizer_state": list(self.optimizer_state),
                 "optimizer_state_bytes": self.optimizer_state_bytes, "shared": list(self.shared),
