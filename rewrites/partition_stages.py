@@ -118,7 +118,7 @@ class PartitionStagesPass(Pass):
                                 s.optimizer_state_bytes, s.flops, ops[s.index - 1]) for s in plan.stages)
         records.put(item, sig.key, Stages(
             function=sig.function, parts=parts, schedule=self.schedule,
-            split_at=tuple(c.before for c in plan.cuts),
+            split_at=plan.split_at,
             cut_bytes=tuple(c.bytes for c in plan.cuts), shared=tuple(v.name for v in plan.shared),
             replicated=plan.replicated))
         notes = [f"signature {sig.key!r}: {len(plan.stages)} stages on "
@@ -127,7 +127,7 @@ class PartitionStagesPass(Pass):
             times = ", ".join(f"{st.measured_ns / 1e6:.2f}" for st in plan.stages)
             notes.append(f"signature {sig.key!r}: the cuts balance a profiled step's measured times (stages: "
                          f"{times} ms per step of {profile.batch} examples); to repeat this rewrite exactly, split at "
-                         + ";".join(c.before for c in plan.cuts))
+                         + ";".join(plan.split_at))
         if plan.shared:
             notes.append(f"signature {sig.key!r}: variables read by several stages stay where the loader puts them: "
                          + ", ".join(v.name for v in plan.shared[:3]) + (" ..." if len(plan.shared) > 3 else ""))

@@ -74,14 +74,14 @@ def main() -> None:
             for k in ks:
                 est = plan_stages(g, step, k)
                 prof = plan_stages(g, step, k, profile=chooser)
-                timed = {how: plan_stages(g, step, k, [c.before for c in plan.cuts], judge)
+                timed = {how: plan_stages(g, step, k, plan.split_at, judge)
                          for how, plan in (("estimate", est), ("profile", prof))}
                 row = {"model": name, "stages": k, "nodes": len(g.nodes), "profile_s": round(profile_s, 2),
                        "step_ms": round(judge.step_us / 1e3, 3),
-                       "same_cuts": [c.before for c in est.cuts] == [c.before for c in prof.cuts]}
+                       "same_cuts": est.split_at == prof.split_at}
                 for how, plan in timed.items():
                     ms = [st.measured_ns / 1e6 for st in plan.stages]
-                    row[how] = {"cuts": [c.before for c in plan.cuts], "stage_ms": [round(x, 3) for x in ms],
+                    row[how] = {"cuts": list(plan.split_at), "stage_ms": [round(x, 3) for x in ms],
                                 "largest_share": round(max(ms) / max(sum(ms), 1e-9), 4),
                                 "flops_share": round(max(st.flops for st in plan.stages) / max(plan.flops, 1), 4)}
                 row["slowest_stage_speedup"] = round(max(row["estimate"]["stage_ms"]) /

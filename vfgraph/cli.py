@@ -436,7 +436,7 @@ def cmd_inspect(args) -> int:
 
                     profile = profile_step(item.source, sig, batch=args.profile_batch or 32)
                     if not split_at:  # the estimate's cuts, timed: how far they are from the measured balance
-                        cuts = [c.before for c in plan_stages(g, step, stages).cuts]
+                        cuts = plan_stages(g, step, stages).split_at
                         report["stages_by_estimate"] = plan_stages(g, step, stages, cuts, profile).to_json()
                 plan = plan_stages(g, step, stages, split_at, profile)
                 report["stages"] = plan.to_json()

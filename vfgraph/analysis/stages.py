@@ -135,6 +135,11 @@ class StagePlan:
         return sum(s.flops for s in self.stages)
 
     @property
+    def split_at(self) -> Tuple[str, ...]:
+        """The first forward op of stages 2..K: what ``split_at`` repeats this plan with."""
+        return tuple(c.before for c in self.cuts)
+
+    @property
     def max_stage_flops(self) -> int:
         return max(s.flops for s in self.stages)
 
