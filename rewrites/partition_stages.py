@@ -2,8 +2,9 @@
 
 The forward computation is cut into K consecutive stages (:mod:`vfgraph.analysis.stages`:
 balanced by estimated cost, by the measured times of a profiled step with ``balance=profile``
-(:mod:`vfgraph.analysis.profile`), or where ``split-at`` says); every backward op goes on the stage
-of the forward op it differentiates, every variable, its update and its optimizer state on
+(:mod:`vfgraph.analysis.profile`: a step profiled here, or the one ``vfgraph profile`` wrote to
+the file ``profile``), or where ``split-at`` says); every backward op goes on the stage of the
+forward op it differentiates, every variable, its update and its optimizer state on
 the stage whose forward ops read it. The pass writes where each op runs (the ``device`` of
 its node) and where each variable lives (the object graph's saved device), and nothing else:
 the step computes what it computed, and TensorFlow's own partitioner sends the tensors that
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Dict, Optional, Tuple
 
 from vfgraph import records
-from vfgraph.analysis.profile import profile_step
+from vfgraph.analysis.profile import profile_of
 from vfgraph.analysis.stages import StagePlan, plan_stages
 from vfgraph.analysis.train_step import analyze_train_step, check_batch_inputs, training_signature
 from vfgraph.errors import PipelineError
@@ -67,6 +68,9 @@ class PartitionStagesPass(Pass):
                                       "cuts chosen are in the notes: give them as split-at to repeat the rewrite)")
     profile_batch: int = option(32, "with balance=profile: the examples in the profiled step's batch (a virtual "
                                     "node's batch, as the stages will run it)")
+    profile: str = option("", "with balance=profile: a step profile's JSON file ('vfgraph profile MODEL -o FILE', "
+                              "of this machine or the one the model will train on) whose times the cuts balance, "
+                              "instead of a step profiled here; the same file gives the same cuts")
     signature: str = option("", "the training signature (default: 'train', or the one found)")
 
     def call(self, item: GraphItem) -> PassResult:
@@ -91,9 +95,12 @@ class PartitionStagesPass(Pass):
         g.verify()
         check_batch_inputs(g, sig)
         step = analyze_train_step(g, sig)
+        if self.profile and self.balance != "profile":
+            raise PipelineError(f"profile={self.profile}: the cuts balance a profile's times with balance=profile "
+                                "only; give both")
         profile = None
         if self.balance == "profile" and not split_at and self.stages > 1:
-            profile = profile_step(item.source, sig, batch=self.profile_batch)
+            profile = profile_of(item.source, sig, self.profile_batch, self.profile)
         plan = plan_stages(g, step, self.stages, split_at, profile)
         if not devices and plan.shared:
             raise PipelineError(f"signature {sig.key!r}: variable {plan.shared[0].name!r} is read by stages "
@@ -126,8 +133,9 @@ class PartitionStagesPass(Pass):
         if profile is not None:
             times = ", ".join(f"{st.measured_ns / 1e6:.2f}" for st in plan.stages)
             notes.append(f"signature {sig.key!r}: the cuts balance a profiled step's measured times (stages: "
-                         f"{times} ms per step of {profile.batch} examples); to repeat this rewrite exactly, split at "
-                         + ";".join(plan.split_at))
+                         f"{times} ms per step of {profile.batch} examples"
+                         + (f", profile {self.profile}" if self.profile else "")
+                         + "); to repeat this rewrite exactly, split at " + ";".join(plan.split_at))
         if plan.shared:
             notes.append(f"signature {sig.key!r}: variables read by several stages stay where the loader puts them: "
                          + ", ".join(v.name for v in plan.shared[:3]) + (" ..." if len(plan.shared) > 3 else ""))

@@ -55,14 +55,16 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
                      has_training: bool = True, allreduce: bool = False, fusion_mb: float = 4,
                      stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
                      schedule: str = "1f1b", deterministic: bool = False, balance: str = "estimate",
-                     profile_batch: int = 32) -> str:
+                     profile_batch: int = 32, profile: str = "") -> str:
     parts = []
     if has_training and (stages > 1 or devices or split_at):
         opts = [f"stages={stages}"] + (["devices=" + ";".join(devices)] if devices else [])
         opts += ["split-at=" + ";".join(split_at)] if split_at else []
         opts += [f"schedule={schedule}"] if schedule != "1f1b" else []
         opts += [f"balance={balance}"] if balance != "estimate" else []
-        opts += [f"profile-batch={profile_batch}"] if balance != "estimate" and profile_batch != 32 else []
+        measure = balance != "estimate" and not profile  # a step profiled where the pass runs
+        opts += [f"profile-batch={profile_batch}"] if measure and profile_batch != 32 else []
+        opts += [f"profile={profile}"] if profile else []
         opts += [f"signature={train_signature}"] if train_signature else []
         parts.append("partition-stages{" + ",".join(opts) + "}")
     if has_training:
@@ -84,7 +86,7 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
             checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False,
             verify_each: bool = False, stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
             schedule: str = "1f1b", deterministic: bool = False, balance: str = "estimate",
-            profile_batch: int = 32) -> GraphItem:
+            profile_batch: int = 32, profile: Union[str, os.PathLike] = "") -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
     With ``in_place``, a loaded item is rewritten itself and returned, without the copy (a
     model's size in memory and the time to copy it): for an item loaded only to be rewritten
@@ -104,18 +106,27 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     ops that start stages 2..K, ``schedule`` "1f1b" keeps at most K virtual nodes in flight,
     "gpipe" all. Without ``split_at`` the cuts balance each op's estimated cost, or with
     ``balance="profile"`` its measured time in a step of ``profile_batch`` examples run here
-    (on this machine's CPU; the notes name the cuts chosen, to repeat the rewrite exactly).
+    (on this machine's CPU; the notes name the cuts chosen, to repeat the rewrite exactly), or
+    the times in ``profile``, a file ``vfgraph profile`` wrote (implies ``balance="profile"``;
+    the same file gives the same rewrite).
 
     ``deterministic`` sums the virtual nodes' gradients and outputs exactly (fixed point), so
     that any layout of the V virtual nodes over ranks (1x8, 2x4, 5+3) trains bit-identical
     parameters."""
     if allreduce not in ("mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi' or 'none'")
+    profile = os.fspath(profile)
+    if profile:
+        if any(c in profile for c in ",{}"):
+            raise InputError(f"profile {profile!r}: a pipeline option cannot hold ',', '{{' or '}}'; give the "
+                             "profile's path without them (move or link the file)")
+        balance = "profile"
     with _gc_paused():
         return _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce,
                         fusion_mb, checkpoint, loss, in_place, verify_each,
                         dict(stages=stages, devices=tuple(devices), split_at=tuple(split_at), schedule=schedule,
-                             deterministic=deterministic, balance=balance, profile_batch=profile_batch))
+                             deterministic=deterministic, balance=balance, profile_batch=profile_batch,
+                             profile=profile))
 
 
 @contextlib.contextmanager

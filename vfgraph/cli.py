@@ -119,6 +119,23 @@ def _parser() -> argparse.ArgumentParser:
     _balance_options(i)
     _tf1_options(i)
 
+    pr = command("profile", "time each op of a model's training step here, for --stages with --profile",
+                 "Run MODEL's training step on a synthetic batch (normal floats, zero integers, true booleans) in "
+                 "TensorFlow on this machine's CPU, one thread, and write each op's median time to OUTPUT, a JSON "
+                 "file that 'vfgraph rewrite' and 'vfgraph inspect' take with --stages K --profile OUTPUT: profile "
+                 "once where the model will train, rewrite anywhere, the same rewrite from the same file. MODEL and "
+                 "its files are only read.")
+    pr.add_argument("model", help="SavedModel directory with a training signature")
+    pr.add_argument("-o", "--output", required=True, help="the profile's file (.json)")
+    pr.add_argument("--batch", type=int, default=32, metavar="N",
+                    help="examples in the profiled step's batch: a virtual node's batch, as the stages will run it "
+                         "(default 32)")
+    pr.add_argument("--steps", type=int, default=10, metavar="N",
+                    help="timed steps, after 3 untimed ones; each op's time is its median (default 10)")
+    pr.add_argument("--train-signature", default="", metavar="NAME",
+                    help="the training signature (default: 'train', or the one found)")
+    pr.add_argument("--force", action="store_true", help="replace OUTPUT if it is a profile vfgraph wrote")
+
     d = command("diff", "canonical unified diff of two models, variables included (exit 1 when they differ)")
     d.add_argument("a", help="a model, as for 'rewrite'")
     d.add_argument("b", help="the model to compare it with")
@@ -243,7 +260,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         _check_inputs_exist(args)
         return {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
                 "verify": cmd_verify, "train": cmd_train, "export": cmd_export,
-                "passes": cmd_passes, "build-ops": cmd_build_ops, "resize": cmd_resize}[args.command](args)
+                "passes": cmd_passes, "build-ops": cmd_build_ops, "resize": cmd_resize,
+                "profile": cmd_profile}[args.command](args)
     except Quiet as e:  # another rank reports it
         return e.exit_code
     except VfgraphError as e:
@@ -332,20 +350,41 @@ def cmd_rewrite(args) -> int:
 
 
 def _balance_options(p) -> None:
-    p.add_argument("--balance", choices=("estimate", "profile"), default="estimate",
+    p.add_argument("--balance", choices=("estimate", "profile"),
                    help="with --stages: what the cuts balance: estimate (default: each op's cost estimated from "
                         "static shapes; the same cuts on any machine) or profile (each op's time in a training step "
-                        "run here on a synthetic batch, on this machine's CPU)")
+                        "run here on a synthetic batch, on this machine's CPU, or the times in --profile)")
     p.add_argument("--profile-batch", type=int, metavar="N",
                    help="with --balance profile: the examples in the profiled step's batch, a virtual node's batch "
                         "as the stages will run it (default: --vnode-batch where given, else 32)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="with --stages: balance the times in FILE, a profile 'vfgraph profile' wrote (of this "
+                        "machine or the one the model will train on), instead of profiling a step here; the same "
+                        "file gives the same cuts (implies --balance profile)")
 
 
 def _check_balance(args, stages) -> None:
+    """Check --balance, --profile-batch and --profile (the profile read, so that a bad file is
+    named before any work); afterwards ``args.balance`` is "estimate" or "profile"."""
     if args.profile_batch is not None and args.profile_batch < 1:
         raise InputError(f"--profile-batch {args.profile_batch}: give the examples of the profiled batch (>= 1)")
+    if args.profile is not None:
+        if args.balance == "estimate":
+            raise InputError("--profile with --balance estimate: the cuts balance a profile's times with --balance "
+                             "profile (which --profile implies); leave out one of them")
+        if args.profile_batch is not None:
+            raise InputError(f"--profile-batch with --profile: the profile in {args.profile} is of the batch it was "
+                             "measured with; leave out --profile-batch (or profile again with 'vfgraph profile "
+                             "--batch N')")
+        args.balance = "profile"
+    args.balance = args.balance or "estimate"
     if args.balance != "estimate" and stages is None:
-        raise InputError("--balance profile without --stages: give the number of pipeline stages to balance")
+        raise InputError(f"{'--profile' if args.profile is not None else '--balance profile'} without --stages: give "
+                         "the number of pipeline stages to balance")
+    if args.profile is not None:
+        from vfgraph.analysis.profile import read_profile
+
+        read_profile(args.profile)
 
 
 def _partition_options(args) -> dict:
@@ -376,7 +415,8 @@ def _partition_options(args) -> dict:
     except ValueError as e:
         raise InputError(f"--devices: {e}") from None
     return {"stages": stages, "devices": devices, "split_at": split_at, "schedule": args.schedule,
-            "balance": args.balance, "profile_batch": args.profile_batch or args.vnode_batch or 32}
+            "balance": args.balance, "profile_batch": args.profile_batch or args.vnode_batch or 32,
+            "profile": args.profile or ""}
 
 
 def cmd_inspect(args) -> int:
@@ -432,9 +472,9 @@ def cmd_inspect(args) -> int:
 
                 profile = None
                 if args.balance == "profile":
-                    from vfgraph.analysis.profile import profile_step
+                    from vfgraph.analysis.profile import profile_of
 
-                    profile = profile_step(item.source, sig, batch=args.profile_batch or 32)
+                    profile = profile_of(item.source, sig, args.profile_batch or 32, args.profile or "")
                     if not split_at:  # the estimate's cuts, timed: how far they are from the measured balance
                         cuts = plan_stages(g, step, stages).split_at
                         report["stages_by_estimate"] = plan_stages(g, step, stages, cuts, profile).to_json()
@@ -499,7 +539,7 @@ def _print_stages(plan, by_estimate: Optional[dict] = None) -> None:
            "measured": "balanced by measured time"}[plan.chosen]
     timed = plan.profile_batch > 0
     print(f"\nstages of signature {plan.signature!r}: {len(plan.stages)} ({how}; FLOPs and bytes per example, "
-          "estimated from static shapes" + (f"; time per step of {plan.profile_batch} examples, measured here on one "
+          "estimated from static shapes" + (f"; time per step of {plan.profile_batch} examples, measured on one "
                                             "CPU thread" if timed else "") + ")")
     rows = [("stage", "fwd ops", "bwd ops", "est. FLOPs") + (("time",) if timed else ()) +
             ("params", "opt state", "first op")]
@@ -534,6 +574,32 @@ def _print_stages(plan, by_estimate: Optional[dict] = None) -> None:
     print(f"  backward ops placed by: {placed or 'none'}")
     for t, got, want in plan.misplaced:
         print(f"  note: gradient {t} is computed on stage {got}, its variable is on stage {want}")
+
+
+def cmd_profile(args) -> int:
+    from vfgraph.analysis.profile import profile_step, write_profile
+
+    if args.batch < 1 or args.steps < 1:
+        bad = ("--batch", args.batch) if args.batch < 1 else ("--steps", args.steps)
+        raise InputError(f"{bad[0]} {bad[1]}: give at least 1")
+    if not args.output.endswith(".json"):
+        raise InputError(f"-o {args.output}: a profile is a JSON file; give a path ending in .json")
+    out = outputs.check_output(args.output, [args.model], args.force, what="profile")
+    item = vfgraph.load(args.model)
+    sig = item.training_signature(args.train_signature or None)
+    if sig is None:
+        raise InputError(f"{args.model}: no training signature {args.train_signature or 'train'!r} to profile "
+                         f"(signatures: {', '.join(sorted(item.signatures)) or 'none'}); pass --train-signature NAME")
+    del item
+    profile = profile_step(args.model, sig, batch=args.batch, steps=args.steps)
+    write_profile(profile, out, model=os.path.abspath(args.model))
+    by_op = collections.Counter()
+    for node, us in profile.ops.items():
+        by_op[profile.kinds.get(node) or "?"] += us
+    top = ", ".join(f"{op} {us / 1e3:.2f} ms" for op, us in by_op.most_common(5))
+    print(f"wrote {out}: signature {sig.key!r}, a step of {profile.batch} examples in {profile.step_us / 1e3:.2f} ms "
+          f"(median of {profile.steps}); most time: {top}")
+    return 0
 
 
 def cmd_diff(args) -> int:

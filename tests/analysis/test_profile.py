@@ -143,6 +143,88 @@ def test_profile_options_are_checked(models, capsys):
     assert code == 2 and f"{meta} is not one (balance by the estimate" in error_line(err), err
 
 
+def test_a_profile_file_gives_the_same_rewrite_anywhere(models, capsys, tmp_path):
+    """vfgraph profile writes a step's profile once; rewrite and inspect with --profile balance
+    its times: the same file, the same cuts and byte-identical models, the profile untouched."""
+    from vfgraph.analysis.profile import read_profile
+    from vfgraph.analysis.stages import plan_stages
+    from vfgraph.testing.cli import run_in_process, tree_digest
+
+    mlp = models("mlp:sgd")
+    prof = tmp_path / "mlp.json"
+    code, err = run_in_process(capsys, "profile", mlp, "-o", prof, "--batch", 16, "--steps", 3)
+    assert code == 0, err
+    got = read_profile(str(prof))
+    assert (got.signature, got.batch, got.steps) == ("train", 16, 3) and got.step_us > 0
+    assert got.measured_on["tensorflow"] and got.measured_on["cpu"]
+    item, sig, g, step = loaded(mlp)
+    cuts = plan_stages(g, step, 2, profile=got).split_at
+    written = prof.read_bytes()
+    digests = []
+    for k in range(2):
+        out = tmp_path / f"out{k}"
+        code, err = run_in_process(capsys, "rewrite", mlp, "--vnodes", 2, "--stages", 2, "--profile", prof,
+                                   "--allreduce", "none", "-o", out)
+        assert code == 0, err
+        (note,) = [line for line in err if "profiled step" in line]
+        assert f"per step of 16 examples, profile {prof}" in note and note.endswith("split at " + ";".join(cuts))
+        digests.append(tree_digest(out))
+    assert digests[0] == digests[1] and prof.read_bytes() == written
+    capsys.readouterr()
+    from vfgraph import cli
+
+    assert cli.main(["inspect", mlp, "--stages", "2", "--profile", str(prof), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["stages"]
+    assert plan["chosen"] == "measured" and plan["profile_batch"] == 16
+    assert [c["before"] for c in plan["cuts"]] == list(cuts)
+    # written by vfgraph: replaced with --force only
+    code, err = run_in_process(capsys, "profile", mlp, "-o", prof, "--batch", 8, "--steps", 1)
+    assert code == 2 and "profile exists; choose another path, or pass --force" in err[-1], err
+    code, err = run_in_process(capsys, "profile", mlp, "-o", prof, "--batch", 8, "--steps", 1, "--force")
+    assert code == 0 and read_profile(str(prof)).batch == 8, err
+
+
+def test_profile_files_are_checked(models, sine_mlp, capsys, tmp_path):
+    from vfgraph.testing.cli import error_line, run_in_process
+
+    mlp = models("mlp:sgd")
+    prof = tmp_path / "mlp.json"
+    code, err = run_in_process(capsys, "profile", mlp, "-o", prof, "--batch", 8, "--steps", 1)
+    assert code == 0, err
+    record = json.loads(prof.read_text())
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": "something else"}))
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(json.dumps({**record, "ops": "none"}))
+    renamed = tmp_path / "renamed.json"
+    renamed.write_text(json.dumps({**record, "signature": "fit"}))
+    text = tmp_path / "text.json"
+    text.write_text("not json")
+    stages = ["--stages", 2, "--profile"]
+    for cmd, argv, want in [
+            ("inspect", stages + [tmp_path / "none.json"], "none.json: no such profile; write one with 'vfgraph "
+                                                           "profile MODEL -o"),
+            ("inspect", stages + [text], "text.json: cannot read a profile from it"),
+            ("inspect", stages + [other], 'other.json: not a step profile (no "format": "vfgraph-step-profile")'),
+            ("rewrite", ["--vnodes", 2] + stages + [damaged], "damaged.json: a damaged profile"),
+            ("rewrite", ["--vnodes", 2, "--allreduce", "none", "-o", tmp_path / "out"] + stages + [renamed],
+             "renamed.json: a profile of signature 'fit', and the step to cut into stages is 'train'"),
+            ("inspect", stages + [prof, "--balance", "estimate"], "--profile with --balance estimate"),
+            ("inspect", stages + [prof, "--profile-batch", 8], "--profile-batch with --profile: the profile in"),
+            ("rewrite", ["--vnodes", 2, "--profile", prof], "--profile without --stages"),
+            ("rewrite", ["--pipeline", f"partition-stages{{profile={prof}}},split-vnodes{{vnodes=2}}"],
+             "the cuts balance a profile's times with balance=profile only; give both"),
+            ("profile", ["-o", tmp_path / "p.txt"], "a profile is a JSON file; give a path ending in .json"),
+            ("profile", ["-o", tmp_path / "p.json", "--batch", 0], "--batch 0: give at least 1"),
+            ("profile", ["-o", other], "other.json: exists and was not written by vfgraph")]:
+        code, err = run_in_process(capsys, cmd, mlp, *argv)
+        assert code == 2 and want in error_line(err), (cmd, argv, err)
+    assert not (tmp_path / "out").exists() and json.loads(other.read_text()) == {"format": "something else"}
+    # a profile of another model: few of its ops found
+    code, err = run_in_process(capsys, "inspect", sine_mlp, "--stages", 2, "--profile", prof)
+    assert code == 2 and "it is of another model or version" in error_line(err), err
+
+
 def test_a_batch_for_the_profile():
     from tensorflow.core.framework import types_pb2
 

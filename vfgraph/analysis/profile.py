@@ -14,14 +14,22 @@ costs, is given back to it.
 The result is each op's time in microseconds per step (the median over the profiled steps),
 keyed by the op's name in the training function; an op inside a called function counts for
 its call. :func:`vfgraph.analysis.stages.plan_stages` balances stages with it.
+
+A profile is of the machine it ran on and varies from run to run. :func:`write_profile` keeps
+one in a JSON file (``vfgraph profile``) and :func:`read_profile` reads it back, so that a
+model can be profiled once where it will train and rewritten anywhere, the same rewrite from
+the same file.
 """
 from __future__ import annotations
 
+import json
+import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from vfgraph.errors import InputError
+from vfgraph.io.outputs import PROFILE_FORMAT, umask, writing
 from vfgraph.ir.graph import FunctionGraph
 from vfgraph.item import SignatureInfo
 
@@ -37,6 +45,7 @@ class StepProfile:
     step_us: float                                    # the whole step's median wall time
     ops: Mapping[str, float] = field(default_factory=dict)    # session node -> time per step
     kinds: Mapping[str, str] = field(default_factory=dict)    # session node -> the op it ran
+    measured_on: Mapping[str, str] = field(default_factory=dict)  # machine, CPU, TensorFlow, threads
 
 
 def synthetic_batch(specs: Sequence[Tuple[str, int, Optional[Sequence[int]]]], batch: int, where: str,
@@ -133,7 +142,86 @@ def profile_step(path: str, sig: SignatureInfo, batch: int = 32, steps: int = 10
             raise InputError(f"{path}: signature {sig.key!r} fails on a synthetic batch of {batch} examples "
                              f"({first}); balance by the estimate, or give --split-at") from None
     times = {n: statistics.median(v + [0.0] * (steps - len(v))) for n, v in per_node.items()}
-    return StepProfile(sig.key, sig.function, batch, steps, statistics.median(walls), times, kinds)
+    return StepProfile(sig.key, sig.function, batch, steps, statistics.median(walls), times, kinds, _machine())
+
+
+def profile_of(path: str, sig: SignatureInfo, batch: int, file: str = "") -> StepProfile:
+    """The profile the stages of ``sig`` balance: the one in ``file`` where given (refused when
+    it is of another signature), else a step of ``batch`` examples of the SavedModel at
+    ``path`` profiled here."""
+    if not file:
+        return profile_step(path, sig, batch=batch)
+    profile = read_profile(file)
+    if profile.signature != sig.key:
+        raise InputError(f"{file}: a profile of signature {profile.signature!r}, and the step to cut into stages is "
+                         f"{sig.key!r}: profile that one (vfgraph profile MODEL --train-signature {sig.key} -o FILE)")
+    return profile
+
+
+def _machine() -> Dict[str, str]:
+    """Where a profile ran: the machine, its CPU, TensorFlow's version, the threads."""
+    import platform
+
+    import tensorflow as tf
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"host": platform.node(), "cpu": cpu, "tensorflow": tf.__version__,
+            "threads": "1 intra-op, 1 inter-op (CPU)"}
+
+
+_PROFILE_VERSION = 1
+
+
+def write_profile(profile: StepProfile, path: str, model: str = "") -> None:
+    """Write ``profile`` (of ``model``) to the JSON file ``path``, whole or not at all (through
+    a temporary file beside it); the same profile gives the same bytes."""
+    record = {"format": PROFILE_FORMAT, "version": _PROFILE_VERSION, "model": model,
+              "signature": profile.signature, "function": profile.function, "batch": profile.batch,
+              "steps": profile.steps, "step_us": round(profile.step_us, 3), "measured_on": dict(profile.measured_on),
+              "ops": {n: round(us, 3) for n, us in profile.ops.items()}, "kinds": dict(profile.kinds)}
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    with writing(path, tmp):
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, path)
+
+
+def read_profile(path: str) -> StepProfile:
+    """The profile :func:`write_profile` wrote to ``path``. Raises InputError for a file that
+    is missing, not JSON, or not such a profile."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such profile; write one with 'vfgraph profile MODEL -o {path}'") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"{path}: cannot read a profile from it ({getattr(e, 'strerror', None) or e}); give a file "
+                         "'vfgraph profile' wrote") from None
+    if not isinstance(record, dict) or record.get("format") != PROFILE_FORMAT:
+        raise InputError(f"{path}: not a step profile (no \"format\": \"{PROFILE_FORMAT}\"); give a file "
+                         "'vfgraph profile' wrote")
+    if record.get("version") != _PROFILE_VERSION:
+        raise InputError(f"{path}: a profile of format version {record.get('version')!r}, this vfgraph reads version "
+                         f"{_PROFILE_VERSION}; profile the model again with this vfgraph")
+    try:
+        ops = {str(n): float(us) for n, us in record["ops"].items()}
+        kinds = {str(n): str(k) for n, k in record.get("kinds", {}).items()}
+        profile = StepProfile(str(record["signature"]), str(record["function"]), int(record["batch"]),
+                              int(record["steps"]), float(record["step_us"]), ops, kinds,
+                              {str(k): str(v) for k, v in record.get("measured_on", {}).items()})
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise InputError(f"{path}: a damaged profile ({type(e).__name__}: {e}); profile the model again") from None
+    if profile.batch < 1 or not ops or any(us < 0 for us in ops.values()):
+        raise InputError(f"{path}: a damaged profile (batch {profile.batch}, {len(ops)} op times); profile the model "
+                         "again")
+    return profile
 
 
 def _session_graph(fn, feed_values: Mapping[str, "object"]):

@@ -4,7 +4,8 @@
   symbolic links followed).
 - An existing output is replaced only with ``force``, and only when vfgraph wrote it (a
   SavedModel with vfgraph's record ``assets.extra/vfgraph.json``, a GraphDef vfgraph emitted, a
-  training checkpoint directory) or it is an empty directory: nothing else is ever deleted.
+  training checkpoint directory, a step profile) or it is an empty directory: nothing else is
+  ever deleted.
 - Writability and free space are checked before the work, and a write that fails on the way
   (disk full) leaves nothing behind and says so in one line.
 - What is written is readable as the umask says (temporary directories are made private).
@@ -24,6 +25,7 @@ from vfgraph.io.files import emitted_by_vfgraph
 from vfgraph.records import METADATA_FILE
 
 MARKER = METADATA_FILE
+PROFILE_FORMAT = "vfgraph-step-profile"  # the "format" of a step profile's JSON file (vfgraph profile)
 PROGRESS = "progress.json"  # a training checkpoint directory holds it and step-N.* files
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -49,15 +51,23 @@ def written_by_vfgraph(path: str) -> bool:
         entries = os.listdir(path)
         if all(e.startswith(("step-", PROGRESS)) for e in entries):  # empty, or a training checkpoint
             return True
-        try:
-            with open(os.path.join(path, MARKER)) as f:
-                record = json.load(f)
-        except (OSError, ValueError):
-            return False
-        return isinstance(record, dict) and bool({"history", "serving_export", "training"} & set(record))
+        record = _json_record(os.path.join(path, MARKER))
+        return bool({"history", "serving_export", "training"} & set(record))
     if os.path.isfile(path) and path.endswith((".pb", ".pbtxt")):
         return emitted_by_vfgraph(path)
+    if os.path.isfile(path) and path.endswith(".json"):
+        return _json_record(path).get("format") == PROFILE_FORMAT
     return False
+
+
+def _json_record(path: str) -> dict:
+    """The JSON object in the file ``path`` (empty where there is none)."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def check_output(out: str, inputs: Iterable[Optional[str]] = (), force: bool = False, need_bytes: int = 0,
