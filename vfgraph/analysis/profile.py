@@ -23,13 +23,12 @@ the same file.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from vfgraph.errors import InputError
-from vfgraph.io.outputs import PROFILE_FORMAT, umask, writing
+from vfgraph.io.outputs import PROFILE_FORMAT, write_file
 from vfgraph.ir.graph import FunctionGraph
 from vfgraph.item import SignatureInfo
 
@@ -184,13 +183,7 @@ def write_profile(profile: StepProfile, path: str, model: str = "") -> None:
               "signature": profile.signature, "function": profile.function, "batch": profile.batch,
               "steps": profile.steps, "step_us": round(profile.step_us, 3), "measured_on": dict(profile.measured_on),
               "ops": {n: round(us, 3) for n, us in profile.ops.items()}, "kinds": dict(profile.kinds)}
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    with writing(path, tmp):
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
+    write_file(path, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
 
 
 def read_profile(path: str) -> StepProfile:

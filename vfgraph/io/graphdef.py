@@ -9,7 +9,6 @@ fetch the same tensor names as before.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import List, Optional, Sequence
 
 from google.protobuf import text_format
@@ -114,10 +113,5 @@ def save_graph_def(item: GraphItem, out: str, force: bool = False) -> str:
         gd.library.function.add().CopyFrom(lib[name])
     data = (text_format.MessageToString(gd).encode() if out.endswith(".pbtxt")
             else gd.SerializeToString(deterministic=True))
-    fd, tmp = tempfile.mkstemp(prefix=".vfgraph-", dir=os.path.dirname(out))
-    with outputs.writing(out, tmp):
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~outputs.umask())
-        os.replace(tmp, out)
+    outputs.write_file(out, data)
     return out

@@ -182,6 +182,17 @@ def publish(tmp: str, out: str) -> None:
         os.rename(tmp, out)
 
 
+def write_file(out: str, data: bytes) -> None:
+    """Write ``data`` to the file ``out`` whole or not at all: through a temporary file beside
+    it, readable as the umask says, renamed over ``out`` once complete."""
+    fd, tmp = tempfile.mkstemp(prefix=".vfgraph-", dir=os.path.dirname(os.path.abspath(out)))
+    with writing(out, tmp):
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, out)
+
+
 def is_disk_full(e: BaseException) -> bool:
     if isinstance(e, OSError):
         return e.errno in _FULL
