@@ -80,6 +80,9 @@ class PartitionStagesPass(Pass):
             raise PipelineError(f"schedule={self.schedule!r}: choose {' or '.join(SCHEDULES)}")
         if self.balance not in BALANCES:
             raise PipelineError(f"balance={self.balance!r}: choose {' or '.join(BALANCES)}")
+        if self.profile and self.balance != "profile":
+            raise PipelineError(f"profile={self.profile}: the cuts balance a profile's times with balance=profile "
+                                "only; give both")
         if self.profile_batch < 1:
             raise PipelineError(f"profile-batch={self.profile_batch}: give the examples of a profiled batch (>= 1)")
         if not has_object_graph(item):
@@ -95,9 +98,6 @@ class PartitionStagesPass(Pass):
         g.verify()
         check_batch_inputs(g, sig)
         step = analyze_train_step(g, sig)
-        if self.profile and self.balance != "profile":
-            raise PipelineError(f"profile={self.profile}: the cuts balance a profile's times with balance=profile "
-                                "only; give both")
         profile = None
         if self.balance == "profile" and not split_at and self.stages > 1:
             profile = profile_of(item.source, sig, self.profile_batch, self.profile)
