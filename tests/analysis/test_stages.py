@@ -90,6 +90,24 @@ def test_equal_layers_are_balanced(step_of, deep_mlp, k):
         assert 64 * 4 <= c.bytes <= 3 * 64 * 4, c
 
 
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_cuts_keep_a_layer_fused(step_of, deep_mlp, k):
+    """No stage starts between a matrix product and the bias and activation TensorFlow fuses
+    into it: each stage starts at a layer's MatMul."""
+    g, _ = analysed(deep_mlp)
+    p = plan(step_of, (deep_mlp,), k)
+    assert [g.op_types()[c.before] for c in p.cuts] == ["MatMul"] * (k - 1), [c.before for c in p.cuts]
+
+
+def test_best_cuts_avoid_closed_positions():
+    from vfgraph.analysis.stages import _best_cuts
+
+    w, live = [4, 1, 4, 1], [0] * 4
+    assert _best_cuts(w, w, live, 2) == [2]
+    assert _best_cuts(w, w, live, 2, [False, False, True, False]) == [1]  # the next best balance
+    assert _best_cuts(w, w, live, 2, [False, True, True, True]) == [2]  # none open: as if none were closed
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_every_variable_and_its_state_on_one_stage(step_of, name):
     g, step = step_of(name)

@@ -37,6 +37,11 @@ _FREE = frozenset({"Identity", "IdentityN", "Snapshot", "StopGradient", "Prevent
                    "Size", "Rank", "Reshape", "ExpandDims", "Squeeze", "Const", "NoOp", "ReadVariableOp",
                    "BroadcastGradientArgs", "EnsureShape", "CheckNumerics"})
 _MATMUL = {"MatMul": "transpose_a", "BatchMatMul": "adj_x", "BatchMatMulV2": "adj_x", "BatchMatMulV3": "adj_x"}
+# TensorFlow's CPU and GPU kernels fuse a contraction with the bias and activation that
+# follow it (Grappler's remapper: _FusedMatMul, _FusedConv2D), which a cut between them would
+# prevent, running both halves slower: the plan does not cut there unless told to.
+_CONTRACTIONS = frozenset({"MatMul", "Conv2D", "Conv3D", "DepthwiseConv2dNative"})
+_FUSED_ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"})
 _GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients(_\d+)?)$")
 _GRAD_SUFFIX = "_grad"
 # How a backward op was placed (the keys of StagePlan.placement).
@@ -493,9 +498,28 @@ def plan_stages(g: FunctionGraph, step: TrainStep, stages: int, split_at: Sequen
         weight = list(fwd_cost)
         for x, a in s.anchor.items():
             weight[a] += cost[x]
-        cuts = _best_cuts(weight, fwd_cost, _live_bytes(s), stages)
+        cuts = _best_cuts(weight, fwd_cost, _live_bytes(s), stages, _fused_positions(s))
     chosen = "split-at" if split_at else "balanced" if measured is None else "measured"
     return _build(s, cuts, chosen, measured, profile.batch if profile is not None else 0)
+
+
+def _fused_positions(s: _Step) -> List[bool]:
+    """For each position of the forward order, whether a stage starting there would separate a
+    contraction from the bias or activation TensorFlow fuses into it (the op reads the one
+    before it, the only reader of that op's output)."""
+    g, types = s.g, s.g.op_types()
+    closed = [False] * len(s.order)
+    for node, p in s.pos.items():
+        op = types[node]
+        ins = g.data_inputs(node)
+        if (op != "BiasAdd" and op not in _FUSED_ACTIVATIONS) or not ins or ins[0].node not in s.pos:
+            continue
+        prev = ins[0].node
+        fusable = _CONTRACTIONS if op == "BiasAdd" else _CONTRACTIONS | {"BiasAdd", "FusedBatchNorm", "FusedBatchNormV3"}
+        if types[prev] in fusable and [c for c, _ in g.consumers(ins[0])] == [node]:
+            for q in range(s.pos[prev] + 1, p + 1):
+                closed[q] = True
+    return closed
 
 
 def _live_bytes(s: _Step) -> List[int]:
@@ -523,10 +547,13 @@ def _forward_intervals(s: _Step):
                 yield lo, hi, tensor_bytes(g, t), t
 
 
-def _best_cuts(weight: List[int], fwd_cost: List[int], live: List[int], k: int) -> List[int]:
+def _best_cuts(weight: List[int], fwd_cost: List[int], live: List[int], k: int,
+               closed: Optional[List[bool]] = None) -> List[int]:
     """Positions starting stages 2..k: the smallest largest stage weight, then the fewest live
-    bytes summed over the cuts. Every stage holds a forward op with a cost."""
+    bytes summed over the cuts. Every stage holds a forward op with a cost. No stage starts at
+    a ``closed`` position unless the k stages cannot be had otherwise."""
     n = len(weight)
+    shut = [bool(closed and 0 < p < n and closed[p]) for p in range(n + 1)]
     prefix = [0]
     for w in weight:
         prefix.append(prefix[-1] + w)
@@ -554,10 +581,12 @@ def _best_cuts(weight: List[int], fwd_cost: List[int], live: List[int], k: int) 
             nxt = [False] * (n + 1)
             for j in range(1, n + 1):
                 lo, hi = win[j]
-                nxt[j] = hi >= lo and count[hi + 1] - count[lo] > 0
+                nxt[j] = hi >= lo and count[hi + 1] - count[lo] > 0 and not shut[j]
             ok = nxt
         return ok[n]
 
+    if any(shut) and not feasible(prefix[n]):
+        shut = [False] * (n + 1)
     lo, hi = max(weight), prefix[n]
     while lo < hi:
         mid = (lo + hi) // 2
@@ -577,7 +606,7 @@ def _best_cuts(weight: List[int], fwd_cost: List[int], live: List[int], k: int) 
         for j in range(1, n + 1):
             s0, s1 = win[j]
             while added <= s1:
-                if best[added] < inf:
+                if best[added] < inf and not shut[added]:
                     v = best[added] + (live[added] if added else 0)
                     while len(dq) > head and best[dq[-1]] + (live[dq[-1]] if dq[-1] else 0) > v:
                         dq.pop()
