@@ -18,8 +18,9 @@
 // time each process spends in collectives is counted (vf_mpi_blocked_ns), so the
 // runtime can tell a rank's own computing from its wait for the others.
 //
-// VfSend and VfRecv are asynchronous kernels: each message is sent or received on a
-// thread of its own, outside the collective mutex, matched by its tag, so a stage
+// VfSend and VfRecv are asynchronous kernels: each message is waited for on a thread
+// of its own (a send is posted first, on the op's thread, so that it leaves at once),
+// outside the collective mutex, matched by its tag, so a stage
 // waiting for a gradient never keeps the rest of the step from running (and the
 // order in which concurrent iterations post them does not matter). They wait by
 // polling nonblocking calls: a blocking MPI call can hold the MPI library's own lock
@@ -1047,14 +1048,6 @@ int WaitMessage(MPI_Request* request, MPI_Status* status, bool idle) {
   }
 }
 
-// Sends `count` elements of `type` at `data` to `peer` as message `tag`.
-int SendMessage(const void* data, int count, MPI_Datatype type, int peer, int tag, MPI_Comm comm,
-                bool idle) {
-  MPI_Request request;
-  const int rc = MPI_Isend(data, count, type, peer, tag, comm, &request);
-  return rc != MPI_SUCCESS ? rc : WaitMessage(&request, MPI_STATUS_IGNORE, idle);
-}
-
 // Receives message `tag` from `peer` into `count` elements of `type` at `data`.
 int RecvMessage(void* data, int count, MPI_Datatype type, int peer, int tag, MPI_Comm comm,
                 MPI_Status* status, bool idle) {
@@ -1070,6 +1063,11 @@ class SendOp : public AsyncOpKernel {
     OP_REQUIRES_OK(context, context->GetAttr("stages", &stages_));
   }
 
+  // The message leaves at once: its header and data are posted here, on the thread that
+  // runs the op, so the peer can take them while this rank computes on (a message's own
+  // thread, at SCHED_IDLE, would post them only when the rank next waits, which in a
+  // balanced pipeline is a wait of the peer's too). A thread of its own waits for the
+  // delivery.
   void ComputeAsync(OpKernelContext* context, DoneCallback done) override {
     const Tensor input = context->input(0);
     const int tag = context->input(1).scalar<int32_t>()();
@@ -1077,17 +1075,36 @@ class SendOp : public AsyncOpKernel {
     int peer = -1;
     OP_REQUIRES_OK_ASYNC(context, PeerComm("VfSend", name(), stage_, stages_, tag, &comm, &peer),
                          done);
-    std::thread([this, context, done, input, tag, comm, peer]() {
+    auto header = std::make_shared<std::vector<int64_t>>(
+        std::initializer_list<int64_t>{static_cast<int64_t>(input.dtype()), input.dims()});
+    for (int d = 0; d < input.dims(); ++d) header->push_back(input.dim_size(d));
+    auto requests = std::make_shared<std::vector<MPI_Request>>();
+    MPI_Request request;
+    int rc = MPI_Isend(header->data(), static_cast<int>(header->size()), MPI_INT64_T, peer, 2 * tag,
+                       comm.comm, &request);
+    if (rc == MPI_SUCCESS) requests->push_back(request);
+    const char* data = static_cast<const char*>(input.tensor_data().data());
+    const int64_t bytes = static_cast<int64_t>(input.TotalBytes());
+    for (int64_t at = 0; rc == MPI_SUCCESS && at < bytes; at += kMaxCount) {
+      const int n = static_cast<int>(std::min(kMaxCount, bytes - at));
+      rc = MPI_Isend(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm, &request);
+      if (rc == MPI_SUCCESS) requests->push_back(request);
+    }
+    if (rc != MPI_SUCCESS) {
+      for (MPI_Request& posted : *requests) MPI_Request_free(&posted);
+      context->SetStatus(MpiFailure("VfSend", name(), "MPI_Isend", rc, comm));
+      done();
+      return;
+    }
+    std::thread([this, context, done, input, header, requests, comm]() {
       const bool idle = IdleThread();
-      std::vector<int64_t> header = {static_cast<int64_t>(input.dtype()), input.dims()};
-      for (int d = 0; d < input.dims(); ++d) header.push_back(input.dim_size(d));
-      int rc = SendMessage(header.data(), static_cast<int>(header.size()), MPI_INT64_T, peer, 2 * tag,
-                           comm.comm, idle);
-      const char* data = static_cast<const char*>(input.tensor_data().data());
-      const int64_t bytes = static_cast<int64_t>(input.TotalBytes());
-      for (int64_t at = 0; rc == MPI_SUCCESS && at < bytes; at += kMaxCount) {
-        const int n = static_cast<int>(std::min(kMaxCount, bytes - at));
-        rc = SendMessage(data + at, n, MPI_BYTE, peer, 2 * tag + 1, comm.comm, idle);
+      int rc = MPI_SUCCESS;
+      for (MPI_Request& posted : *requests) {
+        if (rc == MPI_SUCCESS) {
+          rc = WaitMessage(&posted, MPI_STATUS_IGNORE, idle);
+        } else {
+          MPI_Request_free(&posted);
+        }
       }
       if (rc != MPI_SUCCESS) {
         context->SetStatus(MpiFailure("VfSend", name(), "MPI_Isend", rc, comm));
@@ -1424,7 +1441,8 @@ REGISTER_OP("VfSend")
     .Doc(R"doc(
 Sends `input` to the rank running pipeline stage `stage` of this rank's group of
 `stages` consecutive ranks, as message `tag`; a VfRecv with the same tag there
-receives it. Asynchronous: the send runs on a thread of its own.
+receives it. Asynchronous: the message is posted at once, and a thread of its own waits
+for its delivery.
 )doc");
 
 REGISTER_OP("VfRecv")
