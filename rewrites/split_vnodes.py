@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from typing import ClassVar, List, Tuple
+from typing import ClassVar, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -195,14 +195,23 @@ class _Loop:
     lowered would hold every loop variable's next iteration until the whole call is done, so
     that the iterations ran one after another. ``lag`` L > 0 (a 1F1B pipeline stage): the loop
     carries the last L tokens and virtual node i's messages (so its work, which starts from
-    what it receives) wait for virtual node i - L to finish: one forward, then one backward."""
+    what it receives) wait for virtual node i - L to finish: one forward, then one backward.
+    ``parts`` (a stage that receives gradients from later stages): the virtual-node function
+    in two (:class:`ForwardBackward`); iteration i calls the forward once virtual node i - 1's
+    forward has finished (a token the loop carries), then the backward on what the forward
+    left it. The forwards thus run in order, the first stage sending virtual node 0's
+    activations first (of calls in flight together, TensorFlow's executor starts the newest
+    first), and one waits for no gradient."""
 
     def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library, new_function,
-                 in_flight: int = 1, tag: str = "", messages: int = 0, exact: bool = False, lag: int = 0):
+                 in_flight: int = 1, tag: str = "", messages: int = 0, exact: bool = False, lag: int = 0,
+                 parts: Optional["ForwardBackward"] = None):
         self.g, self.step, self.vdef, self.vnodes, self.b = g, step, vdef, vnodes, b
-        self.in_flight, self.messages, self.lag = in_flight, messages, lag
-        # the last virtual nodes' "finished" tokens the loop carries (see _body)
+        self.in_flight, self.messages, self.lag, self.parts = in_flight, messages, lag, parts
+        # the last virtual nodes' "finished" tokens the loop carries (see _body), and with
+        # ``parts`` the last forward's
         self.tokens = max(lag, 1) if lag or vdef.signature.control_output else 0
+        self.chained = 1 if parts is not None else 0
         sig = step.signature
         self.keys = [sig.input_keys.get(a, a) for a in sig.batch_args]
         self.vnode_outs = [o for o in step.outputs if o.side == "vnode"]
@@ -222,12 +231,13 @@ class _Loop:
         self.layout = LoopLayout.of(
             [(t, s) if c == "mean" else (types_pb2.DT_VARIANT, [])
              for c, t, s in (self.carried[k] for k in self.plain)] +
-            [(I64, [2 * sum(sizes) + 1]) for _, _, sizes in self.groups] + [(I32, [])] * self.tokens,
+            [(I64, [2 * sum(sizes) + 1]) for _, _, sizes in self.groups] + [(I32, [])] * (self.tokens + self.chained),
             [(I32, [])] + [(t, g.arg_shape(a)) for a, t in zip(sig.batch_args, self.batch_types)] +
             [(g.dtype(TensorRef(a)), []) for a in sig.resource_args] +
             [(g.dtype(TensorRef(a)), g.arg_shape(a)) for a in sig.captured_args])
         lib = dict(library)
-        lib[vdef.signature.name] = vdef
+        for f in [vdef] + ([parts.forward, parts.backward] if parts is not None else []):
+            lib[f.signature.name] = f
         self.body_name = function_name(sig.function, "vnodes", tag, "body")
         self.cond_name = function_name(sig.function, "vnodes", tag, "cond")
         body = self._body(lib, new_function(self.body_name))
@@ -241,7 +251,8 @@ class _Loop:
         args = self.layout.args(fb, ["i"] + carried_names + ["nv", "per"] + [f"batch_{k}" for k in range(n_batch)] +
                                 [f"resource_{k}" for k in range(len(sig.invariant_args))])
         i, carried, nv, fixed = self.layout.split(args)
-        carried, done = carried[:len(carried) - self.tokens], carried[len(carried) - self.tokens:]
+        tokens = len(carried) - self.tokens - self.chained
+        carried, done, chain = carried[:tokens], carried[tokens:tokens + self.tokens], carried[tokens + self.tokens:]
         per, batch, res = fixed[0], fixed[1:1 + n_batch], fixed[1 + n_batch:]
         rows = slice_reader(fb, i, per)
         by_name = {a: rows(x, t) for a, x, t in zip(sig.batch_args, batch, self.batch_types)}
@@ -255,9 +266,16 @@ class _Loop:
             after = [fb.op("Identity", [done[self.lag - 1]], name="after", T=type_attr(I32))] if self.lag else []
             by_name[MESSAGE_BASE] = fb.op("Mul", [i, fb.const(self.messages, I32, "messages")[0]], name="tags",
                                           deps=after, T=type_attr(I32))[0]
-        call = fb.op("StatefulPartitionedCall", [by_name[a] for a in v_args], name="vnode",
-                     Tin=types_attr([a.type for a in self.vdef.signature.input_arg]), Tout=types_attr(self.v_types),
-                     f=func_attr(self.vdef.signature.name))
+        if self.parts is None:
+            calls = [_call(fb, self.vdef, [by_name[a] for a in v_args], "vnode")]
+            call = calls[0].outputs()
+        else:  # the forward, once the last virtual node's has finished, then the backward
+            f, b, stash, where = self.parts
+            after = fb.op("Identity", [chain[0]], name="forward_after", T=type_attr(I32))
+            calls = [_call(fb, f, [by_name[a.name] for a in f.signature.input_arg], "forward", deps=[after])]
+            ins = calls[0].outputs()[:stash] + [by_name[a.name] for a in b.signature.input_arg[stash:]]
+            calls.append(_call(fb, b, ins, "vnode"))
+            call = [calls[not forward].outputs()[k + stash * forward] for forward, k in where]
         new = []
         for k, acc in zip(self.plain, carried):
             combine, t, shape = self.carried[k]
@@ -271,9 +289,11 @@ class _Loop:
             new.append(exact_add(fb, acc, [call[k] for k in ks], t, sum(sizes)))
         if done:  # virtual node i has finished, and so have those before it: their calls' side effects and sums
             before = fb.op("Identity", [done[0]], name="before", T=type_attr(I32))
-            finished = fb.op("Identity", [i], name="finished", deps=[call, before] + [r.node for r in new],
+            finished = fb.op("Identity", [i], name="finished", deps=calls + [before] + [r.node for r in new],
                              T=type_attr(I32))[0]
             new += [finished] + done[:-1]
+        if chain:  # virtual node i's forward has finished
+            new.append(fb.op("Identity", [i], name="forward_finished", deps=calls[:1], T=type_attr(I32))[0])
         for k, (ref, t) in enumerate(zip(self.layout.join(next_index(fb, i), new, nv, fixed), self.layout.types)):
             fb.ret(f"out_{k}", ref, t)
         return fb.finish()
@@ -311,12 +331,12 @@ class _Loop:
             else:
                 inits.append(reserve(fb, nv, t))
         inits += [zeros(fb, [2 * sum(sizes) + 1], I64, shapes=[[2 * sum(sizes) + 1]]) for _, _, sizes in self.groups]
-        if self.tokens:
-            inits += [fb.const(-1, I32, "none_finished")[0]] * self.tokens
+        if self.tokens + self.chained:
+            inits += [fb.const(-1, I32, "none_finished")[0]] * (self.tokens + self.chained)
         loop = while_loop(fb, self.layout, inits, nv, [per] + batch + res, self.cond_name, self.body_name,
                           "vnodes_loop", lower=True, parallel_iterations=self.in_flight)
         _, carried, _, _ = self.layout.split(loop.outputs())
-        carried = carried[:len(carried) - self.tokens]
+        carried = carried[:len(carried) - self.tokens - self.chained]
         if self.tokens:  # the call's side effects (a stage's sends) run before the function ends
             fb.control_ret(loop)
         every = [None] * len(self.carried)
@@ -377,6 +397,25 @@ class _Loop:
                     every[k] = fb.op("Reshape", [part, fb.const(shape, I32, "shape")[0]], name="sum",
                                      T=type_attr(t), Tshape=type_attr(I32), shapes=[shape])[0]
         return every[:n_out], every[n_out:], got[-1]
+
+
+class ForwardBackward(NamedTuple):
+    """A pipeline stage's virtual-node function in two: ``forward`` returns the tensors the
+    backward reads (``stash`` of them) and then its own outputs; ``backward`` takes those
+    tensors and then the function's arguments; ``where`` gives, for each output of the whole
+    function, (whether the forward computes it, its index among that part's own outputs)."""
+
+    forward: object
+    backward: object
+    stash: int
+    where: Tuple[Tuple[bool, int], ...]
+
+
+def _call(fb: FunctionGraph, fdef, inputs: List[TensorRef], name: str, deps=()):
+    """A call of ``fdef`` on ``inputs`` in ``fb``."""
+    return fb.op("StatefulPartitionedCall", inputs, name=name, deps=list(deps),
+                 Tin=types_attr([a.type for a in fdef.signature.input_arg]),
+                 Tout=types_attr([a.type for a in fdef.signature.output_arg]), f=func_attr(fdef.signature.name))
 
 
 def exact_groups(entries, exact) -> List[Tuple[int, List[int], List[int]]]:
@@ -600,7 +639,8 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
     loop over its stage's part of the virtual-node function, whose tensors from other stages
     arrive by ``VfRecv`` and whose tensors for other stages leave by ``VfSend`` (tag: the
     virtual node's index times the messages per virtual node, plus the message's place in
-    a fixed order); then its reduce function (identity until ``insert-allreduce`` sums it over
+    a fixed order; a stage that receives gradients runs it as a forward and a backward call,
+    :func:`_forward_backward`); then its reduce function (identity until ``insert-allreduce`` sums it over
     the replicas of the stage: ranks r and r + K of ``mpiexec -n K*D``); then its part of the
     update, once, on its own gradients' means; then it returns the step's outputs, broadcast
     from the stage that computes them. Returns the signature keys and the reduce functions."""
@@ -649,8 +689,11 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         view = TrainStep(sig, step.function, [step.cut[k - n_out] for k in mine if k >= n_out], step.vnode_nodes,
                          step.writes, [o for k, o in enumerate(step.outputs) if k in mine], step.batch_dependent)
         # 1F1B: stage s (from 0) starts virtual node i once i - (K - s) has finished
+        parts = _forward_backward(item, vdef_s, messages, s)
+        if parts is None:
+            item.set_function(vdef_s)
         loop = _Loop(g, view, vdef_s, vnodes, b, lib, item.new_function, stages.in_flight(vnodes), tag,
-                     len(messages), exact, lag=k_count - s if s and stages.schedule == "1f1b" else 0)
+                     len(messages), exact, lag=k_count - s if s and stages.schedule == "1f1b" else 0, parts=parts)
         udef_s = _stage_update_function(item, udef, sig, step, [k - n_out for k in mine if k >= n_out], s, tag)
         reduce_s = function_name(sig.function, tag, "reduce")
         item.set_function(reduce_function(reduce_s, _reduce_specs(g, view, exact)))
@@ -718,7 +761,7 @@ def _stage_vnode_function(item: GraphItem, gv: FunctionGraph, where, rets, owner
                           s: int, k_count: int, tag: str):
     """Stage ``s``'s part of the virtual-node function: its nodes, ``VfRecv`` for what it
     reads from other stages, ``VfSend`` (control outputs) for what they read from it; its
-    outputs are those it computes."""
+    outputs are those it computes. Not yet in the library (see :func:`_forward_backward`)."""
     from tensorflow.core.framework import attr_value_pb2
 
     from vfgraph.ir.attrs import shape_proto
@@ -739,8 +782,38 @@ def _stage_vnode_function(item: GraphItem, gv: FunctionGraph, where, rets, owner
             gc.op("VfSend", [ref, at], name=f"vf/stage/send_{m}", T=type_attr(t), stage=dst, stages=k_count)
     drop = frozenset(n for n in gv.nodes if n not in needed)
     outputs = [(name, ref) for (name, ref), o in zip(rets, owners) if o == s]
-    name = function_name(gv.name, tag)
-    return gc.outline(name, outputs, drop=drop, side_effects=True, into=item.new_function(name))
+    return gc.outline(function_name(gv.name, tag), outputs, drop=drop, side_effects=True)
+
+
+def _forward_backward(item: GraphItem, vdef, messages, s: int) -> Optional[ForwardBackward]:
+    """Stage ``s``'s virtual-node function ``vdef`` cut where the gradients of later stages
+    arrive: the backward is every op that waits for one of them (their ``VfRecv`` and all
+    that follows), the forward the rest, which runs and sends its activations without waiting
+    for any gradient. Both go into the library, ``vdef`` not; None for a stage that receives
+    no gradient (the last)."""
+    g = FunctionGraph(vdef, item.library)
+    recvs = [f"vf/stage/recv_{m}" for m, (_, src, dst) in enumerate(messages) if dst == s and src > s]
+    kids: dict = {}
+    for n in g.nodes:
+        for t, _ in g.inputs(n):
+            kids.setdefault(t.node, []).append(n)
+    backward = g.reachable(recvs, lambda n: kids.get(n, ()))
+    if not backward:
+        return None
+    forward = frozenset(g.nodes) - backward
+    stash = sorted({t for n in backward for t, ctl in g.inputs(n)
+                    if not ctl and not t.is_function_arg and t.node in forward}, key=str)
+    names = [(f"vf_stash_{k}", t) for k, t in enumerate(stash)]
+    where, f_out, b_out = [], [], []
+    for name, ref in g.output_refs():
+        mine = ref.is_function_arg or ref.node in forward
+        where.append((mine, len(f_out) if mine else len(b_out)))
+        (f_out if mine else b_out).append((name, ref))
+    f_name, b_name = function_name(g.name, "forward"), function_name(g.name, "backward")
+    f = g.outline(f_name, names + f_out, drop=frozenset(backward), side_effects=True,
+                  into=item.new_function(f_name))
+    b = g.outline(b_name, b_out, new_args=names, drop=forward, side_effects=True, into=item.new_function(b_name))
+    return ForwardBackward(f, b, len(stash), tuple(where))
 
 
 def _stage_update_function(item: GraphItem, udef, sig, step: TrainStep, mine: List[int], s: int, tag: str):

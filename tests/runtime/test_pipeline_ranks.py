@@ -16,8 +16,10 @@ pytestmark = pytest.mark.mpi
 
 # (model, stages, schedule). The transformer with SGD: under Adam, a parameter whose gradient
 # is zero but for rounding (an attention key bias) moves by the learning rate either way.
+# The transformer's three stages: the first two receive gradients, so they run their virtual
+# nodes as a forward and a backward call.
 CASES = [("mlp:adam", 2, "1f1b"), ("mlp:adam", 2, "gpipe"), ("cnn", 2, "1f1b"), ("transformer:sgd", 2, "1f1b"),
-         ("mlp:adam", 3, "1f1b")]
+         ("mlp:adam", 3, "1f1b"), ("transformer:sgd", 3, "1f1b")]
 
 
 @pytest.fixture(scope="module")
@@ -39,31 +41,40 @@ def staged(models, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("k, schedule", [(3, "1f1b"), (2, "gpipe")])
-def test_stage_loops_overlap_their_virtual_nodes(models, k, schedule):
+@pytest.mark.parametrize("name, k, schedule", [("transformer:sgd", 3, "1f1b"), ("mlp:adam", 2, "gpipe")])
+def test_stage_loops_overlap_their_virtual_nodes(models, name, k, schedule):
     """Each stage's virtual-node loop lets consecutive virtual nodes run at once: its body has
     no control outputs (lowered, they would hold the next iteration until the whole call, sends
     and receives included, was done) and waits for the call through a carried token; under 1F1B
     stage s (from 0) > 0 starts virtual node i's messages once virtual node i - (K - s) has
-    finished, under GPipe no stage waits."""
+    finished, under GPipe no stage waits. A stage that receives gradients (all but the last)
+    calls a forward and then a backward, its forward once the last virtual node's forward has
+    finished (the last token the loop carries), so that the forwards run in order."""
     import vfgraph
     from vfgraph.ir.graph import FunctionGraph
 
-    item = vfgraph.rewrite(models("mlp:adam"), vnodes=8, vnode_batch=8, stages=k, schedule=schedule)
+    item = vfgraph.rewrite(models(name), vnodes=8, vnode_batch=8, stages=k, schedule=schedule)
     for s in range(k):
         (body,) = [f for name, f in item.library.items() if name.endswith(f"_vnodes_stage{s + 1}_body")]
         assert not body.control_ret and not body.signature.control_output
         g = FunctionGraph(body, item.library)
+        args = [a.name for a in body.signature.input_arg]
+        calls = sorted(n for n in g.nodes if g.nodes[n].op == "StatefulPartitionedCall")
+        assert calls == (["vnode"] if s == k - 1 else ["forward", "vnode"])
+        if s < k - 1:
+            (after,) = [t.node for t, ctl in g.inputs("forward") if ctl]
+            assert g.data_inputs(after)[0].node == args[args.index("nv") - 1]  # the forward's token
+            assert any(t.node == "forward" for t in g.data_inputs("vnode"))  # what it left the backward
         (finished,) = [n for n in g.nodes if n.startswith("finished")]
-        assert any(ctl and t.node == "vnode" for t, ctl in g.inputs(finished))
+        assert {t.node for t, ctl in g.inputs(finished) if ctl} >= set(calls)
         waits = [t.node for t, ctl in g.inputs("tags") if ctl]
         if schedule == "1f1b" and s:
             (after,) = waits
             token = g.data_inputs(after)[0]
             assert token.is_function_arg
             # the token of virtual node i - (K - s): the last of the K - s the loop carries
-            args = [a.name for a in body.signature.input_arg]
-            assert args.index(token.node) == args.index("nv") - 1
+            # (before the forward's)
+            assert args.index(token.node) == args.index("nv") - 1 - (s < k - 1)
             assert sum(1 for a in args[:args.index("nv")] if a.startswith("carried_")) >= k - s
         else:
             assert not waits
