@@ -4,11 +4,14 @@ virtual nodes (the pipeline's micro-batches), next to GPipe's bound; and the pea
 the 1F1B and GPipe schedules at the largest M.
 
 The model is an MLP of ``--layers`` equal Dense layers (``--width`` units, ReLU) and a
-10-class head, trained with SGD, on inputs of ``--inputs`` features (default 1.5 x width,
-which balances its two stages: the first layer computes no gradient for its input, a
-matrix product of the others, and its wider input makes up for it, so each half of the
-layers costs the same); a virtual node holds ``--vnode-batch`` examples, so a step of M
-virtual nodes trains M * b examples. Every configuration runs in a fresh process:
+10-class head, trained with SGD, on inputs of ``--inputs`` features (default 2 x width,
+which balances its two stages as they run: the first layer computes no gradient for its
+input, and its wider input makes up for that and for what the second half adds, the head,
+the loss and a fifth layer's bias and activation gradients; each half's forward and
+backward, timed alone on one core, take the same time, while the FLOP estimate, which
+counts elementwise ops as almost free, gives the first half 8% more); a virtual node holds
+``--vnode-batch`` examples, so a step of M virtual nodes trains M * b examples. Every
+configuration runs in a fresh process:
 
   one-core    the unpartitioned rewrite, one intra-op and one inter-op thread (one device)
   two-threads the unpartitioned rewrite, two intra-op threads (the same two cores, each op
@@ -152,7 +155,7 @@ def main() -> None:
     p.add_argument("--json", default="", help="write the report here")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=512)
-    p.add_argument("--inputs", type=int, default=0, help="input features (default: 1.5 x width)")
+    p.add_argument("--inputs", type=int, default=0, help="input features (default: 2 x width)")
     p.add_argument("--vnode-batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--ranks", action="store_true", help="also time the stages on 2 MPI ranks")
@@ -164,7 +167,7 @@ def main() -> None:
     a = p.parse_args()
     if a.worker:
         return worker(a)
-    a.inputs = a.inputs or a.width * 3 // 2
+    a.inputs = a.inputs or a.width * 2
     if a.quick:
         a.steps = 3
     counts = [2, 8] if a.quick else [2, 4, 8, 16]
