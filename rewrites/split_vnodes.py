@@ -251,8 +251,8 @@ class _Loop:
         args = self.layout.args(fb, ["i"] + carried_names + ["nv", "per"] + [f"batch_{k}" for k in range(n_batch)] +
                                 [f"resource_{k}" for k in range(len(sig.invariant_args))])
         i, carried, nv, fixed = self.layout.split(args)
-        tokens = len(carried) - self.tokens - self.chained
-        carried, done, chain = carried[:tokens], carried[tokens:tokens + self.tokens], carried[tokens + self.tokens:]
+        sums = len(carried) - self.tokens - self.chained  # the carried values before the tokens
+        carried, done, chain = carried[:sums], carried[sums:sums + self.tokens], carried[sums + self.tokens:]
         per, batch, res = fixed[0], fixed[1:1 + n_batch], fixed[1 + n_batch:]
         rows = slice_reader(fb, i, per)
         by_name = {a: rows(x, t) for a, x, t in zip(sig.batch_args, batch, self.batch_types)}
@@ -640,10 +640,11 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
     arrive by ``VfRecv`` and whose tensors for other stages leave by ``VfSend`` (tag: the
     virtual node's index times the messages per virtual node, plus the message's place in
     a fixed order; a stage that receives gradients runs it as a forward and a backward call,
-    :func:`_forward_backward`); then its reduce function (identity until ``insert-allreduce`` sums it over
-    the replicas of the stage: ranks r and r + K of ``mpiexec -n K*D``); then its part of the
-    update, once, on its own gradients' means; then it returns the step's outputs, broadcast
-    from the stage that computes them. Returns the signature keys and the reduce functions."""
+    :func:`_forward_backward`); then its reduce function (identity until ``insert-allreduce``
+    sums it over the replicas of the stage: ranks r and r + K of ``mpiexec -n K*D``); then its
+    part of the update, once, on its own gradients' means; then it returns the step's outputs,
+    broadcast from the stage that computes them. Returns the signature keys and the reduce
+    functions."""
     from vfgraph import ops as mpi_ops
 
     sig = step.signature

@@ -42,6 +42,7 @@ _MATMUL = {"MatMul": "transpose_a", "BatchMatMul": "adj_x", "BatchMatMulV2": "ad
 # prevent, running both halves slower: the plan does not cut there unless told to.
 _CONTRACTIONS = frozenset({"MatMul", "Conv2D", "Conv3D", "DepthwiseConv2dNative"})
 _FUSED_ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"})
+_ACTIVATED = _CONTRACTIONS | {"BiasAdd", "FusedBatchNorm", "FusedBatchNormV3"}  # what an activation fuses into
 _GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients(_\d+)?)$")
 _GRAD_SUFFIX = "_grad"
 # How a backward op was placed (the keys of StagePlan.placement).
@@ -515,8 +516,7 @@ def _fused_positions(s: _Step) -> List[bool]:
         if (op != "BiasAdd" and op not in _FUSED_ACTIVATIONS) or not ins or ins[0].node not in s.pos:
             continue
         prev = ins[0].node
-        fusable = _CONTRACTIONS if op == "BiasAdd" else _CONTRACTIONS | {"BiasAdd", "FusedBatchNorm", "FusedBatchNormV3"}
-        if types[prev] in fusable and [c for c, _ in g.consumers(ins[0])] == [node]:
+        if types[prev] in (_CONTRACTIONS if op == "BiasAdd" else _ACTIVATED) and [c for c, _ in g.consumers(ins[0])] == [node]:
             for q in range(s.pos[prev] + 1, p + 1):
                 closed[q] = True
     return closed
