@@ -6,7 +6,8 @@ the stage of the forward op it differentiates, as TensorFlow colocates gradients
 ops; every variable, its gradient, its update and its optimizer state go on the stage whose
 forward ops read it. The cut positions minimise the largest stage's estimated cost, ties
 broken by the bytes of activations that cross the cuts (design.md section 2, pipeline
-stages). This module plans only: it reads the graph and writes nothing.
+stages), and never part a contraction from the bias or activation TensorFlow fuses into it
+unless the stages cannot be had otherwise. This module plans only: it reads the graph and writes nothing.
 
 The cost is an estimate from the static shapes the exporter recorded, in floating-point
 operations per example (an unknown dimension, the batch's among them, counts as one):
