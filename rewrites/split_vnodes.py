@@ -458,9 +458,7 @@ def _update(fb: FunctionGraph, udef, means: List[TensorRef], res: List[TensorRef
     """Call the update function once, after ``after``; returns (its node, its outputs). The
     control dependency matters: inlined, the update's ops that do not read the gradients
     (AdamW's weight decay) would otherwise run as soon as the step starts."""
-    call = fb.op("StatefulPartitionedCall", means + res, name="update", deps=after,
-                 Tin=types_attr([a.type for a in udef.signature.input_arg]),
-                 Tout=types_attr([a.type for a in udef.signature.output_arg]), f=func_attr(udef.signature.name))
+    call = _call(fb, udef, means + res, "update", deps=after)
     fb.control_ret(call)
     return call, call.outputs()
 
