@@ -20,8 +20,11 @@ def update_goldens(request):
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory):
-    """Example models exported once per session, by name (exported lazily on first use)."""
+def models(tmp_path_factory, exported):
+    """Example models exported once per session, by name (exported lazily on first use); a
+    name of the real-architecture corpus (``corpus.CORPUS``) gives that model, with its own
+    optimizer."""
+    import corpus
     import export
 
     root = tmp_path_factory.mktemp("models")
@@ -30,6 +33,8 @@ def models(tmp_path_factory):
     def get(name):
         if name not in made:
             kind, _, opt = name.partition(":")
+            if name in corpus.CORPUS:
+                return exported(name)
             path = str(root / name.replace(":", "_"))
             if kind == "mlp":
                 export.digits_mlp(path, optimizer=opt or "sgd", lr=0.05, hidden=32)
@@ -55,6 +60,47 @@ def models(tmp_path_factory):
                 raise KeyError(name)
             made[name] = path
         return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """Models of the real-architecture corpus (examples/corpus.py), exported once per session:
+    ``get(name, optimizer=None)`` (its own optimizer unless given)."""
+    import corpus
+
+    root = tmp_path_factory.mktemp("corpus")
+    made = {}
+
+    def get(name, optimizer=None):
+        key = (name, optimizer)
+        if key not in made:
+            made[key] = corpus.export(name, str(root / f"{name}_{optimizer or 'own'}"), optimizer)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def corpus_data(exported, tmp_path_factory):
+    """``get(name, n)``: an .npz of ``n`` examples for corpus model ``name``'s training signature
+    (``corpus.sample``: token ids and labels in range, padding masks with padded tails)."""
+    import numpy as np
+
+    import corpus
+
+    root = tmp_path_factory.mktemp("corpus_data")
+    made = {}
+
+    def get(name, n):
+        if (name, n) not in made:
+            import tensorflow as tf
+
+            path = str(root / f"{name}_{n}.npz")
+            np.savez(path, **corpus.sample(tf.saved_model.load(exported(name)).signatures["train"], n, seed=1))
+            made[name, n] = path
+        return made[name, n]
 
     return get
 

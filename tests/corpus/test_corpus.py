@@ -7,20 +7,6 @@ import corpus
 from vfgraph.testing.corpus import check_model
 
 
-@pytest.fixture(scope="session")
-def exported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    made = {}
-
-    def get(name, optimizer=None):
-        key = (name, optimizer)
-        if key not in made:
-            made[key] = corpus.export(name, str(root / f"{name}_{optimizer or 'own'}"), optimizer)
-        return made[key]
-
-    return get
-
-
 @pytest.mark.corpus
 @pytest.mark.parametrize("name", sorted(corpus.CORPUS))
 def test_corpus_model(name, exported, tmp_path, c_client):

@@ -14,7 +14,7 @@ from vfgraph.errors import PipelineError, VfgraphError
 from vfgraph.records import Stages, VirtualNodes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODELS = ["mlp:adam", "cnn", "transformer"]
+MODELS = ["mlp:adam", "cnn", "llama"]  # ours, and a transformer of the corpus (keras-hub)
 # (name, stages, schedule)
 VARIANTS = [("k2", 2, "1f1b"), ("k2-gpipe", 2, "gpipe"), ("k3", 3, "1f1b")]
 VNODES = 8
