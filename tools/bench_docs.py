@@ -300,12 +300,6 @@ def render_pipeline(r: dict) -> str:
                        num(row["efficiency_ranks"]), num(row["ranks-unbound"]["step_s"] * 1000, 1),
                        num(row["speedup_ranks_unbound"])]
                       for row in r["results"]]))
-    last = r["results"][-1]
-    on_ranks = [m for m in ("ranks", "ranks-gpipe") if m in last]
-    mem = table(["M", "one device", "1F1B", "GPipe"] + [
-        f"2 ranks, {'GPipe' if m == 'ranks-gpipe' else '1F1B'} (each rank)" for m in on_ranks], [[str(last["vnodes"])] + [
-            f"{num(last[m]['peak_rise_bytes'] / MIB, 1)} MiB" for m in ("one-core", "1f1b", "gpipe")] + [
-            " / ".join(f"{num(x['peak_rise_bytes'] / MIB, 1)}" for x in last[m]["ranks"]) + " MiB" for m in on_ranks]])
     total = r["parameter_bytes"]
     share = table(["stage", "device", "parameters", "share of the model"], [
         [str(k), s["device"], f"{num(s['parameter_bytes'] / MIB)} MiB", f"{s['parameter_bytes'] / total:.0%}"]
@@ -316,8 +310,41 @@ def render_pipeline(r: dict) -> str:
                 ["M", "one core", "2 intra-op threads", "2 inter-op threads", "1F1B", "GPipe",
                  "speed-up over one core", "GPipe bound", "efficiency (target >= 0.9 at M >= 8)",
                  "speed-up over 2 inter-op threads"], rows)
-            + ranks + f"\nPeak memory rise during a step at M={last['vnodes']}:\n\n" + mem
-            + "\nParameters per stage:\n\n" + share)
+            + ranks + "\nParameters per stage:\n\n" + share)
+
+
+PIPELINE_MEMORY_ROWS = (("one-core", "unpartitioned, one process"), ("1f1b", "1F1B, 2 devices of one process"),
+                        ("gpipe", "GPipe, 2 devices of one process"), ("ranks", "1F1B, 2 ranks"),
+                        ("ranks-gpipe", "GPipe, 2 ranks"))
+
+
+def render_pipeline_memory(r: dict) -> str:
+    """tools/bench_pipeline_memory.py: activation memory per schedule against the unpartitioned step."""
+    c, s = r["config"], r["summary"]
+    b1, b2 = c["vnode_batches"]
+
+    def label(mode: str, p: int) -> str:
+        name = dict(PIPELINE_MEMORY_ROWS)[mode]
+        return f"{name}: rank {p} (stage {p + 1})" if mode.startswith("ranks") else name
+
+    held = table(["configuration"] + [f"M={m}" for m in c["vnodes"]], [
+        [label(mode, p)] + [f"{num(e / 1024, 1)} KiB ({num(h)})" for e, h in
+                            zip(x["activation_bytes_per_example"], x["held_vnodes"])]
+        for mode, _ in PIPELINE_MEMORY_ROWS for p, x in enumerate(s[mode])])
+    one = s["one-core"][0]
+    at = table(["configuration", f"step's tensors, b={b1}", f"step's tensors, b={b2}", f"peak RSS, b={b2}",
+                "peak RSS against the unpartitioned"], [
+        [label(mode, p), f"{num(x['step_tensor_bytes'][str(b1)][-1] / MIB, 1)} MiB",
+         f"{num(x['step_tensor_bytes'][str(b2)][-1] / MIB, 1)} MiB", f"{num(x['peak_rss_bytes'][str(b2)][-1] / MIB, 0)} MiB",
+         num(x["peak_rss_bytes"][str(b2)][-1] / one["peak_rss_bytes"][str(b2)][-1])]
+        for mode, _ in PIPELINE_MEMORY_ROWS for p, x in enumerate(s[mode])])
+    return (f"MLP of {c['layers']} Dense layers of {c['width']} units on {c['inputs']} input features, SGD, "
+            f"{c['stages']} stages; virtual nodes of b = {b1} and {b2} examples, each configuration in a fresh process, "
+            f"the most of {c['steps']} steps. Activation memory per example (what grows with b), and in parentheses "
+            "that in virtual nodes of the whole model held at once (over the unpartitioned step's; target under "
+            f"1F1B: at most K = {c['stages']}):\n\n" + held
+            + f"\nAt M={c['vnodes'][-1]}: the most a step held in tensors beyond what was held before it, and each "
+            "process's peak resident memory during the steps:\n\n" + at)
 
 
 def render_stage_memory(r: dict) -> str:
@@ -428,7 +455,7 @@ def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
-    "pipeline": render_pipeline, "stage-memory": render_stage_memory, "balance": render_balance,
+    "pipeline": render_pipeline, "pipeline-memory": render_pipeline_memory, "stage-memory": render_stage_memory, "balance": render_balance,
     "deterministic": render_deterministic,
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
     "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,

@@ -1,7 +1,7 @@
 """Pipeline stages in one process: step time of a model cut into K=2 stages on two logical CPU
 devices (one core each) against the same model's unpartitioned step, for M = 2, 4, 8, 16
-virtual nodes (the pipeline's micro-batches), next to GPipe's bound; and the peak memory of
-the 1F1B and GPipe schedules at the largest M.
+virtual nodes (the pipeline's micro-batches), next to GPipe's bound. The schedules' memory:
+tools/bench_pipeline_memory.py, on the same model.
 
 The model is an MLP of ``--layers`` equal Dense layers (``--width`` units, ReLU) and a
 10-class head, trained with SGD, on inputs of ``--inputs`` features (default 2 x width,
@@ -20,8 +20,7 @@ configuration runs in a fresh process:
               same two cores, two independent ops of a virtual node at once)
   1f1b, gpipe the rewrite with --stages 2 --devices /CPU:0,/CPU:1 and that schedule, one
               intra-op thread and one inter-op thread per stage
-  ranks       with --ranks: the rewrite with --stages 2 (no devices, 1F1B; at the largest M
-              GPipe too, for its peak memory per rank), under
+  ranks       with --ranks: the rewrite with --stages 2 (no devices, 1F1B), under
               ``mpiexec -bind-to core -n 2`` (each rank bound to a core of its own), each rank
               running its stage with one intra-op thread and one inter-op thread, as
               ``vfgraph train`` runs it (the slower rank's median step); and the same under
@@ -34,9 +33,7 @@ median of theirs (of an even number, the faster of the middle two).
 
 GPipe's bound on the speed-up of K stages over one device is K * M / (M + K - 1) (the
 pipeline's bubble); efficiency is the measured speed-up (one-core time / pipeline time) over
-that bound. Peak memory is the rise of the process's resident high-water mark over the
-model's first step (VmHWM, reset before the timed steps). Parameter bytes per stage come from
-the rewrite's stage record.
+that bound. Parameter bytes per stage come from the rewrite's stage record.
 
     python tools/bench_pipeline.py [--quick] [--json docs/results/bench_pipeline.json]
 """
@@ -112,14 +109,24 @@ def worker(args) -> None:
     feed = {"x": tf.constant(rng.normal(size=(n, args.inputs)).astype(np.float32)),
             "y": tf.constant(rng.integers(0, 10, n).astype(np.int32))}
     fn(**feed)
-    base = proc_status("VmRSS")
+    # under TensorFlow's BFC allocator for the CPU (TF_CPU_ALLOCATOR_USE_BFC=true), its counts of
+    # the bytes held in tensors, one allocator for all the process's CPU devices
+    tensors = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
     reset_hwm()
-    times = []
+    times, step_tensor_bytes = [], 0
     for _ in range(args.steps):
+        if tensors:
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            held = tf.config.experimental.get_memory_info("CPU:0")["current"]
         t = time.perf_counter()
         fn(**feed)["loss"].numpy()
         times.append(time.perf_counter() - t)
-    report = {"step_s": statistics.median(times), "times": times, "peak_rise_bytes": proc_status("VmHWM") - base}
+        if tensors:
+            step_tensor_bytes = max(step_tensor_bytes, tf.config.experimental.get_memory_info("CPU:0")["peak"] - held)
+    # the resident high-water mark over the timed steps (reset before them)
+    report = {"step_s": statistics.median(times), "times": times, "peak_rss_bytes": proc_status("VmHWM")}
+    if tensors:  # the most a step held in tensors beyond what was held before it (variables, inputs)
+        report.update(step_tensor_bytes=step_tensor_bytes, held_tensor_bytes=held)
     if ranks:
         reports = MPI.COMM_WORLD.gather(report, root=0)
         if rank:
@@ -129,14 +136,14 @@ def worker(args) -> None:
     print(json.dumps(report))
 
 
-def run_worker(model: str, mode: str, vnodes: int, a) -> dict:
+def run_worker(model: str, mode: str, vnodes: int, a, env: dict = None) -> dict:
     ranks = mode.startswith("ranks")
     launcher = ([os.path.join(os.path.dirname(sys.executable), "mpiexec")] +
                 ([] if mode == "ranks-unbound" else ["-bind-to", "core"]) + ["-n", str(K)]) if ranks else []
     cmd = launcher + [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--mode", mode,
            "--vnodes", str(vnodes), "--vnode-batch", str(a.vnode_batch), "--width", str(a.width), "--inputs", str(a.inputs),
            "--steps", str(a.steps)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
     if res.returncode:
         raise SystemExit(f"{mode} M={vnodes} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -185,10 +192,10 @@ def main() -> None:
           f"{'speed-up':>8} {'bound':>6} {'efficiency':>10}")
     for m in counts:
         paths = {}
-        on_ranks = (("ranks",) + (("ranks-gpipe",) if m == counts[-1] else ())) if a.ranks else ()
+        on_ranks = ("ranks",) if a.ranks else ()
         for mode in ("base", "1f1b", "gpipe") + on_ranks:
-            kw = ({} if mode == "base" else dict(stages=K, schedule="gpipe" if mode == "ranks-gpipe" else "1f1b")
-                  if mode.startswith("ranks") else
+            kw = ({} if mode == "base" else dict(stages=K)
+                  if mode == "ranks" else
                   dict(stages=K, devices=[f"/CPU:{i}" for i in range(K)], schedule=mode))
             item = vfgraph.rewrite(src, vnodes=m, vnode_batch=a.vnode_batch,
                                    allreduce="mpi" if mode.startswith("ranks") else "none", **kw)
@@ -212,8 +219,6 @@ def main() -> None:
         if a.ranks:
             row["speedup_ranks"] = row["one-core"]["step_s"] / row["ranks"]["step_s"]
             row["speedup_ranks_unbound"] = row["one-core"]["step_s"] / row["ranks-unbound"]["step_s"]
-            if "ranks-gpipe" in paths:
-                row["ranks-gpipe"] = run_worker(paths["ranks-gpipe"], "ranks-gpipe", m, a)
         best = min(row["1f1b"]["step_s"], row["gpipe"]["step_s"])
         row["speedup"] = row["one-core"]["step_s"] / best
         row["speedup_1f1b"] = row["one-core"]["step_s"] / row["1f1b"]["step_s"]
@@ -231,15 +236,7 @@ def main() -> None:
               + (f"   2 ranks {row['ranks']['step_s']:.3f} s, x{row['speedup_ranks']:.2f} "
                  f"(efficiency {row['efficiency_ranks']:.2f}); unbound {row['ranks-unbound']['step_s']:.3f} s"
                  if a.ranks else ""))
-    last = results[-1]
     mib = float(1 << 20)
-    print(f"\npeak memory rise at M={last['vnodes']}: one-core {last['one-core']['peak_rise_bytes'] / mib:.1f} MiB, "
-          f"1f1b {last['1f1b']['peak_rise_bytes'] / mib:.1f} MiB, gpipe {last['gpipe']['peak_rise_bytes'] / mib:.1f} "
-          "MiB")
-    if "ranks-gpipe" in last:
-        for mode in ("ranks", "ranks-gpipe"):
-            print(f"  on 2 ranks, {'GPipe' if mode == 'ranks-gpipe' else '1F1B'}, per rank: " + ", ".join(
-                f"{r['peak_rise_bytes'] / mib:.1f} MiB" for r in last[mode]["ranks"]))
     total = sum(s["parameter_bytes"] for s in stages_info)
     for k, s in enumerate(stages_info, 1):
         print(f"stage {k} on {s['device']}: {s['parameter_bytes'] / mib:.2f} MiB of parameters "
