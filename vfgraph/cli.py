@@ -17,7 +17,7 @@ from vfgraph import records
 from vfgraph.errors import InputError, Quiet, VfgraphError
 from vfgraph.io import outputs
 from vfgraph.records import Allreduce, Stages, VirtualNodes
-from vfgraph.runtime.supervise import is_worker, supervise
+from vfgraph.runtime.supervise import is_worker, launcher_rank, supervise
 from vfgraph.runtime.world import launched_by_mpi
 from vfgraph.version import __version__
 
@@ -233,6 +233,20 @@ def _elastic(args) -> bool:
     return bool(args.elastic_schedule or args.max_ranks is not None or args.elastic_join or args.host_discovery_script)
 
 
+def _rank_role(args) -> str:
+    """What this rank of ``mpiexec`` runs where the model is cut into pipeline stages on ranks
+    (``stage 2 of 2, replica 1``), for the supervisor to name when the rank dies; empty
+    otherwise, or when the model's record cannot be read (the worker says why)."""
+    try:
+        rec = records.read(args.model, Stages).get(args.train_signature)
+        rank = int(launcher_rank())
+    except (VfgraphError, ValueError):
+        return ""
+    if rec is None or not rec.on_ranks:
+        return ""
+    return f"stage {rank % rec.count + 1} of {rec.count}, replica {rank // rec.count + 1}"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     _quiet_tf()
     args = _parser().parse_args(argv)
@@ -250,7 +264,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if os.environ.get(PORT_ENV):  # (without it, train says what the option is for)
                 connect()
         elif launched_by_mpi() and not is_worker():  # one rank of mpiexec: report how it ends
-            return supervise(sys.argv[1:] if argv is None else list(argv))
+            return supervise(sys.argv[1:] if argv is None else list(argv), _rank_role(args))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("vfgraph: %(message)s"))
     log.handlers = [handler]

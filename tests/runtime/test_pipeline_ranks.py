@@ -167,6 +167,33 @@ def test_each_stage_holds_and_checkpoints_only_its_variables(staged, digits, tmp
     assert losses(out) == pytest.approx(losses(reference), rel=1e-6)
 
 
+def test_a_killed_stage_rank_stops_the_job_naming_its_stage(staged, digits, tmp_path):
+    """A stage rank killed mid-run ends the job within a minute (the other stage's wait for its
+    messages ends with it), the report naming the rank's stage; the last checkpoint, one part
+    per stage, is intact."""
+    model = staged("mlp:adam", 2, "1f1b")
+    out = str(tmp_path / "killed")
+    state = out + ".ckpt/progress.json"
+    proc = subprocess.Popen(train_cmd(2, model, digits["train"], out, 600, "--checkpoint-every", "5"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        wait_for_checkpoint(proc, state, 10)
+        victim = _rank_pid(1, out)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert re.search(rf"rank 1 \(stage 2 of 2, replica 1; \S+ pid {victim}\) was killed by SIGKILL", err), err[-2000:]
+    assert _rank_pid(0, out) is None  # the other stage's worker ended with the job
+    with open(state) as f:
+        saved = json.load(f)
+    assert saved["step"] >= 10 and len(saved["stages"]) == 2
+    assert all(os.path.isfile(p + ".index") for p in saved["stages"])
+
+
 def test_deterministic_stages_and_replicas_train_bit_identical_parameters(models, digits, tmp_path):
     """With exact sums, 2 stages on 2 ranks and 2 replicas x 2 stages on 4 ranks train the very
     parameters one process trains, Adam's among them (whose default-mode replicas drift by

@@ -4,8 +4,8 @@ MPI launchers end a whole job when one process dies, and the other ranks are kil
 chance to say why; the launcher itself only reports a process id. So under a launcher,
 ``vfgraph train`` keeps the launched process light (it never imports TensorFlow) and runs the
 real rank as its child: when the child dies from a signal (killed, out of memory), the
-supervisor reports it with the rank's number and exits non-zero, which makes the launcher stop
-the other ranks. A child dies with its supervisor (``PR_SET_PDEATHSIG``), so stopping the job
+supervisor reports it with the rank's number (and pipeline stage, for a model cut into stages
+on ranks) and exits non-zero, which makes the launcher stop the other ranks. A child dies with its supervisor (``PR_SET_PDEATHSIG``), so stopping the job
 never leaves a worker behind.
 """
 from __future__ import annotations
@@ -40,8 +40,9 @@ def die_with_parent() -> None:
         pass
 
 
-def supervise(argv: List[str]) -> int:
-    """Run ``python -m vfgraph.cli ARGV`` as this rank's worker; report how it ended."""
+def supervise(argv: List[str], role: str = "") -> int:
+    """Run ``python -m vfgraph.cli ARGV`` as this rank's worker; report how it ended (naming
+    ``role``, what the rank runs, where given)."""
     env = dict(os.environ, **{WORKER_ENV: "1"})
     fds = tuple(int(os.environ[k]) for k in ("PMI_FD",) if os.environ.get(k, "").isdigit())
     child = subprocess.Popen([sys.executable, "-m", "vfgraph.cli", *argv], env=env, pass_fds=fds,
@@ -55,7 +56,8 @@ def supervise(argv: List[str]) -> int:
     code = child.wait()
     if code < 0:
         name = signal.Signals(-code).name
-        print(f"\nvfgraph train: rank {launcher_rank()} ({socket.gethostname()} pid {child.pid}) was killed by "
+        where = f"{role}; " if role else ""
+        print(f"\nvfgraph train: rank {launcher_rank()} ({where}{socket.gethostname()} pid {child.pid}) was killed by "
               f"{name}; the job stops (resume from the last checkpoint with --resume)", file=sys.stderr, flush=True)
         return 128 - code
     return code
