@@ -341,8 +341,8 @@ def render_pipeline_memory(r: dict) -> str:
     return (f"MLP of {c['layers']} Dense layers of {c['width']} units on {c['inputs']} input features, SGD, "
             f"{c['stages']} stages; virtual nodes of b = {b1} and {b2} examples, each configuration in a fresh process, "
             f"the most of {c['steps']} steps. Activation memory per example (what grows with b), and in parentheses "
-            "that in virtual nodes of the whole model held at once (over the unpartitioned step's; target under "
-            f"1F1B: at most K = {c['stages']}):\n\n" + held
+            "that in virtual nodes held at once (over the same configuration's, the same rank's, at M = 1; target "
+            f"under 1F1B: at most K = {c['stages']}):\n\n" + held
             + f"\nAt M={c['vnodes'][-1]}: the most a step held in tensors beyond what was held before it, and each "
             "process's peak resident memory during the steps:\n\n" + at)
 
