@@ -335,7 +335,8 @@ def render_pipeline_memory(r: dict) -> str:
     at = table(["configuration", f"step's tensors, b={b1}", f"step's tensors, b={b2}", f"peak RSS, b={b2}",
                 "peak RSS against the unpartitioned"], [
         [label(mode, p), f"{num(x['step_tensor_bytes'][str(b1)][-1] / MIB, 1)} MiB",
-         f"{num(x['step_tensor_bytes'][str(b2)][-1] / MIB, 1)} MiB", f"{num(x['peak_rss_bytes'][str(b2)][-1] / MIB, 0)} MiB",
+         f"{num(x['step_tensor_bytes'][str(b2)][-1] / MIB, 1)} MiB",
+         f"{num(x['peak_rss_bytes'][str(b2)][-1] / MIB, 0)} MiB",
          num(x["peak_rss_bytes"][str(b2)][-1] / one["peak_rss_bytes"][str(b2)][-1])]
         for mode, _ in PIPELINE_MEMORY_ROWS for p, x in enumerate(s[mode])])
     return (f"MLP of {c['layers']} Dense layers of {c['width']} units on {c['inputs']} input features, SGD, "
@@ -455,7 +456,8 @@ def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
-    "pipeline": render_pipeline, "pipeline-memory": render_pipeline_memory, "stage-memory": render_stage_memory, "balance": render_balance,
+    "pipeline": render_pipeline, "pipeline-memory": render_pipeline_memory, "stage-memory": render_stage_memory,
+    "balance": render_balance,
     "deterministic": render_deterministic,
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
     "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,

@@ -137,6 +137,8 @@ def worker(args) -> None:
 
 
 def run_worker(model: str, mode: str, vnodes: int, a, env: dict = None) -> dict:
+    """Run configuration ``mode`` of ``model`` in a fresh process (``env`` added to its
+    environment); its report."""
     ranks = mode.startswith("ranks")
     launcher = ([os.path.join(os.path.dirname(sys.executable), "mpiexec")] +
                 ([] if mode == "ranks-unbound" else ["-bind-to", "core"]) + ["-n", str(K)]) if ranks else []

@@ -10,7 +10,8 @@ first. Configurations (as tools/bench_pipeline.py runs them):
 
   one-core     the unpartitioned rewrite in one process: one virtual node at a time
   1f1b, gpipe  the stages on two logical CPU devices of one process (both stages' tensors)
-  ranks        the stages on 2 MPI ranks (``mpiexec -n 2``), 1F1B: each rank's own figure
+  ranks        the stages on 2 MPI ranks (``mpiexec -bind-to core -n 2``), 1F1B: each
+               rank's own figure
   ranks-gpipe  the same under GPipe
 
 A step holds, besides its variables, memory that does not grow with the examples of a virtual
@@ -53,7 +54,8 @@ def analyse(results: list, b1: int, b2: int) -> dict:
         out[mode] = []
         for p in range(len(per_process(results[0][mode][str(b1)]))):
             at = {b: [per_process(row[mode][str(b)])[p] for row in results] for b in (b1, b2)}
-            per_example = [(y["step_tensor_bytes"] - x["step_tensor_bytes"]) / (b2 - b1) for x, y in zip(at[b1], at[b2])]
+            per_example = [(y["step_tensor_bytes"] - x["step_tensor_bytes"]) / (b2 - b1)
+                           for x, y in zip(at[b1], at[b2])]
             out[mode].append({
                 "step_tensor_bytes": {str(b): [x["step_tensor_bytes"] for x in at[b]] for b in (b1, b2)},
                 "peak_rss_bytes": {str(b): [x["peak_rss_bytes"] for x in at[b]] for b in (b1, b2)},
