@@ -158,13 +158,18 @@ def median_run(runs: list) -> dict:
     return {**order[(len(order) - 1) // 2], "round_step_s": [r["step_s"] for r in runs]}
 
 
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The benchmark model's options (``export_model``'s layers, width and inputs)."""
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--inputs", type=int, default=0, help="input features (default: 2 x width)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="M = 2, 8 only, fewer steps")
     p.add_argument("--json", default="", help="write the report here")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--inputs", type=int, default=0, help="input features (default: 2 x width)")
+    add_model_options(p)
     p.add_argument("--vnode-batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--ranks", action="store_true", help="also time the stages on 2 MPI ranks")

@@ -34,7 +34,7 @@ import os
 import platform
 import tempfile
 
-from bench_pipeline import K, export_model, run_worker
+from bench_pipeline import K, add_model_options, export_model, run_worker
 from benchlib import git_state, write_report
 
 MODES = ("one-core", "1f1b", "gpipe", "ranks", "ranks-gpipe")
@@ -68,9 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="M = 1, 2, 8 only")
     p.add_argument("--json", default="", help="write the report here")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--inputs", type=int, default=0, help="input features (default: 2 x width)")
+    add_model_options(p)
     p.add_argument("--vnode-batches", default="1024,4096", help="the two virtual-node batches b1,b2")
     p.add_argument("--steps", type=int, default=6)
     a = p.parse_args()
