@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 from vfgraph.version import __version__
 from vfgraph.errors import InputError, InternalError, VfgraphError
-from vfgraph.io import graphdef, metagraph, objectgraph, savedmodel
+from vfgraph.io import graphdef, metagraph, objectgraph, outputs, savedmodel
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import parse_pipeline
 from vfgraph.passes.manager import AfterEach, PassManager
@@ -173,13 +173,17 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
     return out
 
 
+@outputs.command()
 def save(item: GraphItem, out: Union[str, os.PathLike], force: bool = False) -> str:
-    """Write ``item`` atomically: a SavedModel directory, or a GraphDef file for graph inputs."""
+    """Write ``item`` atomically: a SavedModel directory, or a GraphDef file for graph inputs
+    (locked while it is written, by vfgraph.io.outputs' rule)."""
+    outputs.lock(os.fspath(out), [item.source] if item.kind == "graph_def" else savedmodel.input_paths(item))
     if item.kind == "graph_def":
         return graphdef.save_graph_def(item, os.fspath(out), force=force)
     return savedmodel.save_saved_model(item, os.fspath(out), force=force)
 
 
+@outputs.command()
 def export(model: ModelLike, out: Union[str, os.PathLike], version: int = 1, vnode_batch: int = 0,
            force: bool = False) -> str:
     """Write a serving-only SavedModel of ``model`` at ``out/<version>/`` (TF Serving's layout)
@@ -196,6 +200,7 @@ def export(model: ModelLike, out: Union[str, os.PathLike], version: int = 1, vno
     if not isinstance(vnode_batch, int) or vnode_batch < 0:
         raise InputError(f"--vnode-batch {vnode_batch}: give the examples per slice (0: the model's own)")
     sources = savedmodel.input_paths(model) if isinstance(model, GraphItem) else [os.fspath(model)]
+    outputs.lock(os.fspath(out), sources)
     serving.prepare_target(os.fspath(out), version, force, sources)
     with _gc_paused():
         item = model if isinstance(model, GraphItem) else load(model)

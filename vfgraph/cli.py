@@ -272,10 +272,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     log.propagate = False
     try:
         _check_inputs_exist(args)
-        return {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
+        line = " ".join(["vfgraph", *(sys.argv[1:] if argv is None else map(str, argv))])  # (in its output locks)
+        return outputs.command(line)({"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
                 "verify": cmd_verify, "train": cmd_train, "export": cmd_export,
                 "passes": cmd_passes, "build-ops": cmd_build_ops, "resize": cmd_resize,
-                "profile": cmd_profile}[args.command](args)
+                "profile": cmd_profile}[args.command])(args)
     except Quiet as e:  # another rank reports it
         return e.exit_code
     except VfgraphError as e:
@@ -341,6 +342,7 @@ def cmd_rewrite(args) -> int:
         from vfgraph.io.checkpoint import checkpoint_files
 
         inputs += [f for f in checkpoint_files(args.checkpoint or args.model[:-len(".meta")]) if os.path.exists(f)]
+    outputs.lock(out, inputs)
     outputs.check_output(out, inputs, args.force, need_bytes=outputs.tree_bytes(*inputs))
     after = None
     if args.print_after_all:
@@ -598,6 +600,7 @@ def cmd_profile(args) -> int:
         raise InputError(f"{bad[0]} {bad[1]}: give at least 1")
     if not args.output.endswith(".json"):
         raise InputError(f"-o {args.output}: a profile is a JSON file; give a path ending in .json")
+    outputs.lock(args.output, [args.model])
     out = outputs.check_output(args.output, [args.model], args.force, what="profile")
     item = vfgraph.load(args.model)
     sig = item.training_signature(args.train_signature or None)

@@ -117,7 +117,8 @@ def save_serving_model(item: GraphItem, out: str, version: int = 1, force: bool 
             json.dump(meta, f, indent=2, sort_keys=True)
             f.write("\n")
         savedmodel._write_fingerprint(dst, proto)
-        outputs.publish(tmp, final)
+        outputs.write_manifest(dst)
+        outputs.publish(tmp, final, manifest=False)
     return path
 
 

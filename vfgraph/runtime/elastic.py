@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 from vfgraph.errors import InputError
+from vfgraph.io import outputs
 from vfgraph.runtime.world import World, arrive
 
 log = logging.getLogger("vfgraph.train")
@@ -120,9 +121,19 @@ def request_path(out: str) -> str:
 
 def request(out: str, ranks: int) -> str:
     """Ask the elastic job writing ``out`` for ``ranks`` ranks (it takes or refuses the request
-    at its next step, and logs which); returns the request's path."""
+    at its next step, and logs which); returns the request's path. Refused, writing nothing,
+    when no job runs on ``out`` or the one that does is not elastic (its output lock tells)."""
     if not isinstance(ranks, int) or ranks < 1:
         raise InputError(f"resize to {ranks} ranks: give at least 1")
+    out_abs = os.path.abspath(out)
+    job = outputs.holder(out_abs)
+    if job is None:
+        raise InputError(f"{out_abs}: no training job is running on it (none holds {outputs.lock_path(out_abs)}); "
+                         "resize asks a running elastic job: give the -o OUTPUT of one started with --max-ranks N")
+    if not job.get("elastic"):
+        raise InputError(f"{out_abs}: the job writing it (pid {job.get('pid', '?')}: {job.get('command') or '?'}) is "
+                         "not elastic, so it cannot be resized; start a job with --max-ranks N and "
+                         "--elastic-schedule or --host-discovery-script to resize it")
     path = request_path(out)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -205,10 +205,11 @@ class _StopRequests:
 
 
 def _plan(out: str, ckpt_dir: str, inputs: List[str], force: bool, resume: bool,
-          need_bytes: int) -> Optional[dict]:
-    """Check what the run will write (vfgraph.io.outputs' rule) before any work; returns the
-    progress record to resume from, if any. An unfinished run's checkpoint is never deleted
-    without ``force``; a finished output is never taken for one to resume."""
+          need_bytes: int, elastic: bool = False) -> Optional[dict]:
+    """Lock the output and check what the run will write (vfgraph.io.outputs' rule) before any
+    work; returns the progress record to resume from, if any. An unfinished run's checkpoint
+    is never deleted without ``force``; a finished output is never taken for one to resume."""
+    outputs.lock(out, inputs, elastic)  # (OUT.ckpt and OUT.serving with it)
     state = _read_progress(ckpt_dir)
     finished = os.path.isdir(out) and (records.read_metadata(out) or {}).get("training")
     if resume and state is None and finished:
@@ -257,6 +258,7 @@ def _changed(saved: dict, now: dict) -> List[str]:
     return out
 
 
+@outputs.command()
 def train(model: str, data_path: str, steps: int, batch_size: int, out: str, resume: bool = False,
           force: bool = False, signature: str = "train", checkpoint_every: int = 100, seed: int = 0,
           progress: bool = True, vnodes_per_rank: Union[List[int], str, None] = None,
@@ -310,8 +312,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     out = os.path.abspath(out)
     ckpt_dir = out + ".ckpt"
     data_files = sorted(glob.glob(data_path)) if glob.has_magic(data_path) else [data_path]
-    state = w.agree(lambda: _plan(out, ckpt_dir, [model, *data_files], force, resume, outputs.tree_bytes(model))
-                    if w.is_root and inter is None else None)
+    state = w.agree(lambda: _plan(out, ckpt_dir, [model, *data_files], force, resume, outputs.tree_bytes(model),
+                                  elastic is not None) if w.is_root and inter is None else None)
     import tensorflow as tf
     from tqdm import tqdm
 
@@ -408,7 +410,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             if resume:
                 log.warning("no checkpoint in %s: training from step 0", ckpt_dir)
             elif os.path.isdir(ckpt_dir):  # --force: the unfinished run's checkpoint is discarded
-                shutil.rmtree(ckpt_dir)
+                outputs.remove_written(ckpt_dir)
             return
         changed = _changed(state.get("config", {}), config) if w.is_root else []
         if changed:
@@ -618,7 +620,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     if not w.is_root:
         return None
     _save_trained(loaded, model, out, losses, variable_devices=in_process > 1)
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    outputs.remove_written(ckpt_dir)
     return TrainResult(out, steps, losses)
 
 
@@ -738,9 +740,11 @@ def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Opt
         raise
     keep = tuple(os.path.basename(p) + "." for p in paths)
     for f in os.listdir(ckpt_dir):  # keep only the checkpoint progress.json names
-        if f.startswith("step-") and not f.startswith(keep):
+        if f.startswith("step-") and not f.startswith(keep) and outputs.is_checkpoint_entry(f):
             p = os.path.join(ckpt_dir, f)
             shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    outputs.write_manifest(ckpt_dir, outputs.CHECKPOINT,
+                           [f for f in os.listdir(ckpt_dir) if f == "progress.json" or f.startswith(keep)])
 
 
 def _save_trained(loaded, model: str, out: str, losses: List[float], variable_devices: bool = False) -> None:
@@ -765,5 +769,5 @@ def _save_trained(loaded, model: str, out: str, losses: List[float], variable_de
     try:
         serving.save_serving_model(savedmodel.load_saved_model(out), serving.sibling_dir(out), force=True)
     except VfgraphError as e:  # a model without a servable signature still trained
-        shutil.rmtree(serving.target_dir(serving.sibling_dir(out), 1), ignore_errors=True)
+        outputs.remove_written(serving.target_dir(serving.sibling_dir(out), 1))
         log.warning("no serving export beside %s: %s", out, e)
