@@ -206,14 +206,14 @@ def place_threads(w: World, threads: Optional[int] = None, stages: int = 1) -> i
     ranks with one, 242-289 ms with two, 338-372 ms unpartitioned on one core)."""
     if threads is not None and threads < 1:
         raise InputError(f"--threads {threads}: give a positive number of threads per rank")
-    if threads is None:
-        local = 1
-        if w.comm is not None:
-            from mpi4py import MPI
+    local = 1
+    if w.comm is not None:  # (a collective call: on every rank, whether it gave --threads or not)
+        from mpi4py import MPI
 
-            shared = w.comm.Split_type(MPI.COMM_TYPE_SHARED)
-            local = shared.Get_size()
-            shared.Free()
+        shared = w.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local = shared.Get_size()
+        shared.Free()
+    if threads is None:
         visible = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, threads_per_rank(visible, os.cpu_count() or visible, local) // max(stages, 1))
     import tensorflow as tf
