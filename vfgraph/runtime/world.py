@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from vfgraph.errors import InputError, InternalError, Quiet, VfgraphError
 
@@ -134,6 +134,59 @@ class World:
         me = f"{socket.gethostname()} pid {os.getpid()}"
         table = self.gather(me)
         return [f"rank {r}: {t}" for r, t in enumerate(table)]
+
+
+_launched: Optional[World] = None  # launched_world()'s, once it was asked for
+
+
+def launched_world() -> World:
+    """The ranks an MPI launcher started, with MPI started through mpi4py only (no TensorFlow,
+    no ops: a second or less), so that a run's first checks already agree over the ranks (an
+    error printed once); one process otherwise. Its first :meth:`World.agree` is the first
+    collective call of every rank (:func:`agreeing`)."""
+    global _launched
+    if _launched is None:
+        if not launched_by_mpi():
+            return World()
+        from vfgraph.ops import toolchain
+
+        comm = toolchain.import_mpi().COMM_WORLD
+        _launched = World(comm.Get_rank(), comm.Get_size(), comm)
+    return _launched
+
+
+def agreeing() -> bool:
+    """Whether this process joined its ranks' agreements (:func:`launched_world`): an error
+    from before that has not been shared with the other ranks yet."""
+    return _launched is not None
+
+
+def same_everywhere(w: World, values: Dict[str, Tuple[Any, str]]) -> None:
+    """Collective over ``w``: refuse to go on (:class:`InputError`, printed once) unless every
+    rank holds the same ``values``: what must be equal for the ranks to run the same steps,
+    each an option's name -> (what is compared, how it is shown). The message names each
+    option that differs and which ranks hold which value."""
+    table = w.gather(values)
+
+    def check() -> None:
+        differ = []
+        for key in dict.fromkeys(k for row in table for k in row):
+            held: Dict[Any, Tuple[str, List[int]]] = {}
+            for r, row in enumerate(table):
+                compared, shown = row.get(key, (None, "nothing"))
+                held.setdefault(compared, (shown, []))[1].append(r)
+            if len(held) > 1:
+                differ.append(f"{key} " + ", ".join(f"{shown} on {_rank_list(ranks)}"
+                                                    for shown, ranks in held.values()))
+        if differ:
+            raise InputError(f"the ranks were started with different options: {'; '.join(differ)}; start every rank "
+                             "with the same options, model and data")
+
+    w.agree(check)
+
+
+def _rank_list(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
 
 
 def world(need_mpi: bool, stages: int = 0) -> World:
