@@ -18,7 +18,7 @@ from vfgraph.errors import InputError, Quiet, VfgraphError
 from vfgraph.io import outputs
 from vfgraph.records import Allreduce, Stages, VirtualNodes
 from vfgraph.runtime.supervise import is_worker, launcher_rank, supervise
-from vfgraph.runtime.world import launched_by_mpi
+from vfgraph.runtime.world import agreeing, launched_by_mpi, launched_world
 from vfgraph.version import __version__
 
 log = logging.getLogger("vfgraph")
@@ -280,6 +280,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Quiet as e:  # another rank reports it
         return e.exit_code
     except VfgraphError as e:
+        try:
+            _share_early_error(args, e)
+        except Quiet as q:
+            return q.exit_code
+        except VfgraphError as agreed:  # (the same error, named by rank when the others did not fail alike)
+            e = agreed
         where = f" (rank {e.rank})" if e.rank is not None else ""
         _error(f"vfgraph {args.command}{where}: {e.label}: {e}")
         return e.exit_code
@@ -307,6 +313,20 @@ def _check_inputs_exist(args) -> None:
         path = getattr(args, attr, None)
         if path is not None and not os.path.exists(path):
             raise InputError(f"{path}: no such file or directory")
+
+
+def _share_early_error(args, e: VfgraphError) -> None:
+    """One rank of ``mpiexec`` running ``train`` failed before its ranks first agreed (an option
+    or input checked before training starts): agree on it now, in the call the other ranks
+    make first, so that it is printed once (raises what :meth:`World.agree` raises). Returns
+    at once elsewhere (one process, an elastic job's new rank, or an error the ranks agreed on)."""
+    if args.command != "train" or not is_worker() or getattr(args, "elastic_join", False) or agreeing():
+        return
+
+    def fail() -> None:
+        raise e
+
+    launched_world().agree(fail)
 
 
 def _error(line: str) -> None:

@@ -27,7 +27,8 @@ from vfgraph.runtime import elastic as el
 from vfgraph.runtime.balance import Balancer, text
 from vfgraph.runtime.devices import prepare_devices, stages_of
 from vfgraph.runtime.elastic import ElasticOptions
-from vfgraph.runtime.world import RankLost, World, place_threads, resident_bytes, shares, world
+from vfgraph.runtime.world import (RankLost, World, launched_world, place_threads, resident_bytes, same_everywhere,
+                                   shares, world)
 
 log = logging.getLogger("vfgraph.train")
 
@@ -283,25 +284,36 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     ``elastic``: change the number of ranks while training, by a schedule
     (:mod:`vfgraph.runtime.elastic`)."""
     auto = vnodes_per_rank == "auto"
-    for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1),
-                               ("--checkpoint-every", checkpoint_every, 0), ("--seed", seed, 0)):
-        if not isinstance(value, int) or value < least:
-            raise InputError(f"{name} {value}: give an integer of at least {least}")
-    if resume and force:
-        raise InputError("--resume and --force: give one (--resume continues a checkpoint, --force starts over)")
-    if not savedmodel.is_saved_model_dir(model):
-        raise InputError(f"{model}: not a SavedModel directory")
-    b, reduces = vnode_layout(model, signature)
-    stages = stages_of(model, signature)
+    # under mpiexec the ranks agree from the first check on: a mistake is printed once, by rank 0
+    # or by the one rank that sees it (a process an elastic job started reports to the job instead)
+    first = World() if elastic is not None and elastic.join else launched_world()
+
+    def check() -> tuple:
+        for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1),
+                                   ("--checkpoint-every", checkpoint_every, 0), ("--seed", seed, 0)):
+            if not isinstance(value, int) or value < least:
+                raise InputError(f"{name} {value}: give an integer of at least {least}")
+        if resume and force:
+            raise InputError("--resume and --force: give one (--resume continues a checkpoint, --force starts over)")
+        if not savedmodel.is_saved_model_dir(model):
+            raise InputError(f"{model}: not a SavedModel directory")
+        b, reduces = vnode_layout(model, signature)
+        stages = stages_of(model, signature)
+        schedule = None
+        if elastic is not None:
+            schedule = _check_elastic(elastic, model, b, reduces, stages, vnodes_per_rank, batch_size)
+        return b, reduces, stages, schedule
+
+    b, reduces, stages, schedule = first.agree(check)
     ranked = stages is not None and stages.on_ranks and stages.count > 1  # one pipeline stage per rank
-    schedule, inter = None, None
+    inter = None
     if elastic is not None:
-        schedule = _check_elastic(elastic, model, b, reduces, stages, vnodes_per_rank, batch_size)
         if threads is None:  # the job may grow to max_ranks ranks on this host
             threads = max(1, (os.cpu_count() or 1) // elastic.max_ranks)
         if elastic.join:  # a process the job started: MPI at once, then load while the job trains on
             inter = el.parent()
-    w = World() if inter is not None else world(need_mpi=reduces or ranked, stages=stages.count if ranked else 0)
+    w = World() if inter is not None else first.agree(
+        lambda: world(need_mpi=reduces or ranked, stages=stages.count if ranked else 0))
     ranked = ranked and w.size > 1
     k_count = stages.count if ranked else 1
     # ranked: rank r runs stage r % K of replica r // K; each replica trains on its share of the batch
@@ -367,11 +379,16 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         return loaded, fn, data, keys, per
 
     loaded, fn, data, keys, per = w.agree(open_model)
+    fingerprint = savedmodel.source_fingerprint(model, None)
+    if w.size > 1 and inter is None:  # before anything the ranks must call alike as often
+        same_everywhere(w, _run_config(steps=steps, batch_size=batch_size, seed=seed, checkpoint_every=checkpoint_every,
+                                       signature=signature, resume=resume, force=force, allow_nonfinite=allow_nonfinite,
+                                       out=out, fingerprint=fingerprint, data=data, data_files=data_files,
+                                       elastic=elastic))
     scheduled, joined_at = None, None
     if elastic is not None:
         from vfgraph import ops
 
-        fingerprint = savedmodel.source_fingerprint(model, None)
         scheduled = el.Elastic(schedule, elastic.argv, ops.set_communicator, fingerprint,
                                requests=el.request_path(out), max_ranks=elastic.max_ranks, started=elastic.started,
                                discovery=elastic.discovery, interval=elastic.interval)
@@ -395,7 +412,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         rec = records.read(model, VirtualNodes).get(signature)
         config = {"batch_size": batch_size, "seed": seed, "signature": signature,
                   "vnodes": [rec.vnodes, rec.vnode_batch] if rec else [1, 0],
-                  "model": savedmodel.source_fingerprint(model, None), "data": data_fingerprint(data)}
+                  "model": fingerprint, "data": data_fingerprint(data)}
     held_vars = held_vars if ranked else list(fn.variables)
     ckpt = tf.train.Checkpoint(variables=held_vars)
     start, losses, last_ckpt = 0, [], None
@@ -438,8 +455,16 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         start, losses = w.bcast((start, losses))
     else:
         start = joined_at
-    if start > steps:
-        raise InputError(f"--steps {steps}: the checkpoint in {ckpt_dir} is at step {start} already; give more steps")
+
+    def enough_steps() -> None:
+        if start > steps:
+            raise InputError(f"--steps {steps}: the checkpoint in {ckpt_dir} is at step {start} already; give more "
+                             "steps")
+
+    if joined_at is None:
+        w.agree(enough_steps)  # (alike on every rank: printed once)
+    else:
+        enough_steps()
     where = "start"
     variables = [v for v in held_vars if v.dtype.is_floating]
 
@@ -685,6 +710,55 @@ def _same_model(w, model: str) -> None:
     if other is not None:
         raise InputError(f"rank {other} opened another model than rank 0 at {model}; give every rank the same "
                          "model (a path on a shared file system)")
+
+
+def _run_config(*, steps: int, batch_size: int, seed: int, checkpoint_every: int, signature: str, resume: bool,
+                force: bool, allow_nonfinite: bool, out: str, fingerprint: str, data: Dict[str, np.ndarray],
+                data_files: List[str], elastic: Optional[ElasticOptions]) -> Dict[str, Tuple[object, str]]:
+    """What the ranks of a job must agree on to run the same steps and as many collective calls
+    (option -> (compared, shown), for :func:`vfgraph.runtime.world.same_everywhere`). Not in
+    it, as they may differ by design: --threads, --vnodes-per-rank (each rank's share), -v and
+    --no-progress, and how a process an elastic job started was started."""
+    digest = data_digest(data, data_files)
+    n = len(next(iter(data.values()))) if data else 0
+    shown = {"--seed": seed, "--batch-size": batch_size, "--steps": steps, "--checkpoint-every": checkpoint_every,
+             "--train-signature": signature, "--resume": resume, "--force": force,
+             "--allow-nonfinite": allow_nonfinite, "-o": out}
+    if elastic is not None:  # (each rank's schedule says when the job changes size)
+        shown.update({"--elastic-schedule": elastic.schedule, "--max-ranks": elastic.max_ranks,
+                      "--host-discovery-script": elastic.discovery, "--discovery-interval": elastic.interval})
+    config = {k: (v, str(v)) for k, v in shown.items()}
+    config["--data"] = (digest, f"{n} examples of digest {digest[:12]}")
+    config["the model"] = (fingerprint, f"fingerprint {fingerprint[:12]}")
+    return config
+
+
+def data_digest(data: Dict[str, np.ndarray], files: List[str], examples: int = 64, most: int = 1 << 20) -> str:
+    """A digest of the training data that takes every rank milliseconds whatever the data's
+    size (the data is read once, to train on): the data files' sizes, each array's name,
+    dtype and shape, and the bytes of up to ``examples`` examples of each array (``most``
+    bytes at most), evenly spaced from its first to its last. Not covered: the files' paths
+    and times (copies on different hosts are the same data), and a difference only in
+    examples it does not sample in files of the same sizes (rank 0's checkpoint record hashes
+    all of the data)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{os.path.getsize(f) if os.path.isfile(f) else -1};".encode())
+    for k in sorted(data):
+        a = data[k]
+        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
+        if not len(a):
+            continue
+        count = int(min(len(a), examples, max(1, most // max(1, a[:1].nbytes))))
+        rows = np.unique(np.linspace(0, len(a) - 1, count).astype(np.int64))
+        sample = a[rows]
+        if sample.dtype.kind == "O":  # (strings from TFRecord files)
+            for x in sample.ravel():
+                h.update(x if isinstance(x, bytes) else repr(x).encode())
+                h.update(b"\0")
+        else:
+            h.update(np.ascontiguousarray(sample).tobytes())
+    return h.hexdigest()
 
 
 def _kept(ckpt_dir: str, last: Optional[int], every: int) -> str:

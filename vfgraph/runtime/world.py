@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from vfgraph.errors import InputError, InternalError, Quiet, VfgraphError
 
@@ -136,6 +136,59 @@ class World:
         return [f"rank {r}: {t}" for r, t in enumerate(table)]
 
 
+_launched: Optional[World] = None  # launched_world()'s, once it was asked for
+
+
+def launched_world() -> World:
+    """The ranks an MPI launcher started, with MPI started through mpi4py only (no TensorFlow,
+    no ops: a second or less), so that a run's first checks already agree over the ranks (an
+    error printed once); one process otherwise. Its first :meth:`World.agree` is the first
+    collective call of every rank (:func:`agreeing`)."""
+    global _launched
+    if _launched is None:
+        if not launched_by_mpi():
+            return World()
+        from vfgraph.ops import toolchain
+
+        comm = toolchain.import_mpi().COMM_WORLD
+        _launched = World(comm.Get_rank(), comm.Get_size(), comm)
+    return _launched
+
+
+def agreeing() -> bool:
+    """Whether this process joined its ranks' agreements (:func:`launched_world`): an error
+    from before that has not been shared with the other ranks yet."""
+    return _launched is not None
+
+
+def same_everywhere(w: World, values: Dict[str, Tuple[Any, str]]) -> None:
+    """Collective over ``w``: refuse to go on (:class:`InputError`, printed once) unless every
+    rank holds the same ``values``: what must be equal for the ranks to run the same steps,
+    each an option's name -> (what is compared, how it is shown). The message names each
+    option that differs and which ranks hold which value."""
+    table = w.gather(values)
+
+    def check() -> None:
+        differ = []
+        for key in dict.fromkeys(k for row in table for k in row):
+            held: Dict[Any, Tuple[str, List[int]]] = {}
+            for r, row in enumerate(table):
+                compared, shown = row.get(key, (None, "nothing"))
+                held.setdefault(compared, (shown, []))[1].append(r)
+            if len(held) > 1:
+                differ.append(f"{key} " + ", ".join(f"{shown} on {_rank_list(ranks)}"
+                                                    for shown, ranks in held.values()))
+        if differ:
+            raise InputError(f"the ranks were started with different options: {'; '.join(differ)}; start every rank "
+                             "with the same options, model and data")
+
+    w.agree(check)
+
+
+def _rank_list(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+
+
 def world(need_mpi: bool, stages: int = 0) -> World:
     """This run's world. Under an MPI launcher (or when the model contains MPI ops), MPI is
     started through mpi4py and the ops use a private duplicate of ``COMM_WORLD``, split into
@@ -206,14 +259,14 @@ def place_threads(w: World, threads: Optional[int] = None, stages: int = 1) -> i
     ranks with one, 242-289 ms with two, 338-372 ms unpartitioned on one core)."""
     if threads is not None and threads < 1:
         raise InputError(f"--threads {threads}: give a positive number of threads per rank")
-    if threads is None:
-        local = 1
-        if w.comm is not None:
-            from mpi4py import MPI
+    local = 1
+    if w.comm is not None:  # (a collective call: on every rank, whether it gave --threads or not)
+        from mpi4py import MPI
 
-            shared = w.comm.Split_type(MPI.COMM_TYPE_SHARED)
-            local = shared.Get_size()
-            shared.Free()
+        shared = w.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local = shared.Get_size()
+        shared.Free()
+    if threads is None:
         visible = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, threads_per_rank(visible, os.cpu_count() or visible, local) // max(stages, 1))
     import tensorflow as tf
