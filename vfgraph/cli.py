@@ -272,11 +272,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     log.propagate = False
     try:
         _check_inputs_exist(args)
+        run = {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff, "verify": cmd_verify,
+               "train": cmd_train, "export": cmd_export, "passes": cmd_passes, "build-ops": cmd_build_ops,
+               "resize": cmd_resize, "profile": cmd_profile}[args.command]
         line = " ".join(["vfgraph", *(sys.argv[1:] if argv is None else map(str, argv))])  # (in its output locks)
-        return outputs.command(line)({"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff,
-                "verify": cmd_verify, "train": cmd_train, "export": cmd_export,
-                "passes": cmd_passes, "build-ops": cmd_build_ops, "resize": cmd_resize,
-                "profile": cmd_profile}[args.command])(args)
+        with outputs.command(line):  # the output locks the command takes, held until it ends
+            return run(args)
     except Quiet as e:  # another rank reports it
         return e.exit_code
     except VfgraphError as e:
