@@ -50,14 +50,13 @@ class InsertAllreducePass(Pass):
     name: ClassVar[str] = "insert-allreduce"
     requires: ClassVar[tuple] = (VirtualNodes,)
     produces: ClassVar[tuple] = (Allreduce,)
-    fusion_mb: float = option(DEFAULT_FUSION_MB, "largest fused all-reduce buffer, MiB")
+    fusion_mb: float = option(DEFAULT_FUSION_MB, "largest fused all-reduce buffer, MiB (above 0, at most 1048576)",
+                              above=0, high=1 << 20)
     signature: str = option("", "the training signature (default: every signature split into virtual nodes)")
 
     def call(self, item: GraphItem) -> PassResult:
         from vfgraph import ops
 
-        if self.fusion_mb <= 0:
-            raise PipelineError(f"fusion-mb={self.fusion_mb}: must be positive")
         split = records.get(item, VirtualNodes)
         keys = [self.signature] if self.signature else sorted(split)
         missing = [k for k in keys if k not in split]

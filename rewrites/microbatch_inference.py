@@ -54,11 +54,9 @@ class MicrobatchInferencePass(Pass):
     name: ClassVar[str] = "microbatch-inference"
     produces: ClassVar[tuple] = (Microbatch,)
     vnode_batch: int = option(0, "the most examples one slice holds (0: the training rewrite's b; with none, "
-                                 "serving is left as it is)")
+                                 "serving is left as it is)", low=0)
 
     def call(self, item: GraphItem) -> PassResult:
-        if self.vnode_batch < 0:
-            raise PipelineError(f"vnode-batch={self.vnode_batch}: must be positive")
         b = self.vnode_batch or _training_b(item)
         if not b:
             return PassResult(item, False, ["microbatch-inference: no slice size (give vnode-batch); serving unchanged"])

@@ -57,7 +57,7 @@ class PartitionStagesPass(Pass):
 
     name: ClassVar[str] = "partition-stages"
     produces: ClassVar[tuple] = (Stages,)
-    stages: int = option(2, "pipeline stages (K)")
+    stages: int = option(2, "pipeline stages (K)", low=1)
     devices: str = option("", "the device of each stage, separated by ';' (e.g. /GPU:0;/GPU:1); none: "
                               "stage k runs on MPI rank k-1")
     split_at: str = option("", "the forward ops that start stages 2..K, separated by ';' (default: the cuts that "
@@ -67,7 +67,7 @@ class PartitionStagesPass(Pass):
                                       "or profile (each op's time in a step run here, on this machine's CPU; the "
                                       "cuts chosen are in the notes: give them as split-at to repeat the rewrite)")
     profile_batch: int = option(32, "with balance=profile: the examples in the profiled step's batch (a virtual "
-                                    "node's batch, as the stages will run it)")
+                                    "node's batch, as the stages will run it)", low=1)
     profile: str = option("", "with balance=profile: a step profile's JSON file ('vfgraph profile MODEL -o FILE', "
                               "of this machine or the one the model will train on) whose times the cuts balance, "
                               "instead of a step profiled here; the same file gives the same cuts")
@@ -83,8 +83,6 @@ class PartitionStagesPass(Pass):
         if self.profile and self.balance != "profile":
             raise PipelineError(f"profile={self.profile}: the cuts balance a profile's times with balance=profile "
                                 "only; give both")
-        if self.profile_batch < 1:
-            raise PipelineError(f"profile-batch={self.profile_batch}: give the examples of a profiled batch (>= 1)")
         if not has_object_graph(item):
             raise PipelineError(f"{item.source}: partition-stages takes TF2 SavedModels (with an object graph); this "
                                 f"is a {item.kind.replace('_', ' ')}: export the model with tf.saved_model.save")
@@ -142,8 +140,6 @@ class PartitionStagesPass(Pass):
         return PassResult(item, True, notes)
 
     def _devices(self) -> Tuple[str, ...]:
-        if self.stages < 1:
-            raise PipelineError(f"stages={self.stages}: a pipeline needs at least 1 stage")
         given = [d.strip() for d in self.devices.split(";") if d.strip()]
         if not given:
             return ()

@@ -42,9 +42,9 @@ class SplitVnodesPass(Pass):
 
     name: ClassVar[str] = "split-vnodes"
     produces: ClassVar[tuple] = (VirtualNodes,)
-    vnodes: int = option(1, "virtual nodes per step (V)")
+    vnodes: int = option(1, "virtual nodes per step (V)", low=1)
     vnode_batch: int = option(0, "examples per virtual node (b); 0: the static batch / V, or the fed batch / V "
-                                 "at run time")
+                                 "at run time", low=0)
     signature: str = option("", "the training signature (default: 'train', or the one found)")
     stepwise: bool = option(True, "also add <key>_accumulate and <key>_apply signatures (one virtual node at a "
                                   "time, for a trainer that feeds them)")
@@ -52,10 +52,6 @@ class SplitVnodesPass(Pass):
                                          "any layout of the virtual nodes over ranks gives bit-identical results")
 
     def call(self, item: GraphItem) -> PassResult:
-        if self.vnodes < 1:
-            raise PipelineError(f"vnodes={self.vnodes}: the number of virtual nodes must be at least 1")
-        if self.vnode_batch < 0:
-            raise PipelineError(f"vnode-batch={self.vnode_batch}: must be positive (or 0 to derive it)")
         sig = training_signature(item, self.signature)
         if sig.key in records.get(item, VirtualNodes):
             return PassResult(item, False, [f"signature {sig.key!r} already has virtual nodes"])

@@ -56,8 +56,11 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
                      stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
                      schedule: str = "1f1b", deterministic: bool = False, balance: str = "estimate",
                      profile_batch: int = 32, profile: str = "") -> str:
+    """The pipeline :func:`rewrite` runs without one given: ``stages`` other than 1 (or devices, or
+    split_at) cut the step into stages, then split-vnodes (and insert-allreduce) where the model
+    trains, then microbatch-inference. Every option given reaches its pass, which checks it."""
     parts = []
-    if has_training and (stages > 1 or devices or split_at):
+    if has_training and (stages != 1 or devices or split_at):
         opts = [f"stages={stages}"] + (["devices=" + ";".join(devices)] if devices else [])
         opts += ["split-at=" + ";".join(split_at)] if split_at else []
         opts += [f"schedule={schedule}"] if schedule != "1f1b" else []
@@ -146,10 +149,15 @@ def _gc_paused():
 def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce, fusion_mb,
              checkpoint, loss, in_place, verify_each, partition=None) -> GraphItem:
     owned = in_place or not isinstance(model, GraphItem)  # loaded here: held by nothing else
-    item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
     if pipeline is not None and (partition or {}).get("deterministic"):
         raise InputError("deterministic with a pipeline: give split-vnodes the option instead, "
                          "e.g. 'split-vnodes{vnodes=8,deterministic=true}'")
+    if pipeline is None:
+        parse_pipeline(default_pipeline(vnodes, vnode_batch, train_signature, True, allreduce == "mpi", fusion_mb,
+                                        **(partition or {})))  # every option checked by its pass, before the load
+    else:
+        parse_pipeline(pipeline)
+    item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
     if pipeline is None:
         has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
         if item.kind != "saved_model":  # TF1 and GraphDef outputs train on one process
