@@ -27,7 +27,7 @@ through one) becomes one ``Identity`` per output, each on its output's stage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 from vfgraph import records
 from vfgraph.analysis.profile import profile_of
@@ -73,6 +73,14 @@ class PartitionStagesPass(Pass):
                               "instead of a step profiled here; the same file gives the same cuts")
     signature: str = option("", "the training signature (default: 'train', or the one found)")
 
+    def differences(self, record: Stages) -> List[str]:
+        """K, the schedule, the devices and the cuts (when given) against the record's."""
+        split_at = tuple(s.strip() for s in self.split_at.split(";")) if self.split_at.strip() else record.split_at
+        pairs = [("stages", self.stages, record.count), ("schedule", self.schedule, record.schedule),
+                 ("devices", ";".join(self._devices()), ";".join(p.device for p in record.parts)),
+                 ("split-at", ";".join(split_at), ";".join(record.split_at))]
+        return [f"{k}={a or repr('')} given, {b or repr('')} recorded" for k, a, b in pairs if a != b]
+
     def call(self, item: GraphItem) -> PassResult:
         devices = self._devices()
         split_at = tuple(s.strip() for s in self.split_at.split(";")) if self.split_at.strip() else ()
@@ -90,8 +98,9 @@ class PartitionStagesPass(Pass):
         if sig.key in records.get(item, VirtualNodes):
             raise PipelineError(f"signature {sig.key!r} already runs virtual nodes: partition-stages cuts the "
                                 "original step, so run it before split-vnodes (rewrite the original model)")
-        if sig.key in records.get(item, Stages):
-            return PassResult(item, False, [f"signature {sig.key!r} is already partitioned"])
+        again = self.rewritten_before(item, sig.key)
+        if again:
+            return PassResult(item, False, [again])
         g = FunctionGraph.over(item.function(sig.function), item.library)
         g.verify()
         check_batch_inputs(g, sig)
