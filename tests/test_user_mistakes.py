@@ -56,3 +56,50 @@ def test_numeric_verify_options_are_one_line(models, capsys, argv, want):
 def test_inspect_stages_checked_by_the_pass(models, capsys):
     code, err = run_in_process(capsys, "inspect", models("mlp:sgd"), "--stages", 10 ** 11)
     assert code == 2 and "--stages 100000000000: out of range" in error_line(err), err
+
+
+def test_a_second_rewrite_with_other_options_is_refused(models, tmp_path, capsys):
+    from vfgraph import records
+    from vfgraph.records import VirtualNodes
+    from vfgraph.testing.cli import tree_digest
+
+    m8 = tmp_path / "m8"
+    assert run_in_process(capsys, "rewrite", models("mlp:sgd"), "--vnodes", 8, "--allreduce", "none", "-o", m8)[0] == 0
+    before = tree_digest(m8)
+    for argv, given in [(["--vnodes", 2], "vnodes=2 given, 8 recorded"), ([], "vnodes=1 given, 8 recorded"),
+                        (["--vnodes", 8, "--deterministic"], "deterministic=true given, false recorded")]:
+        code, err = run_in_process(capsys, "rewrite", m8, *argv, "-o", tmp_path / "m82")
+        line = error_line(err)
+        assert code == 2 and "signature 'train'" in line and "rewritten by split-vnodes already" in line, err
+        assert given in line and "rewrite the original model" in line, err
+        assert not (tmp_path / "m82").exists() and tree_digest(m8) == before
+    with pytest.raises(VfgraphError, match="vnodes=2 given, 8 recorded"):
+        vfgraph.rewrite(str(m8), vnodes=2)
+    # the same options again: nothing to redo, and what was left out (the all-reduce) is added
+    item = vfgraph.rewrite(str(m8), vnodes=8, allreduce="none")
+    assert records.get(item, VirtualNodes)["train"].vnodes == 8
+    assert any("split-vnodes rewrote it already" in n for n in item.metadata["notes"])
+    code, err = run_in_process(capsys, "inspect", m8, "--json")
+    assert code == 0
+
+
+def test_a_second_microbatch_with_another_slice_is_refused(models):
+    once = vfgraph.rewrite(models("mlp:sgd"), pipeline="microbatch-inference{vnode-batch=8}")
+    with pytest.raises(VfgraphError, match="vnode-batch=4 given, 8 recorded"):
+        vfgraph.rewrite(once, pipeline="microbatch-inference{vnode-batch=4}")
+    again = vfgraph.rewrite(once, pipeline="microbatch-inference{vnode-batch=8}")
+    assert "rewrote it already" in " ".join(again.metadata["notes"])
+
+
+def test_no_training_signature_is_one_line(models, tmp_path, capsys):
+    serving_only = models("keras-export")
+    for argv, want in [(["--vnodes", 2], "no training signature (signatures: serve, serving_default"),
+                       ([], "no training signature (signatures: serve, serving_default"),
+                       (["--vnodes", 2, "--train-signature", "nosuch"], "no training signature 'nosuch'")]:
+        code, err = run_in_process(capsys, "rewrite", serving_only, *argv, "-o", tmp_path / "o")
+        assert code == 2 and want in error_line(err) and "--train-signature NAME" in error_line(err), err
+        assert not (tmp_path / "o").exists()
+    code, err = run_in_process(capsys, "rewrite", models("mlp:sgd"), "--train-signature", "nosuch", "-o", tmp_path / "o")
+    assert code == 2 and "no training signature 'nosuch' (signatures: serving_default, train)" in error_line(err)
+    # serving alone is micro-batched
+    assert run_in_process(capsys, "rewrite", serving_only, "--vnode-batch", 4, "-o", tmp_path / "s")[0] == 0

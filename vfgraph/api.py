@@ -159,7 +159,9 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
         parse_pipeline(pipeline)
     item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
     if pipeline is None:
-        has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
+        staged = partition and (partition.get("stages", 1) != 1 or partition.get("devices") or partition.get("split_at"))
+        serving_only = vnodes == 1 and bool(vnode_batch) and not staged and not (partition or {}).get("deterministic")
+        has_training = _has_training(item, train_signature, serving_only)
         if item.kind != "saved_model":  # TF1 and GraphDef outputs train on one process
             allreduce = "none"
         pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, allreduce == "mpi", fusion_mb,
@@ -179,6 +181,24 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
     out.metadata["history"] = history
     out.metadata["notes"] = notes
     return out
+
+
+def _has_training(item: GraphItem, train_signature: str, serving_only: bool) -> bool:
+    """Whether the default pipeline rewrites a training signature of ``item``. A SavedModel
+    without one is refused (a rewrite would change nothing of its training), unless only its
+    serving is micro-batched (``serving_only``: a slice size and nothing else); a frozen
+    GraphDef has none to rewrite."""
+    names = ", ".join(sorted(item.signatures)) or "none"
+    if train_signature and train_signature not in item.signatures:
+        raise InputError(f"{item.source}: no training signature {train_signature!r} (signatures: {names}); pass "
+                         "--train-signature NAME with one of them, or leave it out to use the one found")
+    if train_signature or any(s.is_training for s in item.signatures.values()):
+        return True
+    if item.kind == "saved_model" and not serving_only:
+        raise InputError(f"{item.source}: no training signature (signatures: {names}; none updates variables from a "
+                         "batch, and none is named 'train'); export the training step as a signature, pass "
+                         "--train-signature NAME, or to micro-batch serving only give --vnode-batch B alone")
+    return False
 
 
 def save(item: GraphItem, out: Union[str, os.PathLike], force: bool = False) -> str:
