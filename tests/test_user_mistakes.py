@@ -1,5 +1,6 @@
 """A user's mistake with rewrite, inspect, verify and diff ends in one line and exit 2."""
 import math
+import os
 
 import pytest
 
@@ -103,3 +104,70 @@ def test_no_training_signature_is_one_line(models, tmp_path, capsys):
     assert code == 2 and "no training signature 'nosuch' (signatures: serving_default, train)" in error_line(err)
     # serving alone is micro-batched
     assert run_in_process(capsys, "rewrite", serving_only, "--vnode-batch", 4, "-o", tmp_path / "s")[0] == 0
+
+
+def _unprivileged():
+    """The argv prefix that runs a command as a user who cannot read what others cannot: user
+    nobody, or root without the capabilities that pass over file modes; None when neither works."""
+    import subprocess
+    import sys
+
+    from vfgraph.testing.cli import ENV
+
+    env = dict(ENV, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    for prefix in (["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"],
+                   ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]):
+        try:
+            ok = subprocess.run(prefix + [sys.executable, "-c", "import vfgraph.cli"], env=env, capture_output=True,
+                                timeout=120).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        if ok:
+            return prefix, env
+    return None, env
+
+
+def test_permission_denied_is_named_for_every_input(models, tmp_path):
+    import shutil
+    import stat
+    import subprocess
+    import sys
+    import tempfile
+
+    import numpy as np
+
+    prefix, env = _unprivileged()
+    if prefix is None:
+        pytest.skip("neither setpriv to user nobody nor dropping the DAC capabilities works here")
+    root = tempfile.mkdtemp(prefix="vf-perm-", dir="/tmp")  # a place user nobody can enter
+    try:
+        os.chmod(root, 0o755)
+        ok, closed_file, closed_dir = (os.path.join(root, n) for n in ("ok", "file", "dir"))
+        for p in (ok, closed_file, closed_dir):
+            shutil.copytree(models("mlp:sgd"), p)
+            subprocess.run(["chmod", "-R", "a+rX", p], check=True)
+        os.chmod(os.path.join(closed_file, "variables", "variables.index"), 0)
+        os.chmod(closed_dir, 0)
+        data = os.path.join(root, "d.npz")
+        np.savez(data, x=np.zeros((4, 64), "float32"), y=np.zeros(4, "int64"))
+        os.chmod(data, 0)
+        out = os.path.join(root, "out")
+        cases = [(["rewrite", closed_file, "--vnodes", 2, "-o", out], closed_file),
+                 (["rewrite", closed_dir, "-o", out], closed_dir),
+                 (["inspect", os.path.join(closed_dir, "saved_model.pb")], closed_dir),
+                 (["diff", ok, closed_file], closed_file),
+                 (["verify", ok, closed_dir], closed_dir),
+                 (["verify", ok, ok, "--data", data], data),
+                 (["train", closed_file, "--data", data, "--steps", 1, "--batch-size", 4, "-o", out], closed_file),
+                 (["train", ok, "--data", data, "--steps", 1, "--batch-size", 4, "-o", out], data),
+                 (["export", closed_dir, "-o", out], closed_dir)]
+        for argv, where in cases:
+            res = subprocess.run(prefix + [sys.executable, "-m", "vfgraph.cli", *map(str, argv)], env=env,
+                                 capture_output=True, text=True, timeout=300)
+            line = error_line(res)
+            assert res.returncode == 2 and "permission denied" in line and where in line, (argv, res.stderr)
+            assert "no such file" not in line and not os.path.exists(out)
+        assert stat.S_IMODE(os.stat(closed_dir).st_mode) == 0  # inputs untouched
+    finally:
+        subprocess.run(["chmod", "-R", "u+rwX", root])
+        shutil.rmtree(root)

@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 from vfgraph.version import __version__
 from vfgraph.errors import InputError, InternalError, VfgraphError
-from vfgraph.io import graphdef, metagraph, objectgraph, savedmodel
+from vfgraph.io import files, graphdef, metagraph, objectgraph, savedmodel
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import parse_pipeline
 from vfgraph.passes.manager import AfterEach, PassManager
@@ -28,8 +28,7 @@ def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None,
 
 
 def _load(path: str, outputs, checkpoint, loss) -> GraphItem:
-    if not os.path.exists(path):
-        raise InputError(f"{path}: no such file or directory")
+    files.check_readable(path)
     if savedmodel.is_saved_model_dir(path):
         return savedmodel.load_saved_model(path)
     if path.endswith(".meta") and os.path.isfile(path) or metagraph.is_checkpoint_dir(path):

@@ -310,11 +310,18 @@ INPUT_PATHS = ("model", "a", "b", "original", "rewritten")  # the commands' posi
 
 
 def _check_inputs_exist(args) -> None:
-    """A missing input is named before any command imports TensorFlow (seconds)."""
+    """A missing or unreadable input is named before any command imports TensorFlow (seconds);
+    a --data file or --profile that cannot be read, too (a missing one is named by its command)."""
+    from vfgraph.io.files import check_readable
+
     for attr in INPUT_PATHS:
         path = getattr(args, attr, None)
-        if path is not None and not os.path.exists(path):
-            raise InputError(f"{path}: no such file or directory")
+        if path is not None:
+            check_readable(path)
+    for attr in ("data", "profile"):
+        path = getattr(args, attr, None)
+        if isinstance(path, str) and path:
+            check_readable(path, missing_ok=True)
 
 
 def _error(line: str) -> None:
