@@ -100,7 +100,8 @@ def test_no_training_signature_is_one_line(models, tmp_path, capsys):
         code, err = run_in_process(capsys, "rewrite", serving_only, *argv, "-o", tmp_path / "o")
         assert code == 2 and want in error_line(err) and "--train-signature NAME" in error_line(err), err
         assert not (tmp_path / "o").exists()
-    code, err = run_in_process(capsys, "rewrite", models("mlp:sgd"), "--train-signature", "nosuch", "-o", tmp_path / "o")
+    code, err = run_in_process(capsys, "rewrite", models("mlp:sgd"), "--train-signature", "nosuch",
+                               "-o", tmp_path / "o")
     assert code == 2 and "no training signature 'nosuch' (signatures: serving_default, train)" in error_line(err)
     # serving alone is micro-batched
     assert run_in_process(capsys, "rewrite", serving_only, "--vnode-batch", 4, "-o", tmp_path / "s")[0] == 0

@@ -158,8 +158,9 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
         parse_pipeline(pipeline)
     item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
     if pipeline is None:
-        staged = partition and (partition.get("stages", 1) != 1 or partition.get("devices") or partition.get("split_at"))
-        serving_only = vnodes == 1 and bool(vnode_batch) and not staged and not (partition or {}).get("deterministic")
+        part = partition or {}
+        staged = part.get("stages", 1) != 1 or part.get("devices") or part.get("split_at")
+        serving_only = vnodes == 1 and bool(vnode_batch) and not staged and not part.get("deterministic")
         has_training = _has_training(item, train_signature, serving_only)
         if item.kind != "saved_model":  # TF1 and GraphDef outputs train on one process
             allreduce = "none"

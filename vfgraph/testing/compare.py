@@ -96,7 +96,8 @@ COUNT_MAX = 2 ** 31 - 1  # steps and examples per step: an int32 in the graphs t
 
 def _check_counts(steps: int, batch: int) -> None:
     """The steps and the batch size of a comparison: whole numbers from 1 to :data:`COUNT_MAX`."""
-    for flag, n, what in (("--steps", steps, "training steps to compare"), ("--batch-size", batch, "examples per step")):
+    for flag, n, what in (("--steps", steps, "training steps to compare"),
+                          ("--batch-size", batch, "examples per step")):
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= COUNT_MAX:
             raise InputError(f"{flag} {n}: give the {what}, a whole number from 1 to {COUNT_MAX}")
 
