@@ -50,14 +50,18 @@ class InsertAllreducePass(Pass):
     name: ClassVar[str] = "insert-allreduce"
     requires: ClassVar[tuple] = (VirtualNodes,)
     produces: ClassVar[tuple] = (Allreduce,)
-    fusion_mb: float = option(DEFAULT_FUSION_MB, "largest fused all-reduce buffer, MiB")
+    fusion_mb: float = option(DEFAULT_FUSION_MB, "largest fused all-reduce buffer, MiB (above 0, at most 1048576)",
+                              above=0, high=1 << 20)
     signature: str = option("", "the training signature (default: every signature split into virtual nodes)")
+
+    def differences(self, record: Allreduce) -> List[str]:
+        """The fused buffers' size against the record's."""
+        same = self.fusion_mb == record.fusion_mb
+        return [] if same else [f"fusion-mb={self.fusion_mb:g} given, {record.fusion_mb:g} recorded"]
 
     def call(self, item: GraphItem) -> PassResult:
         from vfgraph import ops
 
-        if self.fusion_mb <= 0:
-            raise PipelineError(f"fusion-mb={self.fusion_mb}: must be positive")
         split = records.get(item, VirtualNodes)
         keys = [self.signature] if self.signature else sorted(split)
         missing = [k for k in keys if k not in split]
@@ -66,11 +70,11 @@ class InsertAllreducePass(Pass):
                                 "signature; run split-vnodes first, e.g. "
                                 "'split-vnodes{vnodes=8},insert-allreduce'")
         ops.load()  # a clear error when the MPI ops cannot be built
+        notes = [n for n in (self.rewritten_before(item, k) for k in keys) if n]
         done = records.get(item, Allreduce)
         todo = [k for k in keys if k not in done]
         if not todo:
-            return PassResult(item, False, ["all-reduce already inserted"])
-        notes: List[str] = []
+            return PassResult(item, False, notes)
         for key in todo:
             buffers = []
             staged = records.get(item, Stages).get(key)

@@ -54,11 +54,14 @@ class MicrobatchInferencePass(Pass):
     name: ClassVar[str] = "microbatch-inference"
     produces: ClassVar[tuple] = (Microbatch,)
     vnode_batch: int = option(0, "the most examples one slice holds (0: the training rewrite's b; with none, "
-                                 "serving is left as it is)")
+                                 "serving is left as it is)", low=0)
+
+    def differences(self, record: Microbatch) -> List[str]:
+        """The slice size (when given) against the record's."""
+        same = not self.vnode_batch or self.vnode_batch == record.vnode_batch
+        return [] if same else [f"vnode-batch={self.vnode_batch} given, {record.vnode_batch} recorded"]
 
     def call(self, item: GraphItem) -> PassResult:
-        if self.vnode_batch < 0:
-            raise PipelineError(f"vnode-batch={self.vnode_batch}: must be positive")
         b = self.vnode_batch or _training_b(item)
         if not b:
             return PassResult(item, False, ["microbatch-inference: no slice size (give vnode-batch); serving unchanged"])
@@ -68,7 +71,10 @@ class MicrobatchInferencePass(Pass):
         modified = False
         seen_functions = set()
         for sig in item.inference_signatures():
-            if sig.key in done or sig.function in train or sig.function in seen_functions:
+            if sig.key in done:
+                notes.append(self.rewritten_before(item, sig.key))
+                continue
+            if sig.function in train or sig.function in seen_functions:
                 continue
             seen_functions.add(sig.function)
             why = _unsliceable(item, sig)

@@ -27,7 +27,7 @@ through one) becomes one ``Identity`` per output, each on its output's stage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 from vfgraph import records
 from vfgraph.analysis.profile import profile_of
@@ -57,7 +57,7 @@ class PartitionStagesPass(Pass):
 
     name: ClassVar[str] = "partition-stages"
     produces: ClassVar[tuple] = (Stages,)
-    stages: int = option(2, "pipeline stages (K)")
+    stages: int = option(2, "pipeline stages (K)", low=1)
     devices: str = option("", "the device of each stage, separated by ';' (e.g. /GPU:0;/GPU:1); none: "
                               "stage k runs on MPI rank k-1")
     split_at: str = option("", "the forward ops that start stages 2..K, separated by ';' (default: the cuts that "
@@ -67,11 +67,19 @@ class PartitionStagesPass(Pass):
                                       "or profile (each op's time in a step run here, on this machine's CPU; the "
                                       "cuts chosen are in the notes: give them as split-at to repeat the rewrite)")
     profile_batch: int = option(32, "with balance=profile: the examples in the profiled step's batch (a virtual "
-                                    "node's batch, as the stages will run it)")
+                                    "node's batch, as the stages will run it)", low=1)
     profile: str = option("", "with balance=profile: a step profile's JSON file ('vfgraph profile MODEL -o FILE', "
                               "of this machine or the one the model will train on) whose times the cuts balance, "
                               "instead of a step profiled here; the same file gives the same cuts")
     signature: str = option("", "the training signature (default: 'train', or the one found)")
+
+    def differences(self, record: Stages) -> List[str]:
+        """K, the schedule, the devices and the cuts (when given) against the record's."""
+        split_at = tuple(s.strip() for s in self.split_at.split(";")) if self.split_at.strip() else record.split_at
+        pairs = [("stages", self.stages, record.count), ("schedule", self.schedule, record.schedule),
+                 ("devices", ";".join(self._devices()), ";".join(p.device for p in record.parts)),
+                 ("split-at", ";".join(split_at), ";".join(record.split_at))]
+        return [f"{k}={a or repr('')} given, {b or repr('')} recorded" for k, a, b in pairs if a != b]
 
     def call(self, item: GraphItem) -> PassResult:
         devices = self._devices()
@@ -83,8 +91,6 @@ class PartitionStagesPass(Pass):
         if self.profile and self.balance != "profile":
             raise PipelineError(f"profile={self.profile}: the cuts balance a profile's times with balance=profile "
                                 "only; give both")
-        if self.profile_batch < 1:
-            raise PipelineError(f"profile-batch={self.profile_batch}: give the examples of a profiled batch (>= 1)")
         if not has_object_graph(item):
             raise PipelineError(f"{item.source}: partition-stages takes TF2 SavedModels (with an object graph); this "
                                 f"is a {item.kind.replace('_', ' ')}: export the model with tf.saved_model.save")
@@ -92,8 +98,9 @@ class PartitionStagesPass(Pass):
         if sig.key in records.get(item, VirtualNodes):
             raise PipelineError(f"signature {sig.key!r} already runs virtual nodes: partition-stages cuts the "
                                 "original step, so run it before split-vnodes (rewrite the original model)")
-        if sig.key in records.get(item, Stages):
-            return PassResult(item, False, [f"signature {sig.key!r} is already partitioned"])
+        again = self.rewritten_before(item, sig.key)
+        if again:
+            return PassResult(item, False, [again])
         g = FunctionGraph.over(item.function(sig.function), item.library)
         g.verify()
         check_batch_inputs(g, sig)
@@ -142,8 +149,6 @@ class PartitionStagesPass(Pass):
         return PassResult(item, True, notes)
 
     def _devices(self) -> Tuple[str, ...]:
-        if self.stages < 1:
-            raise PipelineError(f"stages={self.stages}: a pipeline needs at least 1 stage")
         given = [d.strip() for d in self.devices.split(";") if d.strip()]
         if not given:
             return ()

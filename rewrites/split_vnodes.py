@@ -42,23 +42,30 @@ class SplitVnodesPass(Pass):
 
     name: ClassVar[str] = "split-vnodes"
     produces: ClassVar[tuple] = (VirtualNodes,)
-    vnodes: int = option(1, "virtual nodes per step (V)")
+    vnodes: int = option(1, "virtual nodes per step (V)", low=1)
     vnode_batch: int = option(0, "examples per virtual node (b); 0: the static batch / V, or the fed batch / V "
-                                 "at run time")
+                                 "at run time", low=0)
     signature: str = option("", "the training signature (default: 'train', or the one found)")
     stepwise: bool = option(True, "also add <key>_accumulate and <key>_apply signatures (one virtual node at a "
                                   "time, for a trainer that feeds them)")
     deterministic: bool = option(False, "sum the virtual nodes' gradients and outputs exactly (fixed point), so "
                                          "any layout of the virtual nodes over ranks gives bit-identical results")
 
+    def differences(self, record: VirtualNodes) -> List[str]:
+        """V, b (when given), deterministic and step-wise signatures against the record's."""
+        stepwise = self.stepwise and not self.deterministic  # (deterministic sums add none)
+        pairs = [("vnodes", self.vnodes, record.vnodes), ("deterministic", self.deterministic, record.deterministic),
+                 ("stepwise", stepwise, record.stepwise)]
+        if self.vnode_batch:
+            pairs.append(("vnode-batch", self.vnode_batch, record.vnode_batch))
+        text = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731 - as a pipeline writes it
+        return [f"{k}={text(a)} given, {text(b)} recorded" for k, a, b in pairs if a != b]
+
     def call(self, item: GraphItem) -> PassResult:
-        if self.vnodes < 1:
-            raise PipelineError(f"vnodes={self.vnodes}: the number of virtual nodes must be at least 1")
-        if self.vnode_batch < 0:
-            raise PipelineError(f"vnode-batch={self.vnode_batch}: must be positive (or 0 to derive it)")
         sig = training_signature(item, self.signature)
-        if sig.key in records.get(item, VirtualNodes):
-            return PassResult(item, False, [f"signature {sig.key!r} already has virtual nodes"])
+        again = self.rewritten_before(item, sig.key)
+        if again:
+            return PassResult(item, False, [again])
         # Read in place (no copy): the function is replaced last, once nothing reads it.
         original = FunctionGraph.over(item.function(sig.function), item.library)
         original.verify()

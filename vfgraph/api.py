@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 from vfgraph.version import __version__
 from vfgraph.errors import InputError, InternalError, VfgraphError
-from vfgraph.io import graphdef, metagraph, objectgraph, outputs, savedmodel
+from vfgraph.io import files, graphdef, metagraph, objectgraph, outputs, savedmodel
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import parse_pipeline
 from vfgraph.passes.manager import AfterEach, PassManager
@@ -28,8 +28,7 @@ def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None,
 
 
 def _load(path: str, outputs, checkpoint, loss) -> GraphItem:
-    if not os.path.exists(path):
-        raise InputError(f"{path}: no such file or directory")
+    files.check_readable(path)
     if savedmodel.is_saved_model_dir(path):
         return savedmodel.load_saved_model(path)
     if path.endswith(".meta") and os.path.isfile(path) or metagraph.is_checkpoint_dir(path):
@@ -56,8 +55,11 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
                      stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
                      schedule: str = "1f1b", deterministic: bool = False, balance: str = "estimate",
                      profile_batch: int = 32, profile: str = "") -> str:
+    """The pipeline :func:`rewrite` runs without one given: ``stages`` other than 1 (or devices, or
+    split_at) cut the step into stages, then split-vnodes (and insert-allreduce) where the model
+    trains, then microbatch-inference. Every option given reaches its pass, which checks it."""
     parts = []
-    if has_training and (stages > 1 or devices or split_at):
+    if has_training and (stages != 1 or devices or split_at):
         opts = [f"stages={stages}"] + (["devices=" + ";".join(devices)] if devices else [])
         opts += ["split-at=" + ";".join(split_at)] if split_at else []
         opts += [f"schedule={schedule}"] if schedule != "1f1b" else []
@@ -146,12 +148,20 @@ def _gc_paused():
 def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce, fusion_mb,
              checkpoint, loss, in_place, verify_each, partition=None) -> GraphItem:
     owned = in_place or not isinstance(model, GraphItem)  # loaded here: held by nothing else
-    item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
     if pipeline is not None and (partition or {}).get("deterministic"):
         raise InputError("deterministic with a pipeline: give split-vnodes the option instead, "
                          "e.g. 'split-vnodes{vnodes=8,deterministic=true}'")
     if pipeline is None:
-        has_training = item.training_signature(train_signature or None) is not None or bool(train_signature)
+        parse_pipeline(default_pipeline(vnodes, vnode_batch, train_signature, True, allreduce == "mpi", fusion_mb,
+                                        **(partition or {})))  # every option checked by its pass, before the load
+    else:
+        parse_pipeline(pipeline)
+    item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
+    if pipeline is None:
+        part = partition or {}
+        staged = part.get("stages", 1) != 1 or part.get("devices") or part.get("split_at")
+        serving_only = vnodes == 1 and bool(vnode_batch) and not staged and not part.get("deterministic")
+        has_training = _has_training(item, train_signature, serving_only)
         if item.kind != "saved_model":  # TF1 and GraphDef outputs train on one process
             allreduce = "none"
         pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, allreduce == "mpi", fusion_mb,
@@ -171,6 +181,24 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
     out.metadata["history"] = history
     out.metadata["notes"] = notes
     return out
+
+
+def _has_training(item: GraphItem, train_signature: str, serving_only: bool) -> bool:
+    """Whether the default pipeline rewrites a training signature of ``item``. A SavedModel
+    without one is refused (a rewrite would change nothing of its training), unless only its
+    serving is micro-batched (``serving_only``: a slice size and nothing else); a frozen
+    GraphDef has none to rewrite."""
+    names = ", ".join(sorted(item.signatures)) or "none"
+    if train_signature and train_signature not in item.signatures:
+        raise InputError(f"{item.source}: no training signature {train_signature!r} (signatures: {names}); pass "
+                         "--train-signature NAME with one of them, or leave it out to use the one found")
+    if train_signature or any(s.is_training for s in item.signatures.values()):
+        return True
+    if item.kind == "saved_model" and not serving_only:
+        raise InputError(f"{item.source}: no training signature (signatures: {names}; none updates variables from a "
+                         "batch, and none is named 'train'); export the training step as a signature, pass "
+                         "--train-signature NAME, or to micro-batch serving only give --vnode-batch B alone")
+    return False
 
 
 @outputs.command()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -37,12 +38,20 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake (an option's value that is not a number, a missing argument) is one line
+    on stderr naming the option and where its help is, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
 EXIT_CODES = "exit codes: 0 ok, 1 the models differ (diff, verify), 2 a user error (one line says what to do), " \
              "3 an internal error (please report it), 130 interrupted"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vfgraph", formatter_class=_Help, epilog=textwrap.fill(EXIT_CODES, 88),
+    p = _Parser(prog="vfgraph", formatter_class=_Help, epilog=textwrap.fill(EXIT_CODES, 88),
                                 description=(
         "Rewrite exported TensorFlow models: virtual nodes (large batches on small hardware, the same "
         "training on any hardware) and micro-batched serving."))
@@ -309,11 +318,18 @@ INPUT_PATHS = ("model", "a", "b", "original", "rewritten")  # the commands' posi
 
 
 def _check_inputs_exist(args) -> None:
-    """A missing input is named before any command imports TensorFlow (seconds)."""
+    """A missing or unreadable input is named before any command imports TensorFlow (seconds);
+    a --data file or --profile that cannot be read, too (a missing one is named by its command)."""
+    from vfgraph.io.files import check_readable
+
     for attr in INPUT_PATHS:
         path = getattr(args, attr, None)
-        if path is not None and not os.path.exists(path):
-            raise InputError(f"{path}: no such file or directory")
+        if path is not None:
+            check_readable(path)
+    for attr in ("data", "profile"):
+        path = getattr(args, attr, None)
+        if isinstance(path, str) and path:
+            check_readable(path, missing_ok=True)
 
 
 def _share_early_error(args, e: VfgraphError) -> None:
@@ -338,6 +354,11 @@ def _error(line: str) -> None:
 
 
 def cmd_rewrite(args) -> int:
+    with _flags_named() if args.pipeline is None else contextlib.nullcontext():  # (a pipeline names its passes)
+        return _rewrite(args)
+
+
+def _rewrite(args) -> int:
     if args.pipeline is not None:
         given = [f for f, v in (("--vnodes", args.vnodes), ("--vnode-batch", args.vnode_batch)) if v is not None]
         if given:
@@ -346,14 +367,8 @@ def cmd_rewrite(args) -> int:
         from vfgraph.passes.base import parse_pipeline
 
         parse_pipeline(args.pipeline)  # a malformed spec is reported before any work
-    vnodes = 1 if args.vnodes is None else args.vnodes
+    vnodes = 1 if args.vnodes is None else args.vnodes  # (the passes check the numbers)
     vnode_batch = args.vnode_batch or 0
-    if vnodes < 1:
-        raise InputError(f"--vnodes {vnodes}: needs at least 1 virtual node")
-    if vnode_batch < 0:
-        raise InputError(f"--vnode-batch {vnode_batch}: give the examples per virtual node (0: derived)")
-    if args.fusion_mb <= 0:
-        raise InputError(f"--fusion-mb {args.fusion_mb:g}: give a positive buffer size in MiB")
     partition = _partition_options(args)
     stem, ext = os.path.splitext(os.path.normpath(args.model))
     out = args.output or (stem + f"_vf{ext}" if ext in (".pb", ".pbtxt") else
@@ -403,8 +418,7 @@ def _balance_options(p) -> None:
 def _check_balance(args, stages) -> None:
     """Check --balance, --profile-batch and --profile (the profile read, so that a bad file is
     named before any work); afterwards ``args.balance`` is "estimate" or "profile"."""
-    if args.profile_batch is not None and args.profile_batch < 1:
-        raise InputError(f"--profile-batch {args.profile_batch}: give the examples of the profiled batch (>= 1)")
+    _stage_options(stages, args.profile_batch)
     if args.profile is not None:
         if args.balance == "estimate":
             raise InputError("--profile with --balance estimate: the cuts balance a profile's times with --balance "
@@ -424,6 +438,38 @@ def _check_balance(args, stages) -> None:
         read_profile(args.profile)
 
 
+# the flag of each pass option the commands set from one (a refused value is named by its flag)
+_FLAGS = {("split-vnodes", "vnodes"): "--vnodes", ("split-vnodes", "vnode-batch"): "--vnode-batch",
+          ("microbatch-inference", "vnode-batch"): "--vnode-batch", ("insert-allreduce", "fusion-mb"): "--fusion-mb",
+          ("partition-stages", "stages"): "--stages", ("partition-stages", "profile-batch"): "--profile-batch"}
+
+
+@contextlib.contextmanager
+def _flags_named():
+    """A pass option refused by its pass (:class:`OptionError`), set from a flag, is reported as
+    that flag: ``--vnodes 0: out of range; ...``."""
+    from vfgraph.passes.base import OptionError
+
+    try:
+        yield
+    except OptionError as e:
+        flag = _FLAGS.get((e.pass_name, e.option))
+        if flag is None:
+            raise
+        value = e.value if isinstance(e.value, int) else f"{e.value:g}"
+        raise InputError(f"{flag} {value}: {e.problem}") from None
+
+
+def _stage_options(stages: Optional[int], profile_batch: Optional[int]) -> None:
+    """--stages and --profile-batch checked by partition-stages' own options (where they are
+    declared), for a command that plans stages without running the pass."""
+    given = {k: v for k, v in (("stages", stages), ("profile_batch", profile_batch)) if v is not None}
+    if given:
+        from vfgraph.passes.base import get_pass_class
+
+        get_pass_class("partition-stages")(**given)
+
+
 def _partition_options(args) -> dict:
     """``vfgraph.rewrite``'s pipeline-stage options from --stages, --devices, --split-at and
     --schedule (checked before any work)."""
@@ -436,8 +482,6 @@ def _partition_options(args) -> dict:
     if args.pipeline is not None:
         raise InputError("--stages, --devices and --split-at with --pipeline: give them in the pipeline instead, "
                          "e.g. 'partition-stages{stages=2,devices=/GPU:0;/GPU:1},split-vnodes{vnodes=8}'")
-    if stages < 1:
-        raise InputError(f"--stages {stages}: give at least 1 stage")
     if devices and len(devices) != stages:
         raise InputError(f"--stages {stages} with {len(devices)} device(s): give one device per stage, e.g. "
                          "--devices " + ",".join(f"/GPU:{k}" for k in range(stages)) + " (or none: stage k on MPI "
@@ -463,9 +507,8 @@ def cmd_inspect(args) -> int:
 
     split_at = [op.strip() for op in args.split_at.split(",") if op.strip()] if args.split_at else []
     stages = args.stages if args.stages is not None else (len(split_at) + 1 if split_at else None)
-    if stages is not None and stages < 1:
-        raise InputError(f"--stages {stages}: give at least 1 stage")
-    _check_balance(args, stages)
+    with _flags_named():
+        _check_balance(args, stages)
     item = vfgraph.load(args.model, checkpoint=args.checkpoint, loss=args.loss)
     lib = item.library
     report = {"model": item.source, "signatures": {}, "rewrites": records.rewrites(item),
@@ -651,8 +694,8 @@ def cmd_diff(args) -> int:
 def cmd_verify(args) -> int:
     from vfgraph.testing.compare import compare_models
 
-    if not args.rtol >= 0:
-        raise InputError(f"--rtol {args.rtol:g}: give a non-negative tolerance")
+    if not 0 <= args.rtol < float("inf"):
+        raise InputError(f"--rtol {args.rtol:g}: give a finite, non-negative tolerance, e.g. 1e-5")
 
     data = None
     if args.data:

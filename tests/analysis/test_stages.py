@@ -229,7 +229,7 @@ def test_inspect_refuses_bad_stages(models, capsys):
     from vfgraph.testing.cli import error_line, run_in_process
 
     mlp = models("mlp:sgd")
-    for argv, want in [(["--stages", 0], "--stages 0: give at least 1 stage"),
+    for argv, want in [(["--stages", 0], "--stages 0: out of range; give a whole number at least 1"),
                        (["--stages", 99], "99 stages: signature 'train' has only"),
                        (["--stages", 2, "--split-at", "nope"], "split at 'nope': not a forward op"),
                        (["--stages", 3, "--split-at", "Mean"], "1 split point(s) for 3 stages"),

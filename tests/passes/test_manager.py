@@ -88,7 +88,7 @@ def test_the_callers_item_is_copied_once_unless_handed_over(toy_passes):
     item = vfgraph.load(MODEL)
     text = canonical_text(item)
     seen = []
-    manager = PassManager(parse_pipeline("tag-serving,microbatch-inference{vnode-batch=2}"),
+    manager = PassManager(parse_pipeline("tag-serving,microbatch-inference{vnode-batch=1}"),
                           after_each=lambda p, it: seen.append(it))
     out, _ = manager.run(item)
     assert canonical_text(item) == text and out is not item

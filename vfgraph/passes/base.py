@@ -20,6 +20,16 @@ from vfgraph.errors import PipelineError
 from vfgraph.item import GraphItem
 
 
+class OptionError(PipelineError):
+    """A pass option's value is refused by its declaration (:func:`option`): ``pass_name``,
+    ``option`` (kebab-case), ``value`` and ``problem`` (what to give instead), so that a command
+    line can name its own flag for it."""
+
+    def __init__(self, pass_name: str, option: str, value, problem: str):
+        super().__init__(f"pass {pass_name!r}: option {option}={_fmt(value)}: {problem}")
+        self.pass_name, self.option, self.value, self.problem = pass_name, option, value, problem
+
+
 @dataclass
 class PassResult:
     """What a pass returns: the item (the one it was given, edited or not), whether it
@@ -50,8 +60,46 @@ class Pass:
     produces: ClassVar[Tuple[type, ...]] = ()
     edits: ClassVar[bool] = True
 
+    def __post_init__(self) -> None:
+        """Check every option against its declaration (:func:`option`): its type, a finite
+        number, within its bounds; a pass built with a bad option is refused here, from a
+        pipeline or from Python alike."""
+        types = option_types(type(self))
+        for f in dataclasses.fields(self):
+            problem = _option_problem(getattr(self, f.name), types[f.name], f.metadata)
+            if problem:
+                raise OptionError(self.name, f.name.replace("_", "-"), getattr(self, f.name), problem)
+
     def call(self, item: GraphItem) -> PassResult:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def differences(self, record) -> Optional[List[str]]:
+        """How this pass's options differ from those ``record`` (one this pass produced, of the
+        signature it is asked to rewrite) says it ran with, as ``option=given (recorded: x)``
+        texts: an empty list when running again would change nothing (the signature is then
+        left as it is); None (the default) when the record cannot tell, so a second run is
+        refused."""
+        return None
+
+    def rewritten_before(self, item: GraphItem, key: str) -> Optional[str]:
+        """Whether a record of this pass's (its ``produces``) says it rewrote signature ``key``
+        already: None when none does; a note when one does and :meth:`differences` finds none
+        (the signature is left as it is); otherwise a :class:`PipelineError` saying what was
+        rewritten and what to do. The one place a second run of a pass is decided."""
+        from vfgraph import records
+
+        for kind in self.produces:
+            rec = records.get(item, kind).get(key)
+            if rec is None:
+                continue
+            diff = self.differences(rec)
+            if diff == []:
+                return f"signature {key!r}: {self.name} rewrote it already with these options; left as it is"
+            what = f" ({'; '.join(diff)})" if diff else ""
+            raise PipelineError(f"signature {key!r} of {item.source} was rewritten by {self.name} already{what}; "
+                                f"a second {self.name} does not compose with the first: rewrite the original model "
+                                "(the one given to the first rewrite) with all the options at once")
+        return None
 
     def spec(self) -> str:
         """This pass as pipeline text (options at their non-default values, kebab-case) that
@@ -68,9 +116,39 @@ class Pass:
         return self.name + ("{" + ",".join(opts) + "}" if opts else "")
 
 
-def option(default, help: str):
-    """A pass option: its default and a line of help (``vfgraph passes`` shows it)."""
-    return dataclasses.field(default=default, metadata={"help": help})
+INT_MAX = 2 ** 31 - 1  # an int option is at most this: it becomes an int32 in the graph
+
+
+def option(default, help: str, low: Optional[float] = None, high: Optional[float] = None,
+           above: Optional[float] = None):
+    """A pass option: its default, a line of help (``vfgraph passes`` shows it) and, for a
+    number, its bounds (``low`` / ``high`` inclusive, ``above`` exclusive; an int is at most
+    :data:`INT_MAX`, a float is finite). The pass checks them when it is built
+    (:meth:`Pass.__post_init__`)."""
+    return dataclasses.field(default=default, metadata={"help": help, "low": low, "high": high, "above": above})
+
+
+def _option_problem(value, typ: type, meta) -> str:
+    """What is wrong with ``value`` for an option of type ``typ`` and bounds ``meta``, or ''."""
+    import math
+
+    if typ is bool:
+        return "" if isinstance(value, bool) else "give true or false"
+    if typ is str:
+        return "" if isinstance(value, str) else "give a name (text)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (typ is int and not isinstance(value, int)):
+        return f"give {_OPTION_TYPES[typ]}"
+    if typ is float and not math.isfinite(value):
+        return "give a finite number"
+    low, high, above = meta.get("low"), meta.get("high"), meta.get("above")
+    if high is None and typ is int:
+        high = INT_MAX
+    if (low is not None and value < low) or (above is not None and value <= above) or (high is not None
+                                                                                        and value > high):
+        span = [f"at least {_fmt(low)}"] if low is not None else [f"above {_fmt(above)}"] if above is not None else []
+        span += [f"at most {_fmt(high)}"] if high is not None else []
+        return f"out of range; give {_OPTION_TYPES[typ]} {' and '.join(span)}"
+    return ""
 
 
 def describe(cls: type) -> dict:

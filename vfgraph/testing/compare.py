@@ -91,11 +91,15 @@ def _listed(names, limit: int = 3) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+COUNT_MAX = 2 ** 31 - 1  # steps and examples per step: an int32 in the graphs that run them
+
+
 def _check_counts(steps: int, batch: int) -> None:
-    if steps < 1:
-        raise InputError(f"--steps {steps}: give at least 1 training step to compare")
-    if batch < 1:
-        raise InputError(f"--batch-size {batch}: give at least 1 example per step")
+    """The steps and the batch size of a comparison: whole numbers from 1 to :data:`COUNT_MAX`."""
+    for flag, n, what in (("--steps", steps, "training steps to compare"),
+                          ("--batch-size", batch, "examples per step")):
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= COUNT_MAX:
+            raise InputError(f"{flag} {n}: give the {what}, a whole number from 1 to {COUNT_MAX}")
 
 
 def _load(path: str):
