@@ -753,7 +753,8 @@ def _save_trained(loaded, model: str, out: str, losses: List[float], variable_de
     options = tf.saved_model.SaveOptions(
         experimental_variable_policy=policy.SAVE_VARIABLE_DEVICES if variable_devices else policy.NONE)
     with outputs.writing(out, tmp):
-        tf.saved_model.save(loaded, tmp, signatures=dict(loaded.signatures), options=options)
+        tf.saved_model.save(loaded, tmp, signatures=_signatures_to_save(loaded), options=options)
+        _drop_unsaved_gradient_types(tmp)
         meta = records.read_metadata(model) or {}
         meta["training"] = {"steps": len(losses), "losses": losses}
         os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
@@ -767,3 +768,24 @@ def _save_trained(loaded, model: str, out: str, losses: List[float], variable_de
     except VfgraphError as e:  # a model without a servable signature still trained
         shutil.rmtree(serving.target_dir(serving.sibling_dir(out), 1), ignore_errors=True)
         log.warning("no serving export beside %s: %s", out, e)
+
+
+def _drop_unsaved_gradient_types(path: str) -> None:
+    """Rewrite the SavedModel TensorFlow wrote at ``path`` without the types of custom gradients
+    it did not save (:func:`vfgraph.io.savedmodel.without_unsaved_gradient_types`), so that
+    loading the trained model does not warn about them."""
+    proto = savedmodel.read_saved_model_proto(path)
+    fixed = savedmodel.without_unsaved_gradient_types(proto)
+    if fixed is not proto:
+        with open(os.path.join(path, savedmodel.SAVED_MODEL_PB), "wb") as f:
+            f.write(fixed.SerializeToString(deterministic=True))
+        savedmodel._write_fingerprint(path, fixed)
+
+
+def _signatures_to_save(loaded) -> dict:
+    """The signatures of the trained model: every one ``loaded`` has but the init op of a TF1
+    SavedModel, which loading ran already (its effects are in the variables saved) and which
+    returns no tensor, so cannot be a signature of the model saved again."""
+    from tensorflow.python.saved_model import constants
+
+    return {k: fn for k, fn in loaded.signatures.items() if k != constants.INIT_OP_SIGNATURE_KEY}
