@@ -33,13 +33,17 @@ log = logging.getLogger("vfgraph.train")
 
 
 def load_npz(path: str) -> Dict[str, np.ndarray]:
+    """The arrays of the .npz file at ``path``; one line for a missing, truncated or damaged file."""
+    import zipfile
+
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except FileNotFoundError:
         raise InputError(f"{path}: no such data file") from None
-    except (ValueError, OSError, EOFError) as e:
-        raise InputError(f"{path}: not a readable .npz file ({e})") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise InputError(f"{path}: not a readable .npz file ({str(e).strip() or type(e).__name__}); if it was "
+                         "copied or written by a run that stopped, write it again") from None
 
 
 class TrainingError(VfgraphError):
@@ -122,9 +126,10 @@ def check_batch(model: str, signature: str, batch_size: int, what: str = "") -> 
 
 
 def check_data(data: Dict[str, np.ndarray], specs, data_path: str, signature: str) -> Dict[str, np.ndarray]:
-    """The arrays the signature takes (``specs``: name -> TensorSpec), cast to its dtypes; one
-    line naming the array for a missing input, a wrong example shape or dtype, or arrays of
-    different lengths."""
+    """The arrays the signature takes (``specs``: name -> TensorSpec), cast to its dtypes when
+    the cast changes no value (:func:`cast_exactly`); one line naming the array for a missing
+    input, a wrong example shape or dtype, a value its dtype cannot hold, or arrays of different
+    lengths."""
     missing = [k for k in specs if k not in data]
     if missing:
         raise InputError(f"{data_path}: arrays {missing} are missing; the {signature!r} signature takes "
@@ -136,15 +141,53 @@ def check_data(data: Dict[str, np.ndarray], specs, data_path: str, signature: st
             raise InputError(f"{data_path}: array {k!r} holds examples of shape {list(arr.shape[1:])}, the "
                              f"{signature!r} signature takes {[d if d is not None else -1 for d in want.as_list()]} "
                              f"(the array's shape is {list(arr.shape)}, examples first)")
-        try:
-            out[k] = arr.astype(specs[k].dtype.as_numpy_dtype, copy=False)
-        except (TypeError, ValueError):
-            raise InputError(f"{data_path}: array {k!r} has dtype {arr.dtype}, the {signature!r} signature takes "
-                             f"{specs[k].dtype.name}") from None
+        out[k] = cast_exactly(arr, specs[k].dtype.as_numpy_dtype, k, data_path, signature)
     lengths = {k: len(v) for k, v in out.items()}
     if len(set(lengths.values())) > 1:
         raise InputError(f"{data_path}: arrays have different lengths {lengths}")
     return out
+
+
+def cast_exactly(arr: np.ndarray, dtype, key: str, data_path: str, signature: str) -> np.ndarray:
+    """``arr`` (input ``key`` of ``data_path``) as ``dtype`` when every value survives the cast
+    unchanged (an integer that fits, a float that is a whole number where an integer is
+    expected, a float the narrower float holds exactly); otherwise one line naming the input,
+    the dtypes, the first row that does not survive, its value and the fix."""
+    want, what = np.dtype(dtype), f"{data_path}: array {key!r}"
+    if arr.dtype == want:
+        return arr
+    try:
+        with np.errstate(invalid="ignore", over="ignore"):
+            out = arr.astype(want)
+    except (TypeError, ValueError):
+        raise InputError(f"{what} has dtype {arr.dtype}, the {signature!r} signature takes {want.name}") from None
+    if arr.dtype.kind not in "biuf" or want.kind not in "biuf":
+        return out
+    with np.errstate(invalid="ignore", over="ignore"):
+        back = out.astype(arr.dtype)
+        changed = back != arr
+    if arr.dtype.kind == "f":
+        changed &= ~(np.isnan(arr) & np.isnan(back))
+    if not changed.any():
+        return out
+    first = np.argwhere(changed)[0]
+    value = arr[tuple(first)].item()
+    at = f"row {first[0]}" + (f" (element {[int(i) for i in first[1:]]})" if len(first) > 1 else "")
+    takes = f"{what} holds {arr.dtype.name} values, the {signature!r} signature takes {want.name}"
+    if want.kind in "iu" and arr.dtype.kind == "f" and (not math.isfinite(value) or value != int(value)):
+        raise InputError(f"{takes}: {at} holds {value!r}, not a whole number, and casting would truncate it; "
+                         f"give whole numbers (save the array as {want.name} once they are)")
+    if want.kind in "iub":
+        info = np.iinfo(want) if want.kind in "iu" else None
+        room = f"lie between {info.min} and {info.max}" if info else "be 0 or 1"
+        raise InputError(f"{takes}: {at} holds {value!r}, which {want.name} cannot hold (values must {room}); "
+                         "check the data, or give the model an input of a wider dtype")
+    if math.isfinite(value) and not np.isfinite(out[tuple(first)]):
+        raise InputError(f"{takes}: {at} holds {value!r}, beyond the largest {want.name} ({np.finfo(want).max}); "
+                         f"check the data, or give the model {arr.dtype.name} inputs")
+    raise InputError(f"{takes}: {at} holds {value!r}, which {want.name} does not hold exactly; if that precision "
+                     f"is enough, save it as {want.name}: {key}.astype({want.name!r}) (or give the model "
+                     f"{arr.dtype.name} inputs)")
 
 
 def data_fingerprint(data: Dict[str, np.ndarray]) -> str:
