@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -481,7 +482,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         start = joined_at
     if start > steps:
         raise InputError(f"--steps {steps}: the checkpoint in {ckpt_dir} is at step {start} already; give more steps")
-    where = "start"
+    where, feed = "start", {}
     variables = [v for v in held_vars if v.dtype.is_floating]
 
     def finite() -> bool:  # the same on every rank (each stage checks its own parameters)
@@ -642,6 +643,9 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         mine = [x for x in lines if x.startswith("vfgraph: ")]
         if mine:  # the rewritten graph's own check of what it was fed
             raise InputError(f"{where}: {mine[0][len('vfgraph: '):]}") from None
+        if isinstance(e, tf.errors.InvalidArgumentError) and feed:  # an op of the model refused a value fed
+            rows = batches_for({"row": np.arange(len(data[keys[0]]))}, ["row"], batch_size, step, seed)["row"][lo:hi]
+            raise InputError(_refused_batch(lines, feed, rows, data_path, where)) from None
         raise
     finally:
         bar.close()
@@ -743,6 +747,28 @@ def _nonfinite_message(step: int, loss: float, feed: Dict[str, np.ndarray], ckpt
             else "the batch's inputs are finite: lower the learning rate or check the model")
     return (f"{where}step {step}: the loss is {loss} (not finite); training stopped and no model was written"
             f"{_kept(ckpt_dir, last, every)}; {hint}, or pass --allow-nonfinite to train on")
+
+
+def _refused_batch(lines: List[str], feed: Dict[str, np.ndarray], rows: np.ndarray, data_path: str,
+                   where: str) -> str:
+    """One line for an op of the model refusing the values of a batch (TensorFlow's
+    InvalidArgumentError, ``lines`` its message): what the op said, at which node, and the
+    input and first row of ``data_path`` holding a value it names (``rows``: the data's row of
+    each example fed)."""
+    skip = ("Graph execution error", "Detected at node", "<stack traces", "[[")
+    said = next((x for x in lines if not x.startswith(skip)), lines[0] if lines else "no message")
+    node = next(iter(re.findall(r"\{\{node ([^}]+)\}\}", " ".join(lines))), "")
+    said = re.split(r"\s{2,}", said)[0].rstrip(". ")  # (the values TensorFlow lists after it)
+    culprit = ""
+    for number in re.findall(r"value of (-?\d+)", said)[:1]:
+        hits = {k: np.argwhere(v == int(number)) for k, v in sorted(feed.items()) if v.dtype.kind in "iu"}
+        hits = {k: h for k, h in hits.items() if len(h)}
+        if hits:
+            k, h = next(iter(hits.items()))
+            culprit = f"; input {k!r} holds {number} in row {int(rows[h[0][0]])} of {data_path}"
+    op = f" (node {node.rsplit('/', 1)[-1]})" if node else ""
+    return (f"{where}: the model refused the batch's values: {said}{op}{culprit}; check the data against what the "
+            "model takes (for class labels: 0 <= label < classes); no model was written")
 
 
 def _write_part(ckpt, ckpt_dir: str, name: str) -> str:
