@@ -2,6 +2,7 @@
 ``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
 from __future__ import annotations
 
+import collections
 import glob
 import hashlib
 import json
@@ -15,12 +16,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from vfgraph import records
-from vfgraph.errors import InputError, Quiet, VfgraphError
+from vfgraph.errors import InputError, OutputError, Quiet, VfgraphError
 from vfgraph.io import outputs, savedmodel, serving
 from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.ops import blocked_seconds
@@ -85,11 +86,57 @@ def load_data(path: str, specs) -> Dict[str, np.ndarray]:
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 
+HISTORY = 1000  # the losses a run keeps: the first step's and those of the last HISTORY steps
+
+
+class LossHistory:
+    """The losses of a run, bounded: the first step's and those of the last ``HISTORY`` steps,
+    so a run of any length writes a small checkpoint record and output record; restored from
+    the record it is what it was (a resumed run writes what an uninterrupted one writes)."""
+
+    def __init__(self, steps: int = 0, first: Optional[float] = None, recent: Sequence[float] = ()):
+        self.steps, self.first = steps, first   # steps done; the loss of step 0
+        self.recent: Deque[float] = collections.deque(recent, maxlen=HISTORY)
+
+    @property
+    def recent_from(self) -> int:
+        """The step whose loss is ``recent[0]``."""
+        return self.steps - len(self.recent)
+
+    def append(self, loss: float) -> None:
+        if self.steps == 0:
+            self.first = loss
+        self.recent.append(loss)
+        self.steps += 1
+
+    def rollback(self, steps: int) -> None:
+        """Back to the history after ``steps`` steps (a job that lost ranks repeats the later ones)."""
+        while self.steps > steps and self.recent:
+            self.recent.pop()
+            self.steps -= 1
+        self.steps = min(self.steps, steps)
+        if self.steps == 0:
+            self.first = None
+
+    def record(self) -> dict:
+        """What the checkpoint's progress.json and the output's "training" record hold."""
+        return {"steps": self.steps, "first_loss": self.first, "losses_from": self.recent_from,
+                "losses": list(self.recent)}
+
+    @classmethod
+    def from_record(cls, state: dict) -> "LossHistory":
+        """The history of a progress record (``step`` steps; a record of an earlier version holds
+        every step's loss in ``losses``)."""
+        losses = list(state.get("losses") or [])
+        first = state.get("first_loss", losses[0] if losses and "losses_from" not in state else None)
+        return cls(int(state["step"]), first, losses[-HISTORY:])
+
+
 @dataclass
 class TrainResult:
     out: str
     steps: int
-    losses: List[float]
+    losses: LossHistory
 
 
 def batches_for(data: Dict[str, np.ndarray], keys: List[str], batch_size: int, step: int, seed: int = 0):
@@ -440,7 +487,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                   "model": savedmodel.source_fingerprint(model, None), "data": data_fingerprint(data)}
     held_vars = held_vars if ranked else list(fn.variables)
     ckpt = tf.train.Checkpoint(variables=held_vars)
-    start, losses, last_ckpt = 0, [], None
+    start, losses, last_ckpt = 0, LossHistory(), None
     if ranked:  # each stage restores its own part of the checkpoint
         state = w.bcast(state)
 
@@ -471,7 +518,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         except (tf.errors.OpError, AssertionError, ValueError) as e:
             raise InputError(f"{path}: cannot restore the checkpoint ({str(e).splitlines()[0]}); "
                              f"move {ckpt_dir} away to train from the start") from None
-        start, losses, last_ckpt = state["step"], list(state["losses"]), state["step"]
+        start, losses, last_ckpt = state["step"], LossHistory.from_record(state), state["step"]
         if w.is_root:
             log.info("resuming at step %d", start)
 
@@ -622,7 +669,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                             v.assign(value)
                     lost, failed_at = scheduled.lost, step
                     w, from_step = scheduled.recover(from_step)  # with the ranks that joined and are left
-                    del losses[from_step:]  # (one per step from step 0)
+                    losses.rollback(from_step)
                     group, joined_at = w.rank, None
                     per, lo, hi, balancer = layout(w)
                     if w.size > 1:  # they take rank 0's variables again
@@ -664,7 +711,9 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         _collect_stages(w, loaded, held_vars, stages, model, signature)
     if not w.is_root:
         return None
-    _save_trained(loaded, model, out, losses, variable_devices=in_process > 1)
+    _save_trained(loaded, model, out, losses, variable_devices=in_process > 1, ckpt_dir=ckpt_dir)
+    # OUT holds all the checkpoint held (every variable, the optimizer's state among them, and
+    # the losses): the checkpoint goes once OUT and its serving export are whole (docs/semantics.md)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     return TrainResult(out, steps, losses)
 
@@ -785,14 +834,16 @@ def _write_part(ckpt, ckpt_dir: str, name: str) -> str:
         raise
 
 
-def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Optional[dict],
+def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: LossHistory, config: Optional[dict],
                 parts: Optional[List[str]] = None) -> None:
     """Write the checkpoint of ``step`` steps (or take ``parts``, the pipeline stages' own,
     written already), then (atomically) the record that names it, then remove older ones: a
     run stopped at any moment keeps a complete checkpoint."""
     paths = parts or [_write_part(ckpt, ckpt_dir, f"step-{step}")]
     tmp = os.path.join(ckpt_dir, "progress.json.tmp")
-    record = {"step": step, "checkpoint": paths[0], "losses": losses, "config": config}
+    history = losses.record()
+    record = {"step": step, "checkpoint": paths[0], "first_loss": history["first_loss"],
+              "losses_from": history["losses_from"], "losses": history["losses"], "config": config}
     if parts:
         record["stages"] = paths
     try:
@@ -812,8 +863,13 @@ def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Opt
             shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
 
-def _save_trained(loaded, model: str, out: str, losses: List[float], variable_devices: bool = False) -> None:
-    """``variable_devices``: keep each variable's device (a model partitioned into stages)."""
+def _save_trained(loaded, model: str, out: str, losses: LossHistory, variable_devices: bool = False,
+                  ckpt_dir: str = "") -> None:
+    """Write the trained model at ``out`` and its serving export at ``OUT.serving/1`` (a model
+    without a servable signature gets none, with a warning). A write that fails is an
+    OutputError: when it is the serving export's, ``out`` is whole and the message says how to
+    make the export again (and that the run's checkpoint, ``ckpt_dir``, is kept).
+    ``variable_devices``: keep each variable's device (a model partitioned into stages)."""
     import tensorflow as tf
 
     out = os.path.abspath(out)
@@ -825,17 +881,26 @@ def _save_trained(loaded, model: str, out: str, losses: List[float], variable_de
         tf.saved_model.save(loaded, tmp, signatures=_signatures_to_save(loaded), options=options)
         _drop_unsaved_gradient_types(tmp)
         meta = records.read_metadata(model) or {}
-        meta["training"] = {"steps": len(losses), "losses": losses}
+        meta["training"] = losses.record()
         os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
         with open(os.path.join(tmp, records.METADATA_FILE), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
         outputs.publish(tmp, out)
     # Beside it, what a server loads: OUT.serving/1/ (serving signatures and their variables only,
     # no training functions, none of vfgraph's ops), replacing the one an earlier run wrote.
+    base = serving.sibling_dir(out)
     try:
-        serving.save_serving_model(savedmodel.load_saved_model(out), serving.sibling_dir(out), force=True)
+        serving.save_serving_model(savedmodel.load_saved_model(out), base, force=True)
+    except OutputError as e:  # the trained model is whole; what a server would load is not written
+        stale = serving.target_dir(base, 1)
+        shutil.rmtree(stale, ignore_errors=True)  # an earlier run's export would serve another model
+        reason = re.search(r"writing failed \(([^)]*)\)", str(e))
+        kept = f"; the checkpoint {ckpt_dir} is kept" if ckpt_dir and os.path.isdir(ckpt_dir) else ""
+        raise OutputError(f"{stale}: writing the serving export failed ({reason.group(1) if reason else e}); the "
+                          f"trained model {out} was written whole, its serving export was not{kept}. Free space and "
+                          f"make it with: vfgraph export {out} -o {base}") from None
     except VfgraphError as e:  # a model without a servable signature still trained
-        shutil.rmtree(serving.target_dir(serving.sibling_dir(out), 1), ignore_errors=True)
+        shutil.rmtree(serving.target_dir(base, 1), ignore_errors=True)
         log.warning("no serving export beside %s: %s", out, e)
 
 
