@@ -35,6 +35,7 @@ class Entry:
     batch_stats: bool = False   # batch norm: per-virtual-node statistics change the step
     dropout: bool = False       # random masks per virtual node change the step
     tags: tuple = ()            # MetaGraph tags to load (TF1 SavedModels)
+    train_save: bool = False    # also trained with vfgraph train, saved, served and resumed
     note: str = ""
 
 
@@ -294,6 +295,15 @@ def tf1_serve_train(out: str, optimizer: str = "momentum") -> None:
     export.tf1_serve_train(out, optimizer=optimizer)
 
 
+def tf1_builder(out: str, optimizer: str = "momentum") -> None:
+    """A TF1 graph (tf.compat.v1: placeholders, reference variables, batch norm from moments with
+    moving averages under control dependencies, Momentum) saved with the SavedModel builder, tag
+    serve: its 'train' signature returns the loss after the train op."""
+    import export
+
+    export.tf1_momentum_bn(out, optimizer=optimizer, resource=False)
+
+
 def qwen3(out: str, optimizer: str = "adamw") -> None:
     """Qwen3 causal LM: query/key RMSNorm, grouped-query attention, tied embedding."""
     import keras_hub
@@ -393,7 +403,9 @@ CORPUS: Dict[str, Entry] = {
                              batch_stats=True, dropout=True),
     "gru": Entry(gru, "recurrent, embedding", "adam"),
     "tf1-serve-train": Entry(tf1_serve_train, "TF1 graph, tags serve+train, train op in the collection", "momentum",
-                             batch_stats=True, tags=("serve", "train")),
+                             batch_stats=True, tags=("serve", "train"), train_save=True),
+    "tf1-builder": Entry(tf1_builder, "TF1 graph, SavedModel builder, reference variables", "momentum",
+                         batch_stats=True, tags=("serve",), train_save=True),
     "mobilenet-v3-export": Entry(mobilenet_v3_export, "keras.applications, model.export(), inference", ""),
 }
 
@@ -440,7 +452,7 @@ def sample(signature, batch: int, seed: int = 0) -> Dict[str, "object"]:
             out[key] = (np.arange(shape[1])[None, :] < lengths[:, None]).astype(dt)
         elif key == "segment_ids":
             out[key] = (np.arange(shape[1])[None, :] >= shape[1] // 2).repeat(shape[0], 0).astype(dt)
-        elif key == "labels" and len(shape) == 1:  # classes
+        elif key in ("labels", "y") and len(shape) == 1:  # classes (y: the TF1 graphs' labels)
             out[key] = rng.integers(0, 3, size=shape).astype(dt)
         else:  # token ids
             out[key] = rng.integers(0, VOCAB, size=shape).astype(dt)

@@ -51,7 +51,8 @@ def main() -> int:
         src = corpus.export(name, os.path.join(work, "original"))
         sgd = lambda: corpus.export(name, os.path.join(work, "original_sgd"), "sgd")  # noqa: E731
         r = check_model(name, src, work, corpus.sample, optimizer=e.optimizer, batch_stats=e.batch_stats,
-                        dropout=e.dropout, tags=list(e.tags) or None, sgd_variant=sgd, c_api_client=client)
+                        dropout=e.dropout, tags=list(e.tags) or None, sgd_variant=sgd, c_api_client=client,
+                        train_save=e.train_save)
         results.append(r)
         print(_row(r, e) + f"  <!-- {time.perf_counter() - t:.0f} s -->", flush=True)
     os.makedirs(a.out, exist_ok=True)

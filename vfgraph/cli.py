@@ -757,7 +757,7 @@ def cmd_train(args) -> int:
         from vfgraph.io.serving import sibling_dir, target_dir
 
         serve = target_dir(sibling_dir(res.out), 1)
-        print(f"trained {res.steps} steps: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}; wrote {res.out}"
+        print(f"trained {res.steps} steps: loss {res.losses.first:.4f} -> {res.losses.recent[-1]:.4f}; wrote {res.out}"
               + (f" and, to serve, {serve}" if os.path.isdir(serve) else ""))
     return 0
 

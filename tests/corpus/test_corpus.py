@@ -13,8 +13,11 @@ def test_corpus_model(name, exported, tmp_path, c_client):
     e = corpus.CORPUS[name]
     res = check_model(name, exported(name), str(tmp_path), corpus.sample, optimizer=e.optimizer,
                       batch_stats=e.batch_stats, dropout=e.dropout, tags=list(e.tags) or None,
-                      sgd_variant=lambda: exported(name, "sgd"), c_api_client=c_client)
+                      sgd_variant=lambda: exported(name, "sgd"), c_api_client=c_client, train_save=e.train_save)
     assert not res.refused, res.refused
+    if e.train_save:  # vfgraph train: the trained model and its serving export load in a fresh process and serve
+        assert not res.trained_problem, res.trained_problem
+        assert res.trained_error < 1e-5 and res.trained_export_error < 1e-5, res
     assert res.serving_error is not None and res.serving_error < 1e-5, res
     assert res.fresh_load, res.fresh_error
     if not e.tags:  # the serving export: no vfgraph needed, in Python and in the C API

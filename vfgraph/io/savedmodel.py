@@ -296,7 +296,7 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
     out = outputs.check_output(out, inputs, force, need_bytes=outputs.tree_bytes(*inputs))
     tmp = outputs.temp_dir(os.path.dirname(out), ".vfgraph-")
     with outputs.writing(out, tmp):
-        proto = tf1.emit(item) if item.kind == "tf1_saved_model" else item.saved_model
+        proto = without_unsaved_gradient_types(tf1.emit(item) if item.kind == "tf1_saved_model" else item.saved_model)
         prefix = os.path.join("variables", "variables")
         extended = False  # the checkpoint written again with the object graph's new variables
         if os.path.isfile(os.path.join(item.source, prefix + ".index")):
@@ -323,6 +323,45 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
                 f.write("\n")
         _write_fingerprint(tmp, proto)
         outputs.publish(tmp, out)
+    return out
+
+
+def without_unsaved_gradient_types(proto: saved_model_pb2.SavedModel) -> saved_model_pb2.SavedModel:
+    """``proto``, or a copy whose custom gradients' own functions name no custom gradient the
+    SavedModel does not hold. TensorFlow saves the gradient function of each custom gradient a
+    signature uses, but not the custom gradients inside those functions (gradients of gradients,
+    which no signature computes); their ops keep the type of a gradient never saved, and every
+    load of the model warns "Importing a function ... with ops with unsaved custom gradients".
+    Without the type, such an op has its own gradient; with it, a gradient of it could not be
+    taken at all."""
+    drop = set()  # (function, node)
+    for mg in proto.meta_graphs:
+        lib = mg.graph_def.library
+        saved = {g.registered_op_type.encode() for g in lib.registered_gradients}
+        by_name = {f.signature.name: f for f in lib.function}
+        todo = [g.gradient_func for g in lib.registered_gradients if g.gradient_func in by_name]
+        seen = set(todo)
+        while todo:  # the gradient functions and every function they call
+            fdef = by_name[todo.pop()]
+            for node in fdef.node_def:
+                called = [node.op] + [a.func.name for a in node.attr.values() if a.WhichOneof("value") == "func"]
+                called += [fn.name for a in node.attr.values() if a.WhichOneof("value") == "list" for fn in a.list.func]
+                for name in called:
+                    if name in by_name and name not in seen:
+                        seen.add(name)
+                        todo.append(name)
+                kind = node.attr["_gradient_op_type"].s if "_gradient_op_type" in node.attr else b""
+                if kind and node.op not in CALL_OPS and kind not in saved:
+                    drop.add((fdef.signature.name, node.name))
+    if not drop:
+        return proto
+    out = saved_model_pb2.SavedModel()
+    out.CopyFrom(proto)
+    for mg in out.meta_graphs:
+        for fdef in mg.graph_def.library.function:
+            for node in fdef.node_def:
+                if (fdef.signature.name, node.name) in drop:
+                    del node.attr["_gradient_op_type"]
     return out
 
 

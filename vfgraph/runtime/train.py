@@ -2,24 +2,26 @@
 ``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
 from __future__ import annotations
 
+import collections
 import glob
 import hashlib
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from vfgraph import records
-from vfgraph.errors import InputError, Quiet, VfgraphError
+from vfgraph.errors import InputError, OutputError, Quiet, VfgraphError
 from vfgraph.io import outputs, savedmodel, serving
 from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.ops import blocked_seconds
@@ -34,13 +36,17 @@ log = logging.getLogger("vfgraph.train")
 
 
 def load_npz(path: str) -> Dict[str, np.ndarray]:
+    """The arrays of the .npz file at ``path``; one line for a missing, truncated or damaged file."""
+    import zipfile
+
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except FileNotFoundError:
         raise InputError(f"{path}: no such data file") from None
-    except (ValueError, OSError, EOFError) as e:
-        raise InputError(f"{path}: not a readable .npz file ({e})") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise InputError(f"{path}: not a readable .npz file ({str(e).strip() or type(e).__name__}); if it was "
+                         "copied or written by a run that stopped, write it again") from None
 
 
 class TrainingError(VfgraphError):
@@ -81,11 +87,57 @@ def load_data(path: str, specs) -> Dict[str, np.ndarray]:
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 
+HISTORY = 1000  # the losses a run keeps: the first step's and those of the last HISTORY steps
+
+
+class LossHistory:
+    """The losses of a run, bounded: the first step's and those of the last ``HISTORY`` steps,
+    so a run of any length writes a small checkpoint record and output record; restored from
+    the record it is what it was (a resumed run writes what an uninterrupted one writes)."""
+
+    def __init__(self, steps: int = 0, first: Optional[float] = None, recent: Sequence[float] = ()):
+        self.steps, self.first = steps, first   # steps done; the loss of step 0
+        self.recent: Deque[float] = collections.deque(recent, maxlen=HISTORY)
+
+    @property
+    def recent_from(self) -> int:
+        """The step whose loss is ``recent[0]``."""
+        return self.steps - len(self.recent)
+
+    def append(self, loss: float) -> None:
+        if self.steps == 0:
+            self.first = loss
+        self.recent.append(loss)
+        self.steps += 1
+
+    def rollback(self, steps: int) -> None:
+        """Back to the history after ``steps`` steps (a job that lost ranks repeats the later ones)."""
+        while self.steps > steps and self.recent:
+            self.recent.pop()
+            self.steps -= 1
+        self.steps = min(self.steps, steps)
+        if self.steps == 0:
+            self.first = None
+
+    def record(self) -> dict:
+        """What the checkpoint's progress.json and the output's "training" record hold."""
+        return {"steps": self.steps, "first_loss": self.first, "losses_from": self.recent_from,
+                "losses": list(self.recent)}
+
+    @classmethod
+    def from_record(cls, state: dict) -> "LossHistory":
+        """The history of a progress record (``step`` steps; a record of an earlier version holds
+        every step's loss in ``losses``)."""
+        losses = list(state.get("losses") or [])
+        first = state.get("first_loss", losses[0] if losses and "losses_from" not in state else None)
+        return cls(int(state["step"]), first, losses[-HISTORY:])
+
+
 @dataclass
 class TrainResult:
     out: str
     steps: int
-    losses: List[float]
+    losses: LossHistory
 
 
 def batches_for(data: Dict[str, np.ndarray], keys: List[str], batch_size: int, step: int, seed: int = 0):
@@ -123,9 +175,10 @@ def check_batch(model: str, signature: str, batch_size: int, what: str = "") -> 
 
 
 def check_data(data: Dict[str, np.ndarray], specs, data_path: str, signature: str) -> Dict[str, np.ndarray]:
-    """The arrays the signature takes (``specs``: name -> TensorSpec), cast to its dtypes; one
-    line naming the array for a missing input, a wrong example shape or dtype, or arrays of
-    different lengths."""
+    """The arrays the signature takes (``specs``: name -> TensorSpec), cast to its dtypes when
+    the cast changes no value (:func:`cast_exactly`); one line naming the array for a missing
+    input, a wrong example shape or dtype, a value its dtype cannot hold, or arrays of different
+    lengths."""
     missing = [k for k in specs if k not in data]
     if missing:
         raise InputError(f"{data_path}: arrays {missing} are missing; the {signature!r} signature takes "
@@ -137,15 +190,53 @@ def check_data(data: Dict[str, np.ndarray], specs, data_path: str, signature: st
             raise InputError(f"{data_path}: array {k!r} holds examples of shape {list(arr.shape[1:])}, the "
                              f"{signature!r} signature takes {[d if d is not None else -1 for d in want.as_list()]} "
                              f"(the array's shape is {list(arr.shape)}, examples first)")
-        try:
-            out[k] = arr.astype(specs[k].dtype.as_numpy_dtype, copy=False)
-        except (TypeError, ValueError):
-            raise InputError(f"{data_path}: array {k!r} has dtype {arr.dtype}, the {signature!r} signature takes "
-                             f"{specs[k].dtype.name}") from None
+        out[k] = cast_exactly(arr, specs[k].dtype.as_numpy_dtype, k, data_path, signature)
     lengths = {k: len(v) for k, v in out.items()}
     if len(set(lengths.values())) > 1:
         raise InputError(f"{data_path}: arrays have different lengths {lengths}")
     return out
+
+
+def cast_exactly(arr: np.ndarray, dtype, key: str, data_path: str, signature: str) -> np.ndarray:
+    """``arr`` (input ``key`` of ``data_path``) as ``dtype`` when every value survives the cast
+    unchanged (an integer that fits, a float that is a whole number where an integer is
+    expected, a float the narrower float holds exactly); otherwise one line naming the input,
+    the dtypes, the first row that does not survive, its value and the fix."""
+    want, what = np.dtype(dtype), f"{data_path}: array {key!r}"
+    if arr.dtype == want:
+        return arr
+    try:
+        with np.errstate(invalid="ignore", over="ignore"):
+            out = arr.astype(want)
+    except (TypeError, ValueError):
+        raise InputError(f"{what} has dtype {arr.dtype}, the {signature!r} signature takes {want.name}") from None
+    if arr.dtype.kind not in "biuf" or want.kind not in "biuf":
+        return out
+    with np.errstate(invalid="ignore", over="ignore"):
+        back = out.astype(arr.dtype)
+        changed = back != arr
+    if arr.dtype.kind == "f":
+        changed &= ~(np.isnan(arr) & np.isnan(back))
+    if not changed.any():
+        return out
+    first = np.argwhere(changed)[0]
+    value = arr[tuple(first)].item()
+    at = f"row {first[0]}" + (f" (element {[int(i) for i in first[1:]]})" if len(first) > 1 else "")
+    takes = f"{what} holds {arr.dtype.name} values, the {signature!r} signature takes {want.name}"
+    if want.kind in "iu" and arr.dtype.kind == "f" and (not math.isfinite(value) or value != int(value)):
+        raise InputError(f"{takes}: {at} holds {value!r}, not a whole number, and casting would truncate it; "
+                         f"give whole numbers (save the array as {want.name} once they are)")
+    if want.kind in "iub":
+        info = np.iinfo(want) if want.kind in "iu" else None
+        room = f"lie between {info.min} and {info.max}" if info else "be 0 or 1"
+        raise InputError(f"{takes}: {at} holds {value!r}, which {want.name} cannot hold (values must {room}); "
+                         "check the data, or give the model an input of a wider dtype")
+    if math.isfinite(value) and not np.isfinite(out[tuple(first)]):
+        raise InputError(f"{takes}: {at} holds {value!r}, beyond the largest {want.name} ({np.finfo(want).max}); "
+                         f"check the data, or give the model {arr.dtype.name} inputs")
+    raise InputError(f"{takes}: {at} holds {value!r}, which {want.name} does not hold exactly; if that precision "
+                     f"is enough, save it as {want.name}: {key}.astype({want.name!r}) (or give the model "
+                     f"{arr.dtype.name} inputs)")
 
 
 def data_fingerprint(data: Dict[str, np.ndarray]) -> str:
@@ -415,7 +506,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                   "model": fingerprint, "data": data_fingerprint(data)}
     held_vars = held_vars if ranked else list(fn.variables)
     ckpt = tf.train.Checkpoint(variables=held_vars)
-    start, losses, last_ckpt = 0, [], None
+    start, losses, last_ckpt = 0, LossHistory(), None
     if ranked:  # each stage restores its own part of the checkpoint
         state = w.bcast(state)
 
@@ -446,7 +537,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         except (tf.errors.OpError, AssertionError, ValueError) as e:
             raise InputError(f"{path}: cannot restore the checkpoint ({str(e).splitlines()[0]}); "
                              f"move {ckpt_dir} away to train from the start") from None
-        start, losses, last_ckpt = state["step"], list(state["losses"]), state["step"]
+        start, losses, last_ckpt = state["step"], LossHistory.from_record(state), state["step"]
         if w.is_root:
             log.info("resuming at step %d", start)
 
@@ -465,7 +556,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         w.agree(enough_steps)  # (alike on every rank: printed once)
     else:
         enough_steps()
-    where = "start"
+    where, feed = "start", {}
     variables = [v for v in held_vars if v.dtype.is_floating]
 
     def finite() -> bool:  # the same on every rank (each stage checks its own parameters)
@@ -605,7 +696,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                             v.assign(value)
                     lost, failed_at = scheduled.lost, step
                     w, from_step = scheduled.recover(from_step)  # with the ranks that joined and are left
-                    del losses[from_step:]  # (one per step from step 0)
+                    losses.rollback(from_step)
                     group, joined_at = w.rank, None
                     per, lo, hi, balancer = layout(w)
                     if w.size > 1:  # they take rank 0's variables again
@@ -626,6 +717,9 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         mine = [x for x in lines if x.startswith("vfgraph: ")]
         if mine:  # the rewritten graph's own check of what it was fed
             raise InputError(f"{where}: {mine[0][len('vfgraph: '):]}") from None
+        if isinstance(e, tf.errors.InvalidArgumentError) and feed:  # an op of the model refused a value fed
+            rows = batches_for({"row": np.arange(len(data[keys[0]]))}, ["row"], batch_size, step, seed)["row"][lo:hi]
+            raise InputError(_refused_batch(lines, feed, rows, data_path, where)) from None
         raise
     finally:
         bar.close()
@@ -644,7 +738,9 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         _collect_stages(w, loaded, held_vars, stages, model, signature)
     if not w.is_root:
         return None
-    _save_trained(loaded, model, out, losses, variable_devices=in_process > 1)
+    _save_trained(loaded, model, out, losses, variable_devices=in_process > 1, ckpt_dir=ckpt_dir)
+    # OUT holds all the checkpoint held (every variable, the optimizer's state among them, and
+    # the losses): the checkpoint goes once OUT and its serving export are whole (docs/semantics.md)
     outputs.remove_written(ckpt_dir)
     return TrainResult(out, steps, losses)
 
@@ -778,6 +874,28 @@ def _nonfinite_message(step: int, loss: float, feed: Dict[str, np.ndarray], ckpt
             f"{_kept(ckpt_dir, last, every)}; {hint}, or pass --allow-nonfinite to train on")
 
 
+def _refused_batch(lines: List[str], feed: Dict[str, np.ndarray], rows: np.ndarray, data_path: str,
+                   where: str) -> str:
+    """One line for an op of the model refusing the values of a batch (TensorFlow's
+    InvalidArgumentError, ``lines`` its message): what the op said, at which node, and the
+    input and first row of ``data_path`` holding a value it names (``rows``: the data's row of
+    each example fed)."""
+    skip = ("Graph execution error", "Detected at node", "<stack traces", "[[")
+    said = next((x for x in lines if not x.startswith(skip)), lines[0] if lines else "no message")
+    node = next(iter(re.findall(r"\{\{node ([^}]+)\}\}", " ".join(lines))), "")
+    said = re.split(r"\s{2,}", said)[0].rstrip(". ")  # (the values TensorFlow lists after it)
+    culprit = ""
+    for number in re.findall(r"value of (-?\d+)", said)[:1]:
+        hits = {k: np.argwhere(v == int(number)) for k, v in sorted(feed.items()) if v.dtype.kind in "iu"}
+        hits = {k: h for k, h in hits.items() if len(h)}
+        if hits:
+            k, h = next(iter(hits.items()))
+            culprit = f"; input {k!r} holds {number} in row {int(rows[h[0][0]])} of {data_path}"
+    op = f" (node {node.rsplit('/', 1)[-1]})" if node else ""
+    return (f"{where}: the model refused the batch's values: {said}{op}{culprit}; check the data against what the "
+            "model takes (for class labels: 0 <= label < classes); no model was written")
+
+
 def _write_part(ckpt, ckpt_dir: str, name: str) -> str:
     """Write ``ckpt`` as ``ckpt_dir/name``; returns its path. A failed write leaves no file of it."""
     os.makedirs(ckpt_dir, exist_ok=True)
@@ -792,14 +910,16 @@ def _write_part(ckpt, ckpt_dir: str, name: str) -> str:
         raise
 
 
-def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Optional[dict],
+def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: LossHistory, config: Optional[dict],
                 parts: Optional[List[str]] = None) -> None:
     """Write the checkpoint of ``step`` steps (or take ``parts``, the pipeline stages' own,
     written already), then (atomically) the record that names it, then remove older ones: a
     run stopped at any moment keeps a complete checkpoint."""
     paths = parts or [_write_part(ckpt, ckpt_dir, f"step-{step}")]
     tmp = os.path.join(ckpt_dir, "progress.json.tmp")
-    record = {"step": step, "checkpoint": paths[0], "losses": losses, "config": config}
+    history = losses.record()
+    record = {"step": step, "checkpoint": paths[0], "first_loss": history["first_loss"],
+              "losses_from": history["losses_from"], "losses": history["losses"], "config": config}
     if parts:
         record["stages"] = paths
     try:
@@ -821,8 +941,13 @@ def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: List[float], config: Opt
                            [f for f in os.listdir(ckpt_dir) if f == "progress.json" or f.startswith(keep)])
 
 
-def _save_trained(loaded, model: str, out: str, losses: List[float], variable_devices: bool = False) -> None:
-    """``variable_devices``: keep each variable's device (a model partitioned into stages)."""
+def _save_trained(loaded, model: str, out: str, losses: LossHistory, variable_devices: bool = False,
+                  ckpt_dir: str = "") -> None:
+    """Write the trained model at ``out`` and its serving export at ``OUT.serving/1`` (a model
+    without a servable signature gets none, with a warning). A write that fails is an
+    OutputError: when it is the serving export's, ``out`` is whole and the message says how to
+    make the export again (and that the run's checkpoint, ``ckpt_dir``, is kept).
+    ``variable_devices``: keep each variable's device (a model partitioned into stages)."""
     import tensorflow as tf
 
     out = os.path.abspath(out)
@@ -831,17 +956,48 @@ def _save_trained(loaded, model: str, out: str, losses: List[float], variable_de
     options = tf.saved_model.SaveOptions(
         experimental_variable_policy=policy.SAVE_VARIABLE_DEVICES if variable_devices else policy.NONE)
     with outputs.writing(out, tmp):
-        tf.saved_model.save(loaded, tmp, signatures=dict(loaded.signatures), options=options)
+        tf.saved_model.save(loaded, tmp, signatures=_signatures_to_save(loaded), options=options)
+        _drop_unsaved_gradient_types(tmp)
         meta = records.read_metadata(model) or {}
-        meta["training"] = {"steps": len(losses), "losses": losses}
+        meta["training"] = losses.record()
         os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
         with open(os.path.join(tmp, records.METADATA_FILE), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
         outputs.publish(tmp, out)
     # Beside it, what a server loads: OUT.serving/1/ (serving signatures and their variables only,
     # no training functions, none of vfgraph's ops), replacing the one an earlier run wrote.
+    base = serving.sibling_dir(out)
     try:
-        serving.save_serving_model(savedmodel.load_saved_model(out), serving.sibling_dir(out), force=True)
+        serving.save_serving_model(savedmodel.load_saved_model(out), base, force=True)
+    except OutputError as e:  # the trained model is whole; what a server would load is not written
+        stale = serving.target_dir(base, 1)
+        outputs.remove_written(stale)  # an earlier run's export would serve another model
+        reason = re.search(r"writing failed \(([^)]*)\)", str(e))
+        kept = f"; the checkpoint {ckpt_dir} is kept" if ckpt_dir and os.path.isdir(ckpt_dir) else ""
+        raise OutputError(f"{stale}: writing the serving export failed ({reason.group(1) if reason else e}); the "
+                          f"trained model {out} was written whole, its serving export was not{kept}. Free space and "
+                          f"make it with: vfgraph export {out} -o {base}") from None
     except VfgraphError as e:  # a model without a servable signature still trained
-        outputs.remove_written(serving.target_dir(serving.sibling_dir(out), 1))
+        outputs.remove_written(serving.target_dir(base, 1))
         log.warning("no serving export beside %s: %s", out, e)
+
+
+def _drop_unsaved_gradient_types(path: str) -> None:
+    """Rewrite the SavedModel TensorFlow wrote at ``path`` without the types of custom gradients
+    it did not save (:func:`vfgraph.io.savedmodel.without_unsaved_gradient_types`), so that
+    loading the trained model does not warn about them."""
+    proto = savedmodel.read_saved_model_proto(path)
+    fixed = savedmodel.without_unsaved_gradient_types(proto)
+    if fixed is not proto:
+        with open(os.path.join(path, savedmodel.SAVED_MODEL_PB), "wb") as f:
+            f.write(fixed.SerializeToString(deterministic=True))
+        savedmodel._write_fingerprint(path, fixed)
+
+
+def _signatures_to_save(loaded) -> dict:
+    """The signatures of the trained model: every one ``loaded`` has but the init op of a TF1
+    SavedModel, which loading ran already (its effects are in the variables saved) and which
+    returns no tensor, so cannot be a signature of the model saved again."""
+    from tensorflow.python.saved_model import constants
+
+    return {k: fn for k, fn in loaded.signatures.items() if k != constants.INIT_OP_SIGNATURE_KEY}

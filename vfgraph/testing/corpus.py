@@ -50,6 +50,12 @@ class CorpusResult:
     export_error: Optional[float] = None       # vfgraph export, served by a process without vfgraph
     export_c_api_error: Optional[float] = None  # the same export served through the C API
     export_problem: str = ""
+    # (train_save) vfgraph train on the V=4 rewrite: the trained model served in a fresh process
+    # (without vfgraph when it holds none of its ops) and its serving export (without vfgraph),
+    # against the trained model here
+    trained_error: Optional[float] = None
+    trained_export_error: Optional[float] = None
+    trained_problem: str = ""
 
     def checks(self) -> List[str]:
         out = []
@@ -67,6 +73,8 @@ class CorpusResult:
             out.append("export served without vfgraph")
         if self.export_c_api_error is not None and self.export_c_api_error < 1e-5:
             out.append("export served by the C API")
+        if self.trained_error is not None and self.trained_error < 1e-5 and (self.trained_export_error or 0) < 1e-5:
+            out.append("trained, saved and served")
         return out
 
 
@@ -184,12 +192,13 @@ def _v1_fresh(original: str, v1: str, batches: List[Dict[str, np.ndarray]], work
 
 def check_model(name: str, original: str, workdir: str, sample: Sample, *, optimizer: str = "",
                 batch_stats: bool = False, dropout: bool = False, sgd_variant: Optional[Callable[[], str]] = None,
-                tags: Optional[List[str]] = None, c_api_client: str = "") -> CorpusResult:
+                tags: Optional[List[str]] = None, c_api_client: str = "", train_save: bool = False) -> CorpusResult:
     """Run every corpus check on the exported model ``original``; outputs go under ``workdir``.
     ``sgd_variant()`` exports the same model with SGD, for the V=4 comparison of a model
     trained with an adaptive optimizer; ``c_api_client`` (vfgraph.testing.c_api.build_client)
-    serves the serving export through TensorFlow's C API too. A refusal is returned in
-    ``refused``."""
+    serves the serving export through TensorFlow's C API too; ``train_save``: the rewrite is
+    trained with ``vfgraph train``, saved, served and resumed (:func:`_check_trained`). A
+    refusal is returned in ``refused``."""
     import tensorflow as tf
 
     from vfgraph.ir.graph import FunctionGraph
@@ -232,6 +241,8 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
             res.fresh_load = _output_error(got, fresh.result()) < 1e-6
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             res.fresh_load, res.fresh_error = False, str(e)
+        if train_save:
+            _check_trained(res, v4, new.signatures["train"], key, inputs, os.path.join(workdir, "trained"), sample)
     if not training:
         return res
     res.params = _param_count(orig.signatures["train"])
@@ -259,6 +270,39 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
             except (RuntimeError, subprocess.TimeoutExpired):
                 res.v1_identical_without_arithmetic = False
     return res
+
+
+def _check_trained(res: CorpusResult, model: str, train_fn, key: str, inputs: Dict[str, np.ndarray], workdir: str,
+                   sample: Sample) -> None:
+    """``vfgraph train`` on ``model`` (fed ``sample`` data for ``train_fn``), then the trained
+    model and its serving export serve ``inputs`` in fresh processes as the trained model does
+    here (the model without vfgraph when it holds none of its ops, the export always without)."""
+    import tensorflow as tf
+
+    from vfgraph import records
+    from vfgraph.errors import VfgraphError
+    from vfgraph.records import Allreduce
+    from vfgraph.runtime.train import train
+
+    os.makedirs(workdir, exist_ok=True)
+    data = os.path.join(workdir, "data.npz")
+    np.savez(data, **sample(train_fn, 4 * BATCH, 11))
+    trained = os.path.join(workdir, "out")
+    try:
+        train(model, data, 6, BATCH, trained, checkpoint_every=2, progress=False, force=True)
+    except VfgraphError as e:
+        res.trained_problem = str(e)
+        return
+    plain = not records.get(records.read_metadata(trained) or {}, Allreduce)
+    serving = os.path.join(workdir, "out.serving", "1")
+    fresh = _fresh_serve(trained, key, inputs, workdir, vfgraph=not plain)
+    here = tf.saved_model.load(trained)
+    want = _serve(here.signatures[key], inputs)
+    try:
+        res.trained_error = _output_error(want, fresh.result())
+        res.trained_export_error = _output_error(want, _fresh_serve(serving, key, inputs, workdir, False).result())
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        res.trained_problem = str(e)
 
 
 def _check_v4(res: CorpusResult, original: str, v4: str, new, workdir: str, sample: Sample, optimizer: str,
