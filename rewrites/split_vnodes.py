@@ -53,7 +53,9 @@ class SplitVnodesPass(Pass):
 
     def differences(self, record: VirtualNodes) -> List[str]:
         """V, b (when given), deterministic and step-wise signatures against the record's."""
-        stepwise = self.stepwise and not self.deterministic  # (deterministic sums add none)
+        # step-wise signatures asked for again where the first rewrite could not add them (a
+        # model without an object graph, sparse rows of unknown shape) would not be added now either
+        stepwise = self.stepwise and not self.deterministic and record.stepwise
         pairs = [("vnodes", self.vnodes, record.vnodes), ("deterministic", self.deterministic, record.deterministic),
                  ("stepwise", stepwise, record.stepwise)]
         if self.vnode_batch:

@@ -136,9 +136,9 @@ def test_a_failed_graph_check_is_reported_with_its_line(models, rewritten, monke
 
 
 @pytest.mark.parametrize("steps, batch, message", [
-    (0, 32, "--steps 0: give at least 1 training step"),
-    (-1, 32, "--steps -1: give at least 1 training step"),
-    (3, 0, "--batch-size 0: give at least 1 example per step"),
+    (0, 32, "--steps 0: give the training steps to compare, a whole number from 1"),
+    (-1, 32, "--steps -1: give the training steps to compare, a whole number from 1"),
+    (3, 0, "--batch-size 0: give the examples per step, a whole number from 1"),
 ])
 def test_counts_below_one_are_refused(steps, batch, message):
     with pytest.raises(InputError, match=re.escape(message)):
