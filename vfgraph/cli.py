@@ -145,10 +145,18 @@ def _parser() -> argparse.ArgumentParser:
                     help="the training signature (default: 'train', or the one found)")
     pr.add_argument("--force", action="store_true", help="replace OUTPUT if it is a profile vfgraph wrote")
 
-    d = command("diff", "canonical unified diff of two models, variables included (exit 1 when they differ)")
+    d = command("diff", "canonical unified diff of two models, variables included (exit 1 when they differ)",
+                "Unified diff of the canonical graphs of A and B, then of their variables' values (exit 1 when they "
+                "differ). The graphs are compared as what they compute, not as when they were made: the numbers "
+                "tracing puts in function names (__inference_train_123, and vfgraph's __vf_inference_train_123_"
+                "reduce made from it) are dropped, functions left with one name are told apart by a digest of "
+                "their content, tf.custom_gradient op types (CustomGradient-N) are numbered in order of use, and "
+                "nodes are in topological order without debug info; node and argument names are compared as they "
+                "are.")
     d.add_argument("a", help="a model, as for 'rewrite'")
     d.add_argument("b", help="the model to compare it with")
-    d.add_argument("--graphs-only", action="store_true", help="compare the graphs only, not the variables' values")
+    d.add_argument("--graphs-only", action="store_true",
+                   help="compare the canonical graphs only (generated names ignored, as above), not the variables")
 
     v = command("verify", "run original and rewritten models on the same inputs and compare (exit 1 on a mismatch)",
                 "Run ORIGINAL and REWRITTEN on the same inputs: serving outputs, then --steps training steps, and "
