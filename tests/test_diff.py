@@ -99,7 +99,7 @@ def test_rewritten_hunks_name_their_function(models, rewritten):
     assert d.differs is True
     graph, variables = _sections(d.lines)
     assert graph[:2] == ["--- A\n", "+++ B\n"]
-    texts = {p: canonical_text(vfgraph.load(p)) for p in (a, b)}
+    texts = {p: canonical_text(vfgraph.load(p), generated_names=True) for p in (a, b)}
     # a valid unified diff: every hunk's lines match the counts in its header
     i, hunks = 2, 0
     while i < len(graph):

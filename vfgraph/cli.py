@@ -145,12 +145,25 @@ def _parser() -> argparse.ArgumentParser:
                     help="the training signature (default: 'train', or the one found)")
     pr.add_argument("--force", action="store_true", help="replace OUTPUT if it is a profile vfgraph wrote")
 
-    d = command("diff", "canonical unified diff of two models, variables included (exit 1 when they differ)")
+    d = command("diff", "canonical unified diff of two models, variables included (exit 1 when they differ)",
+                "Unified diff of the canonical graphs of A and B, then of their variables' values (exit 1 when they "
+                "differ). The graphs are compared as what they compute, not as when they were made: the numbers "
+                "tracing puts in function names (__inference_train_123, and vfgraph's __vf_inference_train_123_"
+                "reduce made from it) are dropped, functions left with one name are told apart by a digest of "
+                "their content, tf.custom_gradient op types (CustomGradient-N) are numbered in order of use, and "
+                "nodes are in topological order without debug info; node and argument names are compared as they "
+                "are.")
     d.add_argument("a", help="a model, as for 'rewrite'")
     d.add_argument("b", help="the model to compare it with")
-    d.add_argument("--graphs-only", action="store_true", help="compare the graphs only, not the variables' values")
+    d.add_argument("--graphs-only", action="store_true",
+                   help="compare the canonical graphs only (generated names ignored, as above), not the variables")
 
-    v = command("verify", "run original and rewritten models on the same inputs and compare (exit 1 on a mismatch)")
+    v = command("verify", "run original and rewritten models on the same inputs and compare (exit 1 on a mismatch)",
+                "Run ORIGINAL and REWRITTEN on the same inputs: serving outputs, then --steps training steps, and "
+                "compare the parameters (exit 1 when they differ beyond --rtol, or an output or parameter is NaN or "
+                "infinite). A rewrite of V>1 virtual nodes of a model with batch statistics (batch norm) differs by "
+                "design, and the report says so: compare a --vnodes 1 rewrite instead. Random inputs (without "
+                "--data) have integers in [0, 10); a model that takes fewer classes or ids needs --data.")
     v.add_argument("original", help="the original SavedModel")
     v.add_argument("rewritten", help="its rewrite")
     v.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
@@ -705,14 +718,24 @@ def cmd_verify(args) -> int:
     rep = compare_models(args.original, args.rewritten, steps=args.steps, batch=args.batch_size,
                          data=data, train_signature=args.train_signature)
     for key, err in rep.serving.items():
-        print(f"serving {key}: max abs output difference {err:.3g}")
+        print(f"serving {key}: " + (f"max abs output difference {err:.3g}" if err is not None
+                                    else "no output is finite (listed below)"))
     for step, la, lb in rep.loss:
         print(f"train step {step}: loss original {la:.6g} rewritten {lb:.6g}")
     if rep.params:
         worst = max(rep.params, key=rep.params.get)
         print(f"parameters after {args.steps} steps: max relative difference {rep.worst_param:.3g} ({worst})")
+    for bad in rep.nonfinite:
+        print(f"not finite: {bad}")
+    if rep.nonfinite:
+        print(f"MISMATCH: {len(rep.nonfinite)} outputs or parameters are not finite (listed above), so they cannot "
+              "be compared; look for NaN or infinite values in the inputs (--data) or a training step that diverges")
+        return 1
     ok = rep.worst_param <= args.rtol
-    print("OK" if ok else f"MISMATCH: parameter difference above --rtol {args.rtol}")
+    if not ok and rep.batch_statistics:
+        print(f"note: {rep.batch_statistics}")
+    print("OK" if ok else f"MISMATCH: parameter difference above --rtol {args.rtol}"
+          + (" (expected: batch statistics per virtual node, see the note above)" if rep.batch_statistics else ""))
     return 0 if ok else 1
 
 

@@ -2,7 +2,9 @@
 
 The graph part is a unified diff of :func:`vfgraph.ir.canonical.canonical_text` whose hunk
 headers name the function each hunk is in (like git's funcname), so a change deep in a long
-library says where it is. The variables part compares the checkpoints key by key: two exports
+library says where it is. It compares generated names by content (``generated_names``): the
+numbers tracing puts in function names, and custom gradients' numbers, differ between two
+exports of one model and are not shown as differences. The variables part compares the checkpoints key by key: two exports
 of one model trained differently have equal graphs, and only their values tell them apart.
 
 Variables are read one checkpoint entry at a time (its tensor from each side), so comparing
@@ -73,7 +75,7 @@ def diff_models(a: str, b: str, graphs_only: bool = False, fromfile: Optional[st
     fromfile = a if fromfile is None else fromfile
     tofile = b if tofile is None else tofile
     items = [vfgraph.load(p) for p in (a, b)]
-    texts = [canonical_text(item).splitlines(keepends=True) for item in items]
+    texts = [canonical_text(item, generated_names=True).splitlines(keepends=True) for item in items]
     lines = graph_diff(texts[0], texts[1], fromfile, tofile)
     if not graphs_only:
         lines += variables_diff(checkpoint_prefix(items[0]), checkpoint_prefix(items[1]), fromfile, tofile)

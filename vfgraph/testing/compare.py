@@ -10,12 +10,15 @@ import numpy as np
 from vfgraph.errors import InputError
 
 
+RANDOM_INT_HIGH = 10  # random integer inputs are in [0, RANDOM_INT_HIGH)
+
+
 def _spec_shape(spec, batch: int) -> List[int]:
     return [batch if d is None else d for d in spec.shape.as_list()]
 
 
 def make_inputs(fn, batch: int, seed: int = 0) -> Dict[str, np.ndarray]:
-    """Random inputs for a signature: floats ~N(0,1), integers in [0, 10)."""
+    """Random inputs for a signature: floats ~N(0,1), integers in [0, :data:`RANDOM_INT_HIGH`)."""
     rng = np.random.default_rng(seed)
     _, kwargs = fn.structured_input_signature
     out = {}
@@ -26,7 +29,7 @@ def make_inputs(fn, batch: int, seed: int = 0) -> Dict[str, np.ndarray]:
         if spec.dtype.is_floating:
             out[key] = rng.normal(size=shape).astype(dt)
         elif spec.dtype.is_integer:
-            out[key] = rng.integers(0, 10, size=shape).astype(dt)
+            out[key] = rng.integers(0, RANDOM_INT_HIGH, size=shape).astype(dt)
         elif spec.dtype.is_bool:
             out[key] = rng.integers(0, 2, size=shape).astype(bool)
         else:
@@ -38,11 +41,47 @@ def variable_values(fn) -> Dict[str, np.ndarray]:
     return {v.name: v.numpy() for v in fn.variables}
 
 
+@dataclass(frozen=True)
+class NonFinite:
+    """Values of one output or parameter of one model that are NaN or infinite."""
+
+    model: str     # the model's path
+    what: str      # e.g. "signature 'serving_default' output 'logits'", "parameter dense/kernel:0 after 3 steps"
+    count: int     # values that are not finite
+    size: int      # values in all
+
+    def __str__(self) -> str:
+        return f"{self.model}: {self.what}: {self.count} of {self.size} values are not finite"
+
+
+@dataclass(frozen=True)
+class BatchStatistics:
+    """The rewrite's training step runs ``vnodes`` > 1 virtual nodes of ``vnode_batch`` examples and
+    normalizes with batch statistics (it has batch-dependent updates, of ``variables``): each
+    virtual node uses its own examples' statistics (docs/semantics.md, "Batch normalization"),
+    so its parameters differ from the full-batch step of the original by design."""
+
+    vnodes: int
+    vnode_batch: int
+    variables: Tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        updated = f" (it updates {_listed(self.variables)})" if self.variables else ""
+        return (f"the rewrite runs each step as {self.vnodes} virtual nodes of {self.vnode_batch} examples and the "
+                f"step normalizes with batch statistics{updated}: each virtual node uses its own examples' "
+                "statistics (docs/semantics.md, 'Batch normalization'), so parameters are expected to differ from "
+                "the original's full-batch step; compare against a --vnodes 1 rewrite, which must match, or give "
+                "a --rtol that accepts the difference")
+
+
 @dataclass
 class Report:
-    serving: Dict[str, float] = field(default_factory=dict)      # signature -> max abs output error
+    serving: Dict[str, Optional[float]] = field(default_factory=dict)  # signature -> max abs output error
+    # (over its outputs that are finite in both models; None when none is)
     loss: List[tuple] = field(default_factory=list)              # (step, original, rewritten)
-    params: Dict[str, float] = field(default_factory=dict)       # variable -> max relative difference
+    params: Dict[str, float] = field(default_factory=dict)       # variable -> max relative difference (finite ones)
+    nonfinite: List[NonFinite] = field(default_factory=list)     # outputs and parameters that are not finite
+    batch_statistics: Optional[BatchStatistics] = None           # why parameters differ by design, if they do
 
     @property
     def worst_param(self) -> float:
@@ -50,7 +89,7 @@ class Report:
 
     @property
     def worst_output(self) -> float:
-        return max(self.serving.values(), default=0.0)
+        return max((v for v in self.serving.values() if v is not None), default=0.0)
 
 
 SCALE_FLOOR = 1e-3
@@ -244,33 +283,100 @@ def _feed(fn, batch: int, step: int, data: Optional[Dict[str, np.ndarray]]) -> D
 
 
 _VFGRAPH_LINE = re.compile(r"^(?:\s*assertion failed: \[)?(vfgraph: [^\]\n]*)", re.MULTILINE)
+_TF_NOISE = re.compile(r"^(?:Graph execution error:|Detected at node|<stack traces unavailable>|\s|$)")
 
 
-def _call(fn, inputs: Dict[str, np.ndarray], path: str, key: str):
+def _tf_line(message: str) -> str:
+    """The line of a TensorFlow error that says what is wrong (not where it was detected), cut at 200 characters."""
+    lines = [ln for ln in (message or "").splitlines() if not _TF_NOISE.match(ln)]  # a stack trace is indented
+    line = re.sub(r"\s*\[Op:[^\]]*\]$", "", lines[0] if lines else "").split("  ")[0].strip()
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _call(fn, inputs: Dict[str, np.ndarray], path: str, key: str, random: bool = False):
     """Run a signature; a check of a rewritten graph that fails (its message has a line starting
-    ``vfgraph: ``) is reported as the user's input error, with that line."""
+    ``vfgraph: ``) is reported as the user's input error, with that line. ``random``: the inputs
+    are :func:`make_inputs`' random ones, and an input TensorFlow refuses (a label or an index out
+    of the model's range) is the user's to replace with ``--data``."""
     import tensorflow as tf
 
     try:
         return fn(**inputs)
     except tf.errors.InvalidArgumentError as e:
         m = _VFGRAPH_LINE.search(e.message or "")
-        if not m:
+        if m:
+            raise InputError(f"{path}: signature {key!r}: {m.group(1).strip()}") from None
+        if not random:
             raise
-        raise InputError(f"{path}: signature {key!r}: {m.group(1).strip()}") from None
+        raise InputError(f"{path}: signature {key!r} refuses vfgraph's random inputs, whose integers are in "
+                         f"[0, {RANDOM_INT_HIGH}): TensorFlow says {_tf_line(e.message)!r}; give inputs in the "
+                         "model's range with --data FILE.npz") from None
 
 
-def _max_abs_diff(key: str, ra, rb, original: str, rewritten: str) -> float:
-    worst = 0.0
-    for k in ra:
+def _not_finite(x: np.ndarray) -> int:
+    """How many values of ``x`` are NaN or infinite (0 for a tensor that is not floating point)."""
+    return int(np.count_nonzero(~np.isfinite(x))) if x.dtype.kind in "fc" else 0
+
+
+def _finite_pair(what: str, x: np.ndarray, y: np.ndarray, original: str, rewritten: str,
+                 nonfinite: List[NonFinite]) -> bool:
+    """Whether ``x`` (of ``original``) and ``y`` (of ``rewritten``) are both finite; if not,
+    what is not is appended to ``nonfinite``."""
+    bad = [NonFinite(path, what, n, v.size) for path, v in ((original, x), (rewritten, y)) if (n := _not_finite(v))]
+    nonfinite.extend(bad)
+    return not bad
+
+
+def _max_abs_diff(key: str, ra, rb, original: str, rewritten: str, nonfinite: List[NonFinite]) -> Optional[float]:
+    """Largest absolute difference over the outputs finite in both models (None when no output
+    is); outputs that are not are appended to ``nonfinite``."""
+    worst, compared = 0.0, 0
+    for k in sorted(ra):
         x, y = ra[k].numpy(), rb[k].numpy()
         if x.shape != y.shape:
             raise InputError(f"{original} and {rewritten} are not the same model: signature {key!r} output {k!r} has "
                              f"shape {list(x.shape)} from {original} but {list(y.shape)} from {rewritten}; "
                              "give the model and its rewrite")
+        if not _finite_pair(f"signature {key!r} output {k!r}", x, y, original, rewritten, nonfinite):
+            continue
+        compared += 1
         if x.size:  # numbers: the largest difference; anything else (strings, booleans): 1 if any differs
-            worst = max(worst, float(np.max(np.abs(x - y))) if x.dtype.kind in "fiuc" else float(np.any(x != y)))
-    return worst
+            numeric = x.dtype.kind in "fiuc"
+            d = np.max(np.abs(x.astype(np.complex128 if x.dtype.kind == "c" else np.float64) - y)) if numeric else 0.0
+            worst = max(worst, float(d) if numeric else float(np.any(x != y)))
+    return worst if compared or not ra else None
+
+
+def _batch_statistics(original: str, rewritten: str, signature: str, fed: int) -> Optional[BatchStatistics]:
+    """What :class:`BatchStatistics` says, when it holds for ``rewritten``'s ``signature`` fed
+    ``fed`` examples a step: more than one virtual node, and statistics at its cut (the
+    rewrite's record); the variables they update from the analysis of ``original``'s step."""
+    from vfgraph import records
+
+    rec = records.read(rewritten, records.VirtualNodes).get(signature)
+    if rec is None or not any(g.role == "statistic" for g in rec.gradients):
+        return None
+    v = fed // rec.vnode_batch if rec.vnode_batch else rec.vnodes
+    if v <= 1:
+        return None
+    return BatchStatistics(v, fed // v, tuple(_batch_updated(original, signature)))
+
+
+def _batch_updated(path: str, signature: str) -> List[str]:
+    """Names of the variables the training step of ``path`` updates from its batch (batch
+    norm's moving averages): :attr:`TrainStep.batch_updated`; none when it cannot be told."""
+    import vfgraph
+    from vfgraph.analysis.train_step import analyze_train_step
+    from vfgraph.errors import VfgraphError
+    from vfgraph.ir.graph import FunctionGraph
+
+    try:
+        item = vfgraph.load(path)
+        sig = item.signatures[signature]
+        step = analyze_train_step(FunctionGraph(item.library[sig.function], item.library), sig)
+    except (VfgraphError, KeyError):
+        return []
+    return [sig.variables[r].name for r in step.batch_updated if r in sig.variables]
 
 
 def compare_models(original: str, rewritten: str, steps: int = 3, batch: int = 32,
@@ -299,19 +405,36 @@ def compare_models(original: str, rewritten: str, steps: int = 3, batch: int = 3
     report = Report()
     for key in serving:
         inputs = _feed(a.signatures[key], batch, 0, data)
-        ra = _call(a.signatures[key], inputs, original, key)
-        rb = _call(b.signatures[key], inputs, rewritten, key)
-        report.serving[key] = _max_abs_diff(key, ra, rb, original, rewritten)
+        ra = _call(a.signatures[key], inputs, original, key, random=data is None)
+        rb = _call(b.signatures[key], inputs, rewritten, key, random=data is None)
+        report.serving[key] = _max_abs_diff(key, ra, rb, original, rewritten, report.nonfinite)
     if train:
-        fa, fb = a.signatures[train_signature], b.signatures[train_signature]
-        for step in range(steps):
-            inputs = _feed(fa, batch, step, data)
-            la = _call(fa, inputs, original, train_signature)
-            lb = _call(fb, inputs, rewritten, train_signature)
-            report.loss.append((step, float(la["loss"]) if "loss" in la else None,
-                                float(lb["loss"]) if "loss" in lb else None))
-        va, vb = variable_values(fa), variable_values(fb)
-        for name in sorted(va):
-            if name in vb and va[name].dtype.kind == "f":
-                report.params[name] = rel_diff(va[name], vb[name])
+        _compare_training(report, a.signatures[train_signature], b.signatures[train_signature], original, rewritten,
+                          train_signature, steps, batch, data)
+        report.batch_statistics = _batch_statistics(original, rewritten, train_signature,
+                                                    _fed_batch(a.signatures[train_signature], batch))
     return report
+
+
+def _compare_training(report: Report, fa, fb, original: str, rewritten: str, key: str, steps: int, batch: int,
+                      data: Optional[Dict[str, np.ndarray]]) -> None:
+    """``steps`` training steps of both models on the same batches into ``report``: the losses,
+    the parameters' differences, and what is not finite (an output at the first step it is, a
+    parameter after the last step)."""
+    seen = set()
+    for step in range(steps):
+        inputs = _feed(fa, batch, step, data)
+        la = _call(fa, inputs, original, key, random=data is None)
+        lb = _call(fb, inputs, rewritten, key, random=data is None)
+        report.loss.append((step, float(la["loss"]) if "loss" in la else None,
+                            float(lb["loss"]) if "loss" in lb else None))
+        for k in sorted(set(la) & set(lb) - seen):
+            if not _finite_pair(f"signature {key!r} output {k!r} at step {step}", la[k].numpy(), lb[k].numpy(),
+                                original, rewritten, report.nonfinite):
+                seen.add(k)
+    va, vb = variable_values(fa), variable_values(fb)
+    for name in sorted(va):
+        if name in vb and va[name].dtype.kind == "f":
+            if _finite_pair(f"parameter {name} after {steps} steps", va[name], vb[name], original, rewritten,
+                            report.nonfinite):
+                report.params[name] = rel_diff(va[name], vb[name])
