@@ -360,7 +360,7 @@ class _Loop:
         results = []
         for o, v, (_, t, shape) in zip(self.vnode_outs, outs, self.carried):
             if o.combine == "mean":
-                v = divide(fb, v, count, t, shape)
+                v = divide(fb, v, count, t, shape) if o.averaged else v
             elif o.combine == "concat":
                 v = list_concat(fb, v, t)
             else:
@@ -451,9 +451,11 @@ def divide(fb: FunctionGraph, value: TensorRef, count: TensorRef, dtype: int, sh
 
 
 def _means(fb: FunctionGraph, step: TrainStep, sums: List[TensorRef], count: TensorRef) -> List[TensorRef]:
-    """The gradients the update gets: sums divided by the number of virtual nodes; sparse
-    gradients' rows are scaled the same way and their indices passed as they are."""
-    return [a if c.combine == "concat" else divide(fb, a, count, c.dtype, c.shape) for c, a in zip(step.cut, sums)]
+    """The gradients the update gets: sums divided by the number of virtual nodes (those of a
+    loss summed over the batch: the sums); sparse gradients' rows are scaled the same way and
+    their indices passed as they are."""
+    return [divide(fb, a, count, c.dtype, c.shape) if c.combine != "concat" and c.averaged else a
+            for c, a in zip(step.cut, sums)]
 
 
 def _assemble(step: TrainStep, vnode_results: List, updated) -> List:

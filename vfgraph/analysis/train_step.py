@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import networkx as nx
 from tensorflow.core.framework import types_pb2
 
+from vfgraph.analysis import reduction
 from vfgraph.errors import DetectionError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.item import GraphItem, SignatureInfo
@@ -41,6 +42,8 @@ class CutTensor:
     role: str = "gradient"       # "gradient" | "statistic" | "indices" (of a sparse gradient)
     variable: Optional[str] = None  # resource arg it is the gradient of
     combine: str = "mean"        # "mean"; sparse gradients: "concat_scaled" values, "concat" indices
+    averaged: bool = True        # "mean" and "concat_scaled": divided by the number of virtual nodes
+    #                              (False: the gradient of a loss summed over the batch)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class OutputPlan:
     ref: TensorRef
     side: str           # "vnode" (computed per virtual node) or "update" (computed once)
     combine: str        # "mean" | "concat" | "last"
+    averaged: bool = True  # "mean": divided by the number of virtual nodes (False: a sum over the batch)
 
 
 @dataclass
@@ -62,6 +66,7 @@ class TrainStep:
     writes: Dict[str, List[str]]   # resource arg -> write nodes
     outputs: List[OutputPlan]
     batch_dependent: Set[str] = field(default_factory=set)
+    loss_reduction: str = "mean"   # how the loss reduces the batch: "mean" (gradients averaged) or "sum"
 
     @property
     def trainable(self) -> List[str]:
@@ -118,6 +123,7 @@ class _Cuttable:
 
     def __init__(self, g: FunctionGraph, dep: Set[str], shapes: Dict[TensorRef, List[int]]):
         self.g = g
+        self.dep = dep
         self.shapes = shapes
         self.sparse: Dict[TensorRef, str] = {}
         self.blocked: Set[TensorRef] = set()
@@ -146,6 +152,7 @@ class _Cuttable:
             for t in g.outputs(n):
                 self.blocked.add(t)
                 roots.extend(c for c, _ in g.consumers(t))
+        self.statistics = _per_example_statistics(g, dep, shapes)
 
     def outputs(self, name: str) -> List[bool]:
         """Whether each output of node ``name`` may be cut (one pass over its recorded shapes,
@@ -180,6 +187,32 @@ class _Cuttable:
         if ref in self.sparse:
             return True
         return not ref.is_function_arg and self.outputs(ref.node)[self.g.flat_index(ref)]
+
+
+def _per_example_statistics(g: FunctionGraph, dep: Set[str], shapes: Dict[TensorRef, List[int]]) -> Set[TensorRef]:
+    """Batch-free tensors that per-example work reads: a batch's mean and variance that batch
+    normalization applies to every example, say. A virtual node's gradient combines them with
+    its own sums (the gradient of batch norm's scale is a sum times the batch's inverse standard
+    deviation), so the average of those gradients is not what the averaged parts would give:
+    the cut goes through them only where nothing else separates the batch from a write (a
+    moving average assigned the batch statistic itself)."""
+
+    def per_example(ref: TensorRef) -> bool:
+        shape = shapes.get(ref) or g.shape(ref)
+        return bool(shape) and shape[0] < 0
+
+    found: Set[TensorRef] = set()
+    stack = [n for n in dep if n in g.nodes and any(per_example(t) for t in g.outputs(n))]
+    seen = set(stack)
+    while stack:
+        for t in g.data_inputs(stack.pop()):
+            if t.is_function_arg or t.node not in dep or per_example(t):
+                continue
+            found.add(t)
+            if t.node not in seen:
+                seen.add(t.node)
+                stack.append(t.node)
+    return found
 
 
 _SAME_SHAPE = {"Identity", "Neg", "Cast", "Square", "Sqrt", "Rsqrt", "Abs", "Sign", "StopGradient", "Snapshot"}
@@ -359,10 +392,10 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     shapes = refine_shapes(g, sig, writes)
     cuttable = _Cuttable(g, dep, shapes)
     flow = _FlowGraph(g, sig, dep, cuttable, sinks)
-    sink_most = flow.sink_most_cut()
-    if sink_most is None:
+    earliest = flow.gradient_cut()
+    if earliest is None:
         raise DetectionError(_unbounded_message(g, sig, _nx_flow_graph(g, sig, dep, cuttable, sinks), sinks))
-    cut_refs = flow.hoist(cuttable, sink_most)
+    cut_refs = _through_shape_ops(g, cuttable, earliest)
     vnode_nodes = flow.region(set(cut_refs))
     reached = [w for w in sinks if w in vnode_nodes]
     if reached:
@@ -390,6 +423,10 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     cut.sort(key=lambda c: (order.get(c.variable, 1 << 30) if c.variable else 1 << 30,
                             min((order.get(w, 1 << 30) for w in c.writes), default=1 << 30), str(c.ref)))
 
+    counts = reduction.BatchCounts(g, dep, sig.batch_args, shapes)
+    summed = _loss_reduction(g, sig, counts, vnode_nodes, cut, shapes) == "sum"
+    for c in cut:
+        c.averaged = not (summed and c.role in ("gradient", "indices"))
     outputs: List[OutputPlan] = []
     for out_name, ref in g.output_refs():
         if ref.is_function_arg:
@@ -400,9 +437,87 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
         combine = "mean"
         if side == "vnode" and (shape is None or (shape and shape[0] < 0) or g.dtype(ref) not in FLOAT_TYPES):
             combine = "concat" if shape and shape[0] < 0 else "last"
-        outputs.append(OutputPlan(out_name, ref, side, combine))
+        plan = OutputPlan(out_name, ref, side, combine)
+        if side == "vnode" and combine == "mean" and not ref.is_function_arg:
+            plan.averaged = not reduction.sums_over_batch(g, counts, ref, lambda t: _batch_shaped(g, t),
+                                                          lambda t: t.node in dep)
+        outputs.append(plan)
     return TrainStep(signature=sig, function=g.name, cut=cut, vnode_nodes=vnode_nodes, writes=writes,
-                     outputs=outputs, batch_dependent=dep)
+                     outputs=outputs, batch_dependent=dep, loss_reduction="sum" if summed else "mean")
+
+
+def _loss_reduction(g: FunctionGraph, sig: SignatureInfo, counts: "reduction.BatchCounts", vnode_nodes: Set[str],
+                    cut: List[CutTensor], shapes: Dict[TensorRef, List[int]]) -> str:
+    """"mean" when the gradients are divided by the number of examples (averaged over virtual
+    nodes), "sum" when no batch-dependent scalar scales them (summed); a DetectionError naming
+    the scalar when they are divided by a batch-dependent value and no count (vnodes cannot
+    give the full batch's gradient). See :mod:`vfgraph.analysis.reduction`."""
+    targets = {c.ref.node for c in cut if c.role == "gradient" and not c.ref.is_function_arg}
+    sized, valued = reduction.batch_scalars(g, counts, vnode_nodes, shapes)
+    if reduction.first_reaching(g, sized, targets, vnode_nodes) is not None:
+        return "mean"
+    value = reduction.first_reaching(g, valued, targets, vnode_nodes)
+    if value is not None:
+        raise DetectionError(f"signature {sig.key!r}: the gradients are scaled by {value}, a scalar computed from "
+                             "the batch's values and not from its size (a loss normalised by a sum of sample "
+                             "weights, say), so neither averaging nor summing virtual nodes' gradients gives the "
+                             "full batch's; reduce the loss over the batch with a mean or a sum")
+    return "sum"
+
+
+_SHAPE_ONLY = {"Identity", "Snapshot", "Reshape", "Squeeze", "ExpandDims"}
+
+
+def _through_shape_ops(g: FunctionGraph, cuttable: "_Cuttable", cut: List[TensorRef]) -> List[TensorRef]:
+    """Each cut tensor moved down through the ops that only reshape or rename it (its one
+    consumer; an average commutes with them), so that a gradient is cut in its variable's
+    shape where the step reshapes it on the way, and the gradients an ``IdentityN`` passes on
+    together (Keras' optimizer step) are cut where it passes them, so that the update reads
+    each variable's gradient on its own (pipeline stages split the update by variable)."""
+    out = []
+    for ref in _through_identity_n(g, cuttable, cut):
+        while not ref.is_function_arg and ref not in cuttable.sparse:
+            consumers = g.consumers(ref)
+            if len(consumers) != 1:
+                break
+            node = consumers[0][0]
+            if g.nodes[node].op not in _SHAPE_ONLY or g.data_inputs(node)[0] != ref:
+                break
+            nxt = g.outputs(node)[0]
+            if not cuttable(nxt):
+                break
+            ref = nxt
+        out.append(ref)
+    return sorted(set(out))
+
+
+def _through_identity_n(g: FunctionGraph, cuttable: "_Cuttable", cut: List[TensorRef]) -> List[TensorRef]:
+    """``cut`` with the inputs of each ``IdentityN`` that passes on only cut tensors replaced
+    by its outputs that are read, where nothing else reads those inputs (but a dead Identity)."""
+    cut_set = set(cut)
+    readers = sorted({c for ref in cut for c, _ in g.consumers(ref) if g.nodes[c].op == "IdentityN"})
+    if not readers:
+        return cut
+    needed = ({n for name in g.nodes for n in g.control_inputs(name)} | {r.node for _, r in g.output_refs()}
+              | set(g.header.control_ret.values()))
+
+    def dead(node: str) -> bool:  # an Identity nothing reads (the exporter leaves some)
+        return (g.nodes[node].op in _SAME_SHAPE and node not in needed
+                and not any(g.consumers(t) for t in g.outputs(node)))
+
+    for node in readers:
+        inputs = g.data_inputs(node)
+        mine = [t for t in inputs if t in cut_set]
+        if any(t not in cut_set and (t.is_function_arg or t.node in cuttable.dep) for t in inputs):
+            continue
+        if any(c != node and not dead(c) for t in mine for c, _ in g.consumers(t)):
+            continue
+        used = [t for t in g.outputs(node) if g.consumers(t)]
+        if not all(inputs[g.flat_index(t)] in cut_set and cuttable(t) for t in used):
+            continue
+        cut_set.difference_update(mine)
+        cut_set.update(used)
+    return sorted(cut_set)
 
 
 class _FlowGraph:
@@ -422,7 +537,8 @@ class _FlowGraph:
                  sinks: List[str]):
         self.keys: List[tuple] = [("source", None), ("sink", None)]
         self.succ: List[List[int]] = [[], []]
-        self.unit = bytearray(2)  # 1 for an "in" vertex whose one edge (to "out") has capacity 1
+        self.unit = bytearray(2)  # 1 for an "in" vertex whose one edge (to "out") has a finite capacity
+        self.costly: Set[int] = set()  # "in" vertices of per-example statistics: cut only where nothing else does
         self._op: Dict[str, int] = {}
         self._in: Dict[TensorRef, int] = {}
         self._out: Dict[TensorRef, int] = {}
@@ -447,6 +563,8 @@ class _FlowGraph:
                     keys.append(("op+in", name, t))
                     succ.append([o])
                     unit.append(1)
+                    if t in cuttable.statistics:
+                        self.costly.add(op)
                 elif o is None:
                     op = out_ids[t] = len(keys)
                     keys.append(("op+out", name, t))
@@ -465,6 +583,8 @@ class _FlowGraph:
                         succ[op].append(i)
                         succ[i].append(o)
                         unit[i] = 1
+                        if t in cuttable.statistics:
+                            self.costly.add(i)
                     else:  # "in" and "out" of an uncuttable tensor are one vertex (the edge between is unbounded)
                         succ[op].append(o)
             for t, ctl in g.inputs(name):
@@ -512,14 +632,20 @@ class _FlowGraph:
                     stack.append(v)
         return seen
 
-    def sink_most_cut(self) -> Optional[List[TensorRef]]:
-        """The cut tensors of the minimum cut closest to the sink (None: no finite cut).
+    def gradient_cut(self) -> Optional[List[TensorRef]]:
+        """The cut tensors of the minimum cut closest to the source (None: no finite cut).
+
+        Of the smallest sets of batch-free tensors that separate the batch from every variable
+        write, this is the earliest: the first tensors where the per-example work has been
+        summed (the gradients of the loss, the batch statistics), before whatever the step
+        then does with them (learning-rate scaling, clipping by value, norm or global norm,
+        loss-scale unscaling and checks, accumulation). Averaging anything later would run
+        that nonlinear work once per virtual node instead of once on the batch's value.
 
         Every finite cut keeps what the source reaches through unbounded edges on the source
         side and what reaches the sink that way on the sink side, so both are contracted
-        first; the maximum flow then runs on the rest (the per-step quantities and the
-        update), and the sink side is what still reaches the sink in its residual network
-        (the same for every maximum flow)."""
+        first; the maximum flow then runs on the rest, and the source side is what the source
+        still reaches in its residual network (the same for every maximum flow)."""
         n = len(self.keys)
         head = self._closure(0, self.succ, True)
         tail = self._closure(1, self.pred, False)
@@ -539,38 +665,34 @@ class _FlowGraph:
         adj: List[List[int]] = [[] for _ in range(m)]
         to: List[int] = []
         cap: List[int] = []
-        big = sum(self.unit) + 1
-
-        def edge(a: int, b: int, c: int) -> None:
-            add_flow_edge(adj, to, cap, a, b, c)
-
+        costly = sum(self.unit) + 1  # one statistic costs more than every other tensor together
+        big = costly * (len(self.costly) + 1)
         for u in range(n):
             a = local[u]
             if a == 1:
                 continue  # out of the sink
-            c = 1 if self.unit[u] else big
+            c = (costly if u in self.costly else 1) if self.unit[u] else big
             for v in self.succ[u]:
                 b = local[v]
                 if b != 0 and a != b:  # not into the source, no loops
-                    edge(a, b, c)
+                    add_flow_edge(adj, to, cap, a, b, c)
         _max_flow(m, adj, to, cap)
-        # Vertices that still reach the sink in the residual network.
-        reaches = bytearray(m)
-        reaches[1] = 1
-        stack = [1]
+        # Vertices the source still reaches in the residual network.
+        reached = bytearray(m)
+        reached[0] = 1
+        stack = [0]
         while stack:
             v = stack.pop()
             for e in adj[v]:
                 w = to[e]
-                if not reaches[w] and cap[e ^ 1] > 0:
-                    reaches[w] = 1
+                if not reached[w] and cap[e] > 0:
+                    reached[w] = 1
                     stack.append(w)
-        sink_side = [bool(tail[u]) or (local[u] > 1 and bool(reaches[local[u]])) for u in range(n)]
+        source_side = [bool(head[u]) or (local[u] > 1 and bool(reached[local[u]])) for u in range(n)]
         found = set()
         for u in range(n):
-            key = self.keys[u]
-            if self.unit[u] and not sink_side[u] and sink_side[self.succ[u][0]]:
-                found.add(key[-1])
+            if self.unit[u] and source_side[u] and not source_side[self.succ[u][0]]:
+                found.add(self.keys[u][-1])
         return sorted(found)
 
     # ------------------------------------------------------------------ dominators
