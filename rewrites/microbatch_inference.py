@@ -25,7 +25,6 @@ from typing import ClassVar, List, Tuple
 from tensorflow.core.framework import types_pb2
 
 from vfgraph import records
-from vfgraph.errors import PipelineError
 from vfgraph.ir.attrs import func_attr, shape_proto, type_attr, types_attr
 from vfgraph.ir.blocks import I32, list_concat
 from vfgraph.ir.functions import arg_shapes, copy_header, function_dependencies

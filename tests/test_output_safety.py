@@ -15,17 +15,9 @@ import pytest
 
 from vfgraph.errors import OutputError
 from vfgraph.io import outputs
-from vfgraph.testing.cli import ENV, error_line, run_in_process, tree_digest, vf
+from vfgraph.testing.cli import ENV, error_line, one_error, run_in_process, tree_digest, vf
 
 run = run_in_process
-
-
-def one_error(code, err, *needles):
-    assert code == 2, err
-    line = error_line(err)
-    for n in needles:
-        assert n in line, line
-    return line
 
 
 def add_user_files(out):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from vfgraph import cli
-from vfgraph.testing.cli import ENV, error_line, run_in_process, tree_digest, vf
+from vfgraph.testing.cli import ENV, one_error, run_in_process, tree_digest, vf
 
 tree = tree_digest
 
@@ -25,14 +25,6 @@ def leftovers(path):
 
 
 run = run_in_process
-
-
-def one_error(code, err, *needles):
-    assert code == 2, err
-    line = error_line(err)
-    for n in needles:
-        assert n in line, line
-    return line
 
 
 @pytest.fixture

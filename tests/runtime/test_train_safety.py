@@ -14,17 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from vfgraph.testing.cli import ENV, error_line, run_in_process, tree_digest, vf
+from vfgraph.testing.cli import ENV, one_error, run_in_process, tree_digest, vf
 
 run = run_in_process
-
-
-def one_error(code, err, *needles):
-    assert code == 2, err
-    line = error_line(err)
-    for n in needles:
-        assert n in line, line
-    return line
 
 
 def interrupted(cmd, progress, at_least: int) -> int:

@@ -61,3 +61,13 @@ def error_line(res) -> str:
     lines = error_lines(stderr)
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     return lines[0]
+
+
+def one_error(code: int, err, *needles: str) -> str:
+    """A run (exit code, stderr lines) that ended with exit 2 and one error line holding every
+    one of ``needles``; that line."""
+    assert code == 2, err
+    line = error_line(err)
+    for n in needles:
+        assert n in line, line
+    return line
