@@ -40,9 +40,13 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 
 class _Parser(argparse.ArgumentParser):
     """A usage mistake (an option's value that is not a number, a missing argument) is one line
-    on stderr naming the option and where its help is, exit 2."""
+    on stderr naming the option and where its help is, exit 2. Under ``mpiexec`` every rank
+    reads the same command line and finds the same mistake, before MPI starts: rank 0 says it,
+    the others exit 2 quietly."""
 
     def error(self, message: str):
+        if launched_by_mpi() and launcher_rank() not in ("0", "?"):
+            self.exit(2)
         self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
 

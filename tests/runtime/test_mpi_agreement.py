@@ -87,13 +87,15 @@ def test_another_model_on_one_rank_is_refused(v8, models, digits, tmp_path):
 
 @pytest.mark.parametrize("case", ["every rank", "rank 1 only"])
 def test_a_mistake_before_training_is_printed_once(case, v8, models, digits, tmp_path):
-    """Every rank sees it (a bad option, a model without the all-reduce): rank 0 says it; one
-    rank sees it (a missing data file, a missing model, an unreadable option): that rank."""
+    """Every rank sees it (a bad option, one argparse refuses, a model without the all-reduce):
+    rank 0 says it; one rank sees it (a missing data file, a missing model, an unreadable
+    option): that rank."""
     model, data, out = v8("mlp:momentum"), digits["train"], str(tmp_path / "o")
     good = train_cmd(0, model, data, out, 2)
     if case == "every rank":
         for cmd, said in ((train_cmd(0, model, data, out, 0), "--steps 0: give an integer of at least 1"),
-                          (train_cmd(0, models("mlp:momentum"), data, out, 2), "no all-reduce")):
+                          (train_cmd(0, models("mlp:momentum"), data, out, 2), "no all-reduce"),
+                          (train_cmd(0, model, data, out, 2, "--seed", "x"), "--seed: invalid int value")):
             line = refused_once(ranks(cmd, cmd))
             assert line.startswith("vfgraph train: error: ") and said in line, line
     else:
