@@ -133,7 +133,7 @@ def test_profile_options_are_checked(models, capsys):
 
     mlp = models("mlp:sgd")
     for cmd, argv, want in [("inspect", ["--stages", 2, "--balance", "profile", "--profile-batch", 0],
-                             "--profile-batch 0: give"),
+                             "--profile-batch 0: out of range; give"),
                             ("inspect", ["--balance", "profile"], "--balance profile without --stages"),
                             ("rewrite", ["--vnodes", 2, "--balance", "profile"], "--balance profile without --stages")]:
         code, err = run_in_process(capsys, cmd, mlp, *argv)
