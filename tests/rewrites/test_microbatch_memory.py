@@ -31,7 +31,7 @@ def _export_wide(path, width=16384, blocks=16):
 def wide(tmp_path_factory):
     root = tmp_path_factory.mktemp("wide")
     _export_wide(root / "model")
-    out = vfgraph.save(vfgraph.rewrite(str(root / "model"), vnodes=16, vnode_batch=16), root / "rewritten")
+    out = vfgraph.save(vfgraph.rewrite(str(root / "model"), vnode_batch=16), root / "rewritten")  # (serving only)
     return str(root / "model"), out
 
 
