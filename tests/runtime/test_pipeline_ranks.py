@@ -89,7 +89,10 @@ def test_stages_on_ranks_train_what_one_process_trains(staged, digits, corpus_da
     one, ranks = str(tmp_path / "one"), str(tmp_path / "ranks")
     run_train(0, model, data, one, 3)
     run_train(k, model, data, ranks, 3)
-    assert_same_params(one, ranks, 1e-6)
+    # ViT's attention key biases have a zero gradient but for rounding (softmax does not see a
+    # shift of every key): after 3 steps they hold ~1e-9, which the two runs' summation orders
+    # round differently (relative to the 1e-3 floor: ~1e-6); a real difference is far larger
+    assert_same_params(one, ranks, 3e-6 if name == "vit" else 1e-6)
     for a, b in zip(losses(one), losses(ranks)):
         assert b == pytest.approx(a, rel=1e-6)
     from vfgraph import records
