@@ -124,3 +124,63 @@ def test_the_loss_reduction_is_read_from_dataflow(tmp_path):
     weighted = export(tmp_path / "weighted", loss="weighted_by_sum")
     with pytest.raises(VfgraphError, match="scaled by .*computed from the batch's values"):
         vfgraph.rewrite(weighted, vnodes=4, allreduce="none")
+
+
+def export_two_updates(path, dependent: bool):
+    """A step with two optimizers: a GAN's (the discriminator updated, then the generator's
+    loss through it) when ``dependent``, else two models over disjoint variables."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    first = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    second = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(8)])
+    specs = {"x": tf.TensorSpec([None, 8], tf.float32), "y": tf.TensorSpec([None], tf.int32)}
+    opts = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
+    opts[0].build(first.trainable_variables)
+    opts[1].build(second.trainable_variables)
+
+    class Trainer(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second, self.opts = first, second, opts
+            self.model_variables = list(first.variables) + list(second.variables)
+
+        @tf.function(input_signature=[specs])
+        def train(self, batch):
+            x = batch["x"]
+            with tf.GradientTape() as tape:
+                made = self.second(x, training=True)
+                d = tf.reduce_mean(tf.nn.softplus(-self.first(x)) + tf.nn.softplus(self.first(made)))
+            self.opts[0].apply_gradients(zip(tape.gradient(d, self.first.trainable_variables),
+                                             self.first.trainable_variables))
+            with tf.GradientTape() as tape:
+                made = self.second(x, training=True)
+                g = (tf.reduce_mean(tf.nn.softplus(-self.first(made))) if dependent
+                     else tf.reduce_mean(tf.square(made - x)))
+            self.opts[1].apply_gradients(zip(tape.gradient(g, self.second.trainable_variables),
+                                             self.second.trainable_variables))
+            return {"loss": d + g}
+
+        @tf.function(input_signature=[specs["x"]])
+        def serve(self, x):
+            return {"made": self.second(x)}
+
+    m = Trainer()
+    tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
+    return str(path)
+
+
+def test_two_independent_updates_are_one_step(tmp_path):
+    assert_same_training(export_two_updates(tmp_path / "two", dependent=False), tmp_path, "two")
+
+
+def test_steps_the_rewrite_cannot_split_are_refused_naming_the_construct(tmp_path):
+    """A GAN step (the generator's loss reads the discriminator the step just updated) and an
+    update under a condition (Keras' gradient accumulation) are refused, saying which."""
+    gan = export_two_updates(tmp_path / "gan", dependent=True)
+    with pytest.raises(VfgraphError, match=r"reads .*kernel after .* updated it in the same step.*GAN"):
+        vfgraph.rewrite(gan, vnodes=4, allreduce="none")
+    accumulating = export(tmp_path / "accumulating", gradient_accumulation_steps=2)
+    with pytest.raises(VfgraphError, match=r"variable updates run inside .*\(If\).*gradient_accumulation_steps"):
+        vfgraph.rewrite(accumulating, vnodes=4, allreduce="none")

@@ -385,6 +385,13 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     dep = batch_dependent_nodes(g, sig.batch_args)
     sinks = [w for ws in writes.values() for w in ws if w in dep]
     if not sinks:
+        conditional = _conditional_update(g, dep)
+        if conditional:
+            raise DetectionError(
+                f"signature {sig.key!r}: its variable updates run inside {conditional}, a conditional or a call "
+                "that depends on the batch (Keras' LossScaleOptimizer and gradient_accumulation_steps put the "
+                "update under one); vfgraph cannot yet move the gradients out of it: train without that option, "
+                "or accumulate with vfgraph's virtual nodes instead")
         raise DetectionError(
             f"signature {sig.key!r}: no variable update depends on the batch, so {g.name!r} is not a "
             "training step; pass --train-signature to name the training signature")
@@ -401,6 +408,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     if reached:
         raise DetectionError(f"signature {sig.key!r}: could not separate the update {reached[0]!r} from the "
                              "per-example computation")
+    _check_one_phase(g, sig, writes, set(sinks), vnode_nodes)
     reach = _write_reach(g, cut_refs, writes, vnode_nodes)
     forward = g.reachable([r.node for _, r in g.output_refs() if not r.is_function_arg],
                           lambda n: [t.node for t in g.data_inputs(n)])
@@ -444,6 +452,61 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
         outputs.append(plan)
     return TrainStep(signature=sig, function=g.name, cut=cut, vnode_nodes=vnode_nodes, writes=writes,
                      outputs=outputs, batch_dependent=dep, loss_reduction="sum" if summed else "mean")
+
+
+_CONDITIONAL = ("If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile", "PartitionedCall",
+                "StatefulPartitionedCall")
+
+
+def _conditional_update(g: FunctionGraph, dep: Set[str]) -> str:
+    """The batch-dependent functional op (``If``, ``Case``, a call) whose functions write a
+    variable, named with its op; empty when there is none."""
+    from vfgraph.ir.functions import function_dependencies, iter_func_attrs
+
+    lib = g.library
+    for name in sorted(n for n in dep if n in g.nodes and g.nodes[n].op.startswith(_CONDITIONAL)):
+        node = g.nodes[name]
+        called = [a.name for a in iter_func_attrs(node, None)]
+        for f in called:
+            for dep_fn in function_dependencies(f, lib):
+                if any(is_write(n.op) for n in lib[dep_fn].node_def):
+                    return f"{name!r} ({node.op})"
+    return ""
+
+
+def _check_one_phase(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, List[str]], sinks: Set[str],
+                     vnode_nodes: Set[str]) -> None:
+    """Refuse a step whose per-example work reads a variable the same step updated before it
+    (a GAN's generator loss through the discriminator it just updated): each virtual node would
+    read the value before the update, which runs once after them all. Reads by the update
+    itself (EMA of the new weights) are what the step computes once, and so are reads after
+    writes that do not depend on the batch (a dropout seed's counter)."""
+    def variable(res: str) -> str:  # (a variable captured twice is two arguments of one name)
+        return sig.variables[res].name if res in sig.variables else res
+
+    bit: Dict[str, int] = {}
+    for r in writes:
+        bit.setdefault(variable(r), 1 << len(bit))
+    write_of = {w: variable(r) for r, ws in writes.items() for w in ws if w in sinks}
+    before: Dict[str, int] = {}  # node -> the variables written before it (a bit each)
+    for name in g.topological_order():
+        mask = 0
+        for t, _ in g.inputs(name):  # (data and control inputs; arguments are in no ``before``)
+            if t.node in before:
+                mask |= before[t.node] | bit.get(write_of.get(t.node, ""), 0)
+        before[name] = mask
+        if not mask or g.nodes[name].op != "ReadVariableOp":
+            continue
+        res = resource_root(g, g.data_inputs(name)[0])
+        if res is None or not mask & bit.get(variable(res), 0):
+            continue
+        if any(c in vnode_nodes for t in g.outputs(name) for c, _ in g.consumers(t)):
+            earlier = next(w for w, v in write_of.items() if v == variable(res))
+            raise DetectionError(
+                f"signature {sig.key!r}: {name!r} reads {variable(res)} after {earlier!r} updated it in the same "
+                "step, and per-example work uses what it reads (a step with two dependent updates, as a GAN's "
+                "discriminator then generator); vfgraph cannot yet run such a step phase by phase: export each "
+                "update as its own training signature")
 
 
 def _loss_reduction(g: FunctionGraph, sig: SignatureInfo, counts: "reduction.BatchCounts", vnode_nodes: Set[str],
