@@ -3,10 +3,11 @@
 The cut is derived from dataflow, not from names. Every variable write whose value depends
 on the batch is a sink; the batch arguments are the sources; a tensor may be cut only if its
 shape does not depend on the batch (a fully known static shape) and it is floating point.
-The minimum cut closest to the writes, with each tensor moved up to its earliest batch-free
-dominator, is the set of per-step quantities that sum over examples: the gradients, and
-the batch statistics that feed moving-average updates.
-Averaging them over virtual nodes and running everything behind the cut once is the
+The minimum cut closest to the batch is the set of per-step quantities that sum over
+examples: the gradients, and the batch statistics that feed moving-average updates; whatever
+the step then does with them (clipping, scaling, EMA) runs once, on the batch's value.
+Averaging them over virtual nodes (or summing them, for a loss summed over the batch:
+:mod:`vfgraph.analysis.reduction`) and running everything behind the cut once is the
 virtual-node semantics (design.md section 2).
 """
 from __future__ import annotations
@@ -589,11 +590,12 @@ class _FlowGraph:
     Vertices: the source, the sink, ``("op", name)`` for every batch-dependent node, and
     ``("in", t)`` -> ``("out", t)`` for every cuttable tensor ``t`` they produce (an
     uncuttable tensor, and a batch argument, has only its "out" vertex). Every edge has
-    unbounded capacity except ``in -> out`` (capacity 1); every batch-dependent variable write
+    unbounded capacity except ``in -> out`` (capacity 1, or more than all the others together
+    for a per-example statistic: see ``_per_example_statistics``); every batch-dependent variable write
     feeds the sink. A node with one output (most of them) shares its vertex with that
     output's "in" (``("op+in", name, t)``, cuttable) or "out" (``("op+out", name, t)``): the
     edge between them is the only edge of either end, so merging them changes no cut, no
-    dominator and no region, and the network has a third fewer vertices.
+    region, and the network has a third fewer vertices.
     """
 
     def __init__(self, g: FunctionGraph, sig: SignatureInfo, dep: Set[str], cuttable: "_Cuttable",
@@ -757,99 +759,6 @@ class _FlowGraph:
             if self.unit[u] and source_side[u] and not source_side[self.succ[u][0]]:
                 found.add(self.keys[u][-1])
         return sorted(found)
-
-    # ------------------------------------------------------------------ dominators
-    def _immediate_dominators(self) -> Dict[int, int]:
-        """Immediate dominators of the vertices the source reaches (the source: itself)."""
-        n = len(self.keys)
-        seen = bytearray(n)
-        seen[0] = 1
-        stack = [0]
-        while stack:
-            u = stack.pop()
-            for v in self.succ[u]:
-                if not seen[v]:
-                    seen[v] = 1
-                    stack.append(v)
-        indegree = [0] * n
-        for u in range(n):
-            if seen[u]:
-                for v in self.succ[u]:
-                    indegree[v] += 1
-        # Dominator tree so far: parent (immediate dominator), depth, and a skew-binary jump
-        # pointer per vertex, so an ancestor or a common ancestor is found in O(log depth).
-        idom = [-1] * n
-        depth = [0] * n
-        jump = [0] * n
-        idom[0] = 0
-        ready = [0]
-        done = 0
-        while ready:  # topological order: every predecessor is placed before its successors
-            u = ready.pop()
-            done += 1
-            if u:
-                x = -1
-                for p in self.pred[u]:
-                    if idom[p] < 0:
-                        continue  # not reached from the source
-                    if x < 0:
-                        x = p
-                        continue
-                    # Common dominator of x and p: climb to equal depth, then together.
-                    if depth[p] > depth[x]:
-                        x, p = p, x
-                    d = depth[p]
-                    while depth[x] > d:
-                        x = jump[x] if depth[jump[x]] >= d else idom[x]
-                    while x != p:
-                        if jump[x] != jump[p]:
-                            x, p = jump[x], jump[p]
-                        else:
-                            x, p = idom[x], idom[p]
-                idom[u] = x
-                depth[u] = depth[x] + 1
-                jx = jump[x]
-                jump[u] = jump[jx] if depth[x] - depth[jx] == depth[jx] - depth[jump[jx]] else x
-            for v in self.succ[u]:
-                indegree[v] -= 1
-                if indegree[v] == 0:
-                    ready.append(v)
-        if done != sum(seen):  # not acyclic: the general algorithm
-            g = nx.DiGraph()
-            g.add_nodes_from(range(n))
-            g.add_edges_from((u, v) for u in range(n) for v in self.succ[u])
-            found = nx.immediate_dominators(g, 0)
-            found[0] = 0  # networkx 3.5 and later leave the start out
-            return found
-        return {u: idom[u] for u in range(n) if seen[u]}
-
-    def hoist(self, cuttable: Callable[[TensorRef], bool], cut: List[TensorRef]) -> List[TensorRef]:
-        """Move each cut tensor up to the earliest batch-free tensor that dominates it.
-
-        The minimum cut closest to the writes sits after per-variable arithmetic that must see
-        the averaged gradient (learning-rate scaling, clipping): if everything between tensor
-        ``t`` and a cut tensor depends on the batch only through ``t``, ``t`` is the quantity to
-        average. A cut tensor that combines several per-example reductions (batch norm's
-        gradient of gamma uses the batch variance) has no such dominator and stays.
-        """
-        idom = self._immediate_dominators()
-        out: List[TensorRef] = []
-        chosen: Set[TensorRef] = set()
-        for ref in cut:
-            best, node = ref, self._out[ref]
-            while node in idom and idom[node] != node:
-                node = idom[node]
-                if node == 0:
-                    break
-                key = self.keys[node]
-                if key[0] in ("out", "op+out"):
-                    if not cuttable(key[-1]):
-                        break
-                    best = key[-1]
-            if best not in chosen:
-                chosen.add(best)
-                out.append(best)
-        return sorted(out)
 
     def region(self, cut: Set[TensorRef]) -> Set[str]:
         """Ops reachable from the batch without crossing the cut: the per-virtual-node part."""
