@@ -120,6 +120,7 @@ def test_train_force_keeps_what_the_user_put_in_its_outputs(rewritten, digits, c
     before = tree_digest(ckpt)
     one_error(*run(capsys, *cmd, "--force"), "t.ckpt: holds NOTES.txt")
     one_error(*run(capsys, *cmd), "t.ckpt: holds NOTES.txt")
+    one_error(*run(capsys, *cmd, "--resume"), "a finished run of 2 steps", "t.ckpt holds no progress record")
     assert tree_digest(ckpt) == before
     remove_user_files(ckpt)
     code, err = run(capsys, *cmd, "--force")

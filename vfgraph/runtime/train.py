@@ -306,8 +306,9 @@ def _plan(out: str, ckpt_dir: str, inputs: List[str], force: bool, resume: bool,
     finished = os.path.isdir(out) and (records.read_metadata(out) or {}).get("training")
     if resume and state is None and finished:
         done = finished.get("steps")
+        where = "holds no progress record" if os.path.isdir(ckpt_dir) else "does not exist"
         raise InputError(f"{out}: a finished run{f' of {done} steps' if done else ''} with no checkpoint to resume "
-                         f"({ckpt_dir} does not exist); train it further with 'vfgraph train {out} ... -o NEW', or "
+                         f"({ckpt_dir} {where}); train it further with 'vfgraph train {out} ... -o NEW', or "
                          "pass --force instead of --resume to train again from the start")
     if not resume and state is not None and not force:
         raise InputError(f"{ckpt_dir}: holds the checkpoint of an unfinished run (step {state['step']}); continue "
