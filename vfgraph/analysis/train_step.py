@@ -436,6 +436,20 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     summed = _loss_reduction(g, sig, counts, vnode_nodes, cut, shapes) == "sum"
     for c in cut:
         c.averaged = not (summed and c.role in ("gradient", "indices"))
+    outputs = _plan_outputs(g, sig, counts, dep, vnode_nodes)
+    return TrainStep(signature=sig, function=g.name, cut=cut, vnode_nodes=vnode_nodes, writes=writes,
+                     outputs=outputs, batch_dependent=dep, loss_reduction="sum" if summed else "mean")
+
+
+_CONDITIONAL = ("If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile", "PartitionedCall",
+                "StatefulPartitionedCall")
+
+
+def _plan_outputs(g: FunctionGraph, sig: SignatureInfo, counts: "reduction.BatchCounts", dep: Set[str],
+                  vnode_nodes: Set[str]) -> List[OutputPlan]:
+    """How each output of the step combines over virtual nodes: computed once by the update, or
+    per virtual node and averaged (summed, for a sum over the batch), concatenated along a
+    batch dimension, or the last virtual node's value."""
     outputs: List[OutputPlan] = []
     for out_name, ref in g.output_refs():
         if ref.is_function_arg:
@@ -451,12 +465,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
             plan.averaged = not reduction.sums_over_batch(g, counts, ref, lambda t: _batch_shaped(g, t),
                                                           lambda t: t.node in dep)
         outputs.append(plan)
-    return TrainStep(signature=sig, function=g.name, cut=cut, vnode_nodes=vnode_nodes, writes=writes,
-                     outputs=outputs, batch_dependent=dep, loss_reduction="sum" if summed else "mean")
-
-
-_CONDITIONAL = ("If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile", "PartitionedCall",
-                "StatefulPartitionedCall")
+    return outputs
 
 
 def _conditional_update(g: FunctionGraph, dep: Set[str]) -> str:
