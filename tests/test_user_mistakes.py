@@ -40,6 +40,33 @@ def test_python_callers_get_the_same_checks(models, kwargs, want):
         vfgraph.rewrite(models("mlp:sgd"), **kwargs)
 
 
+@pytest.mark.parametrize("model, argv, want", [
+    ("mlp:sgd", ["--vnodes", 2, "--schedule", "gpipe"], "--schedule gpipe without --stages"),
+    ("mlp:sgd", ["--vnodes", 2, "--allreduce", "none", "--fusion-mb", 8], "--fusion-mb 8 with --allreduce none"),
+    ("mlp:sgd", ["--vnodes", 2, "--outputs", "y:0"], "--outputs names a frozen GraphDef's output tensors, and "
+                                                     "this is a SavedModel"),
+    ("mlp:sgd", ["--vnodes", 2, "--loss", "loss:0"], "--loss names a TF1 MetaGraphDef's loss tensor"),
+    ("mlp:sgd", ["--vnodes", 2, "--checkpoint", "ckpt"], "--checkpoint names a TF1 MetaGraphDef's checkpoint"),
+    ("mlp:sgd", ["--pipeline", "split-vnodes{vnodes=2}", "--allreduce", "none"], "--allreduce none with a pipeline"),
+    ("tf1ckpt", ["--vnodes", 2, "--allreduce", "mpi"], "--allreduce mpi: the rewritten step of a TF1 or GraphDef"),
+    ("tf1ckpt", ["--vnodes", 2, "--fusion-mb", 2], "--fusion-mb 2: the rewritten step of a TF1 or GraphDef"),
+    ("keras-export", ["--vnode-batch", 4, "--allreduce", "mpi"], "only the model's serving is rewritten"),
+])
+def test_an_option_the_rewrite_would_ignore_is_refused(models, tmp_path, capsys, model, argv, want):
+    """No option given is silently ignored: one that would change nothing is a mistake, named."""
+    out = tmp_path / "o"
+    code, err = run_in_process(capsys, "rewrite", models(model), *argv, "-o", out)
+    assert code == 2 and want in error_line(err), err
+    assert not out.exists()
+
+
+def test_python_options_without_effect_are_refused(models):
+    with pytest.raises(VfgraphError, match="--vnodes 4, --allreduce none with a pipeline"):
+        vfgraph.rewrite(models("mlp:sgd"), vnodes=4, allreduce="none", pipeline="microbatch-inference")
+    with pytest.raises(VfgraphError, match="--schedule gpipe without --stages"):
+        vfgraph.rewrite(models("mlp:sgd"), vnodes=4, schedule="gpipe")
+
+
 @pytest.mark.parametrize("argv, want", [
     (["--steps", 10 ** 11], "--steps 100000000000: give the training steps"),
     (["--steps", 0], "--steps 0: give the training steps"),

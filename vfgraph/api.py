@@ -30,18 +30,35 @@ def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None,
 def _load(path: str, outputs, checkpoint, loss) -> GraphItem:
     files.check_readable(path)
     if savedmodel.is_saved_model_dir(path):
+        _only_for(path, "a SavedModel", outputs=outputs, checkpoint=checkpoint, loss=loss)
         return savedmodel.load_saved_model(path)
     if path.endswith(".meta") and os.path.isfile(path) or metagraph.is_checkpoint_dir(path):
+        _only_for(path, "a TF1 MetaGraphDef", outputs=outputs)
         return metagraph.load_meta_graph(path, os.fspath(checkpoint) if checkpoint else None, loss)
     if os.path.isfile(path) and path.endswith((".pb", ".pbtxt")):
         if path.endswith(".pbtxt") and _is_saved_model_text(path):
+            _only_for(path, "a SavedModel", outputs=outputs, checkpoint=checkpoint, loss=loss)
             return savedmodel.load_saved_model_text(path)
+        _only_for(path, "a frozen GraphDef", checkpoint=checkpoint, loss=loss)
         return graphdef.load_graph_def(path, outputs)
     if os.path.isdir(path):
         raise InputError(f"{path}: not a SavedModel directory (no saved_model.pb) or TF1 checkpoint directory (no "
                          "'checkpoint' file); give the directory tf.saved_model.save or model.export() wrote")
     raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory, a frozen GraphDef "
                      "(.pb, .pbtxt) or a TF1 MetaGraphDef (.meta) with its checkpoint")
+
+
+_LOAD_OPTIONS = {"outputs": ("--outputs", "a frozen GraphDef's output tensors"),
+                 "checkpoint": ("--checkpoint", "a TF1 MetaGraphDef's checkpoint"),
+                 "loss": ("--loss", "a TF1 MetaGraphDef's loss tensor")}
+
+
+def _only_for(path: str, kind: str, **given) -> None:
+    """Refuse a load option ``kind`` of model does not read (it would be silently ignored)."""
+    for name, value in given.items():
+        if value:
+            flag, what = _LOAD_OPTIONS[name]
+            raise InputError(f"{path}: {flag} names {what}, and this is {kind}; leave it out")
 
 
 def _is_saved_model_text(path: str) -> bool:
@@ -84,20 +101,24 @@ def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "
 
 def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: Optional[str] = None,
             train_signature: str = "", after_each: Optional[AfterEach] = None,
-            outputs: Optional[Sequence[str]] = None, allreduce: str = "mpi", fusion_mb: float = 4,
+            outputs: Optional[Sequence[str]] = None, allreduce: Optional[str] = None,
+            fusion_mb: Optional[float] = None,
             checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False,
             verify_each: bool = False, stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
-            schedule: str = "1f1b", deterministic: bool = False, balance: str = "estimate",
+            schedule: Optional[str] = None, deterministic: bool = False, balance: str = "estimate",
             profile_batch: int = 32, profile: Union[str, os.PathLike] = "") -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
     With ``in_place``, a loaded item is rewritten itself and returned, without the copy (a
     model's size in memory and the time to copy it): for an item loaded only to be rewritten
     (a pass that fails leaves it partly rewritten).
 
-    ``allreduce``: "mpi" (the default) adds the all-reduce over MPI ranks to the training step
-    of a TF2 SavedModel (on one process it is skipped at run time; loading the model then needs
-    vfgraph's ops, see :func:`export` for serving), "none" leaves it out. The output depends
-    only on the input and the options: where the ops cannot be built, "mpi" is an error. ``after_each(pass, item)``
+    ``allreduce``: "mpi" (the default for a TF2 SavedModel's training step) adds the all-reduce
+    over MPI ranks of at most ``fusion_mb`` MiB per fused buffer (default 4; on one process it is
+    skipped at run time; loading the model then needs vfgraph's ops, see :func:`export` for
+    serving), "none" leaves it out. The output depends only on the input and the options: where
+    the ops cannot be built, "mpi" is an error. An option that would change nothing is refused
+    (an all-reduce for a model without a TF2 training step, ``fusion_mb`` without one, a
+    ``schedule`` without stages, any of these with a ``pipeline``, which holds its own). ``after_each(pass, item)``
     sees each pass's result before the next pass edits it in place (``item.copy()`` keeps one).
     ``verify_each``: verify after every pass, not only at the end (names the pass that broke
     the graph; costs a verify per pass).
@@ -115,8 +136,10 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
     ``deterministic`` sums the virtual nodes' gradients and outputs exactly (fixed point), so
     that any layout of the V virtual nodes over ranks (1x8, 2x4, 5+3) trains bit-identical
     parameters."""
-    if allreduce not in ("mpi", "none"):
+    if allreduce not in (None, "mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi' or 'none'")
+    _check_applies(pipeline, vnodes, vnode_batch, allreduce, fusion_mb, stages, devices, split_at, schedule,
+                   balance, profile)
     profile = os.fspath(profile)
     if profile:
         if any(c in profile for c in ",{}"):
@@ -129,6 +152,44 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
                         dict(stages=stages, devices=tuple(devices), split_at=tuple(split_at), schedule=schedule,
                              deterministic=deterministic, balance=balance, profile_batch=profile_batch,
                              profile=profile))
+
+
+def _check_applies(pipeline, vnodes, vnode_batch, allreduce, fusion_mb, stages, devices, split_at, schedule,
+                   balance, profile) -> None:
+    """Refuse options the rewrite would ignore, before any work (those that depend on the model's
+    kind are checked once it is loaded, by :func:`_check_model_applies`)."""
+    staged = stages != 1 or bool(devices) or bool(split_at)
+    if pipeline is not None:
+        given = [f"--{n.replace('_', '-')} {v if isinstance(v, (int, float, str)) else ','.join(v)}" for n, v, unset in (
+            ("vnodes", vnodes, 1), ("vnode_batch", vnode_batch, 0), ("allreduce", allreduce, None),
+            ("fusion_mb", fusion_mb, None), ("stages", stages, 1), ("devices", tuple(devices), ()),
+            ("split_at", tuple(split_at), ()), ("schedule", schedule, None), ("balance", balance, "estimate"),
+            ("profile", os.fspath(profile), "")) if v != unset]
+        if given:
+            raise InputError(f"{', '.join(given)} with a pipeline: the pipeline holds its passes' options; give them "
+                             "in it, e.g. 'split-vnodes{vnodes=8},insert-allreduce{fusion-mb=8}'")
+    if fusion_mb is not None and allreduce == "none":
+        raise InputError(f"--fusion-mb {fusion_mb:g} with --allreduce none: there is no all-reduce to fuse; leave "
+                         "out one of them")
+    if schedule is not None and not staged and pipeline is None:
+        raise InputError(f"--schedule {schedule} without --stages: the schedule orders pipeline stages; give "
+                         "--stages K (or --devices, --split-at), or leave out --schedule")
+
+
+def _check_model_applies(item: GraphItem, has_training: bool, allreduce, fusion_mb) -> None:
+    """Refuse all-reduce options for a model whose rewrite has no all-reduce: a TF1 or GraphDef
+    model (its step trains on one process) or one whose serving only is rewritten."""
+    given = " and ".join(f for f, v in (("--allreduce mpi", allreduce == "mpi"),
+                                        (f"--fusion-mb {fusion_mb or 0:g}", fusion_mb is not None)) if v)
+    if not given:
+        return
+    if item.kind != "saved_model":
+        raise InputError(f"{item.source}: {given}: the rewritten step of a TF1 or GraphDef model trains on one "
+                         "process, without an all-reduce; leave out the option (or export the model as a TF2 "
+                         "SavedModel to train it over MPI ranks)")
+    if not has_training:
+        raise InputError(f"{item.source}: {given}: only the model's serving is rewritten (it has no training "
+                         "step), so there is no all-reduce; leave out the option")
 
 
 @contextlib.contextmanager
@@ -151,21 +212,21 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
     if pipeline is not None and (partition or {}).get("deterministic"):
         raise InputError("deterministic with a pipeline: give split-vnodes the option instead, "
                          "e.g. 'split-vnodes{vnodes=8,deterministic=true}'")
+    part = {k: v for k, v in (partition or {}).items() if v is not None}  # (None: the default)
+    fusion = 4 if fusion_mb is None else fusion_mb
     if pipeline is None:
-        parse_pipeline(default_pipeline(vnodes, vnode_batch, train_signature, True, allreduce == "mpi", fusion_mb,
-                                        **(partition or {})))  # every option checked by its pass, before the load
+        parse_pipeline(default_pipeline(vnodes, vnode_batch, train_signature, True, allreduce != "none", fusion,
+                                        **part))  # every option checked by its pass, before the load
     else:
         parse_pipeline(pipeline)
     item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
     if pipeline is None:
-        part = partition or {}
         staged = part.get("stages", 1) != 1 or part.get("devices") or part.get("split_at")
         serving_only = vnodes == 1 and bool(vnode_batch) and not staged and not part.get("deterministic")
         has_training = _has_training(item, train_signature, serving_only)
-        if item.kind != "saved_model":  # TF1 and GraphDef outputs train on one process
-            allreduce = "none"
-        pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, allreduce == "mpi", fusion_mb,
-                                    **(partition or {}))
+        _check_model_applies(item, has_training, allreduce, fusion_mb)
+        reduced = allreduce != "none" and item.kind == "saved_model"  # TF1 and GraphDef outputs: one process
+        pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, reduced, fusion, **part)
     source_fingerprint = savedmodel.source_fingerprint(item.source, item.variables_prefix)
     seq = PassManager(parse_pipeline(pipeline), verify_each=verify_each, after_each=after_each)
     out, notes = seq.run(item, owned=owned)

@@ -95,11 +95,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="replace OUTPUT if it exists and vfgraph wrote it (anything else is never replaced)")
     r.add_argument("--outputs", metavar="T1,T2",
                    help="frozen GraphDefs: comma-separated output tensors (default: the nodes nothing consumes)")
-    r.add_argument("--allreduce", choices=("mpi", "none"), default="mpi",
+    r.add_argument("--allreduce", choices=("mpi", "none"),
                    help="data-parallel all-reduce over MPI ranks in a TF2 training step (default mpi: the same "
                         "output on every machine; loading it needs vfgraph's ops, so serve a 'vfgraph export' of it; "
                         "none: no collectives)")
-    r.add_argument("--fusion-mb", type=float, default=4, metavar="MIB",
+    r.add_argument("--fusion-mb", type=float, metavar="MIB",
                    help="largest fused all-reduce buffer, MiB (default 4)")
     r.add_argument("--stages", type=int, metavar="K",
                    help="model parallelism: cut the training step into K pipeline stages, stage k on the k-th of "
@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --stages: the forward ops that start stages 2..K (default: the cuts that balance "
                         "the estimated cost; 'vfgraph inspect MODEL --stages K' shows them)")
     _balance_options(r)
-    r.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+    r.add_argument("--schedule", choices=("1f1b", "gpipe"),
                    help="with --stages: 1f1b (default) keeps at most K virtual nodes in flight, so at most K "
                         "virtual nodes' activations; gpipe runs all of a step's at once")
     r.add_argument("--deterministic", action="store_true",
@@ -494,7 +494,7 @@ def _partition_options(args) -> dict:
     split_at = [op.strip() for op in args.split_at.split(",") if op.strip()] if args.split_at else []
     _check_balance(args, args.stages if args.stages is not None or devices or split_at else None)
     if args.stages is None and not devices and not split_at:
-        return {}
+        return {"schedule": args.schedule} if args.schedule else {}  # (refused by the rewrite: no stages)
     stages = args.stages if args.stages is not None else len(devices)
     if args.pipeline is not None:
         raise InputError("--stages, --devices and --split-at with --pipeline: give them in the pipeline instead, "
