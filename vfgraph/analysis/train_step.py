@@ -127,6 +127,7 @@ class _Cuttable:
         self.dep = dep
         self.shapes = shapes
         self.sparse: Dict[TensorRef, str] = {}
+        self.indices_of: Dict[TensorRef, TensorRef] = {}  # a sparse gradient's values -> its indices
         self.blocked: Set[TensorRef] = set()
         self._flags: Dict[str, List[bool]] = {}
         roots = []
@@ -143,6 +144,7 @@ class _Cuttable:
                 continue
             self.sparse[vals] = "concat_scaled"
             self.sparse[idx] = "concat"
+            self.indices_of[vals] = idx
             roots.append(name)
         seen: Set[str] = set()
         while roots:
@@ -279,7 +281,7 @@ def refine_shapes(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, List[s
 _SPARSE_INPUTS = {"UnsortedSegmentSum": ("data", "segment_ids"), "ResourceScatterAdd": ("updates", "indices"),
                   "ResourceScatterSub": ("updates", "indices")}
 _SPARSE_DENSIFY = {"UnsortedSegmentSum"}  # rows summed into a dense tensor of the variable's shape
-_ROWWISE = {"Identity", "Square", "Neg", "Cast", "Mul", "RealDiv", "Sqrt", "Abs"}
+_ROWWISE = {"Identity", "Square", "Neg", "Cast", "Mul", "RealDiv", "Sqrt", "Abs", "Minimum", "Maximum", "ClipByValue"}
 _INDEX_PASS = {"Identity", "Cast"}
 
 
@@ -416,15 +418,19 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     forward_reads = _forward_read_args(g, forward | vnode_nodes)
     cut: List[CutTensor] = []
     for ref in cut_refs:
-        fed = reach.get(ref, [])
         combine = cuttable.sparse.get(ref, "mean")
+        # (a sparse gradient's values update what its indices do, whichever reaches the update first)
+        fed = reach.get(ref) or reach.get(cuttable.indices_of.get(ref), [])
         c = CutTensor(ref=ref, dtype=g.dtype(ref), shape=shapes.get(ref) or g.shape(ref) or [], writes=fed,
                       combine=combine)
-        grads_of = [r for r in fed if r in forward_reads and (combine != "mean" or _same_shape(sig.variables[r].shape, c.shape))]
+        # a gradient feeds a variable the forward reads (a statistic feeds only others: a moving
+        # mean); of the same shape where one is (a slice's gradient, as of a position table, is not)
+        grads_of = [r for r in fed if r in forward_reads]
+        same = [r for r in grads_of if combine != "mean" or _same_shape(sig.variables[r].shape, c.shape)]
         if combine == "concat":
             c.role = "indices"
         elif grads_of:
-            c.variable = grads_of[0]  # the nearest parameter (of the same shape, for dense gradients)
+            c.variable = (same or grads_of)[0]  # the nearest parameter
         else:
             c.role = "statistic"
         c.writes = sorted(fed, key=lambda r: order.get(r, 1 << 30))

@@ -1,0 +1,70 @@
+"""Gradients of lookups keep their meaning at any number of virtual nodes: a token table's rows
+(a sparse gradient) clipped by value run the clip once on the batch's rows, and a position
+table read through a slice (a gradient of another shape than its variable) is summed for a
+loss summed over the batch. V=1 equals the original step, V=4 the full-batch step."""
+import numpy as np
+import pytest
+
+from test_training_semantics import assert_same_training
+
+SEQ, VOCAB = 6, 20
+
+
+def export(path, loss: str, **options):
+    """Token and position embeddings (the positions a slice of a longer table), mean-pooled,
+    a classifier; SGD with ``options``; the loss a mean or a sum over the batch."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+
+    class Embed(keras.layers.Layer):
+        def build(self, shape):
+            self.tokens = self.add_weight(shape=(VOCAB, 8), initializer="normal", name="tokens")
+            self.positions = self.add_weight(shape=(2 * SEQ, 8), initializer="normal", name="positions")
+
+        def call(self, ids):
+            return tf.gather(self.tokens, ids) + self.positions[:tf.shape(ids)[1]]
+
+    ids = keras.Input((SEQ,), dtype="int32")
+    logits = keras.layers.Dense(4)(keras.layers.GlobalAveragePooling1D()(Embed()(ids)))
+    model = keras.Model(ids, logits)
+    specs = {"x": tf.TensorSpec([None, SEQ], tf.int32), "y": tf.TensorSpec([None], tf.int32)}
+    opt = keras.optimizers.SGD(0.5, momentum=0.9, **options)
+    opt.build(model.trainable_variables)
+    reduce = tf.reduce_sum if loss == "sum" else tf.reduce_mean
+
+    class Trainer(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.opt, self.model_variables = model, opt, list(model.variables)
+
+        @tf.function(input_signature=[specs])
+        def train(self, batch):
+            with tf.GradientTape() as tape:
+                value = reduce(keras.losses.sparse_categorical_crossentropy(
+                    batch["y"], self.model(batch["x"], training=True), from_logits=True))
+            grads = tape.gradient(value, self.model.trainable_variables)
+            self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
+            return {"loss": value}
+
+        @tf.function(input_signature=[specs["x"]])
+        def serve(self, x):
+            return {"logits": self.model(x, training=False)}
+
+    m = Trainer()
+    tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
+    return str(path)
+
+
+def data(n):
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, VOCAB, (n, SEQ)).astype(np.int32)
+    return {"batch": x, "batch_1": rng.integers(0, 4, n).astype(np.int32), "x": x}
+
+
+@pytest.mark.parametrize("loss, options", [("mean", dict(clipvalue=0.002)), ("sum", {}),
+                                           ("sum", dict(clipvalue=0.01))])
+def test_lookup_gradients_keep_their_meaning(loss, options, tmp_path):
+    name = f"{loss}_{'_'.join(options) or 'plain'}"
+    assert_same_training(export(tmp_path / name, loss, **options), tmp_path, name, make_data=data)
