@@ -35,17 +35,39 @@ class Entry:
     batch_stats: bool = False   # batch norm: per-virtual-node statistics change the step
     dropout: bool = False       # random masks per virtual node change the step
     tags: tuple = ()            # MetaGraph tags to load (TF1 SavedModels)
+    training: tuple = ()        # training options: (Keras optimizer option, value), ("loss", "sum")
     train_save: bool = False    # also trained with vfgraph train, saved, served and resumed
     note: str = ""
 
 
-def _optimizer(name: str, lr: float):
+def training_spec(optimizer: str, training: tuple = ()) -> str:
+    """``optimizer`` with the training options ``training`` ((key, value) pairs: a Keras optimizer
+    option, or ``loss`` "sum"), as one string: "adam:global_clipnorm=0.05,loss=sum"."""
+    return optimizer + (":" + ",".join(f"{k}={v}" for k, v in training) if training else "")
+
+
+def _parse_spec(spec: str):
+    """(optimizer name, its Keras options, the loss's reduction over the batch) of a training_spec."""
+    name, _, rest = spec.partition(":")
+    options = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    reduction = options.pop("loss", "mean")
+    return name, {k: _value(v) for k, v in options.items()}, reduction
+
+
+def _value(text: str):
+    if text in ("True", "False"):
+        return text == "True"
+    return float(text) if any(c in text for c in ".e") else int(text)
+
+
+def _optimizer(spec: str, lr: float):
     import keras
 
-    return {"sgd": lambda: keras.optimizers.SGD(lr),
-            "momentum": lambda: keras.optimizers.SGD(lr, momentum=0.9),
-            "adam": lambda: keras.optimizers.Adam(lr),
-            "adamw": lambda: keras.optimizers.AdamW(lr, weight_decay=0.01)}[name]()
+    name, options, _ = _parse_spec(spec)
+    return {"sgd": lambda: keras.optimizers.SGD(lr, **options),
+            "momentum": lambda: keras.optimizers.SGD(lr, momentum=0.9, **options),
+            "adam": lambda: keras.optimizers.Adam(lr, **options),
+            "adamw": lambda: keras.optimizers.AdamW(lr, weight_decay=0.01, **options)}[name]()
 
 
 def _save(out: str, model, features: Dict[str, object], labels, loss_fn, optimizer: str, lr: float,
@@ -56,6 +78,8 @@ def _save(out: str, model, features: Dict[str, object], labels, loss_fn, optimiz
 
     specs = dict(features, labels=labels)
     single = len(features) == 1
+    if _parse_spec(optimizer)[2] == "sum":  # the per-example losses summed over the batch, not averaged
+        loss_fn = _ce_sum if loss_fn is _ce else loss_fn
 
     class Trainer(tf.Module):
         def __init__(self):
@@ -90,6 +114,12 @@ def _ce(labels, logits):
     import tensorflow as tf
 
     return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+
+
+def _ce_sum(labels, logits):
+    import tensorflow as tf
+
+    return tf.reduce_sum(tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
 
 
 def _tokens(*names: str) -> Dict[str, object]:
@@ -406,6 +436,9 @@ CORPUS: Dict[str, Entry] = {
                              batch_stats=True, tags=("serve", "train"), train_save=True),
     "tf1-builder": Entry(tf1_builder, "TF1 graph, SavedModel builder, reference variables", "momentum",
                          batch_stats=True, tags=("serve",), train_save=True),
+    "gru-clipped": Entry(gru, "recurrent, Adam with global_clipnorm", "adam", training=(("global_clipnorm", 0.05),)),
+    "roberta-sum": Entry(roberta, "encoder, loss summed over the batch, clipvalue", "momentum",
+                         training=(("clipvalue", 0.01), ("loss", "sum"))),
     "mobilenet-v3-export": Entry(mobilenet_v3_export, "keras.applications, model.export(), inference", ""),
 }
 
@@ -421,6 +454,10 @@ EXTENDED: Dict[str, Entry] = {
     "resnet50-v2": Entry(resnet50_v2, "keras.applications, pre-activation ResNet", "momentum", batch_stats=True),
     "efficientnet-v2-b0": Entry(efficientnet_v2_b0, "keras.applications, fused MBConv", "adam", batch_stats=True,
                                 dropout=True),
+    "vit-ema": Entry(vit, "vision transformer, AdamW with EMA and clipnorm", "adamw",
+                     training=(("use_ema", True), ("ema_overwrite_frequency", 2), ("clipnorm", 0.1))),
+    "bart-sum-clipped": Entry(bart, "encoder-decoder, loss summed, global_clipnorm", "sgd",
+                              training=(("global_clipnorm", 0.5), ("loss", "sum"))),
     "convnext-tiny": Entry(convnext_tiny, "keras.applications, LayerNorm, stochastic depth", "adamw", dropout=True),
 }
 ALL: Dict[str, Entry] = {**CORPUS, **EXTENDED}
@@ -429,7 +466,7 @@ ALL: Dict[str, Entry] = {**CORPUS, **EXTENDED}
 def export(name: str, out: str, optimizer: Optional[str] = None) -> str:
     """Export corpus model ``name`` to ``out`` (with ``optimizer`` instead of its own); returns ``out``."""
     e = ALL[name]
-    e.build(out, optimizer or e.optimizer) if e.optimizer else e.build(out)
+    e.build(out, training_spec(optimizer or e.optimizer, e.training)) if e.optimizer else e.build(out)
     return out
 
 
@@ -467,7 +504,7 @@ def main() -> None:
     a = p.parse_args()
     if a.name == "list":
         for k, e in ALL.items():
-            print(f"{k:22} {e.family} ({e.optimizer or 'inference'})")
+            print(f"{k:22} {e.family} ({training_spec(e.optimizer, e.training) or 'inference'})")
         return
     if not a.out:
         p.error("OUT_DIR is required")
