@@ -88,6 +88,22 @@ def test_exact_sums_keep_a_gan_step_and_stages_refuse_it(tmp_path):
         vfgraph.rewrite(gan, vnodes=4, stages=2)
 
 
+def test_inspect_shows_the_phases_and_stages_are_refused_in_one_line(tmp_path, capsys):
+    from test_training_semantics import export_two_updates
+    from vfgraph import cli
+    from vfgraph.testing.cli import one_error, run_in_process
+
+    gan = export_two_updates(tmp_path / "gan", dependent=True)
+    capsys.readouterr()
+    assert cli.main(["inspect", gan]) == 0
+    assert "  phases: 2 (dependent updates" in capsys.readouterr().out
+    out = tmp_path / "staged"
+    code, err = run_in_process(capsys, "rewrite", gan, "-o", out, "--vnodes", "4", "--stages", "2")
+    one_error(code, err, "vfgraph rewrite: error: ", "comes from a loss that reads",
+              "pipeline stages cannot run a step with dependent updates", "train it without --stages")
+    assert not out.exists()
+
+
 def test_three_dependent_updates_run_as_three_phases(tmp_path):
     import vfgraph
     from test_training_semantics import assert_same_training
