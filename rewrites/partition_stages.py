@@ -32,7 +32,8 @@ from typing import ClassVar, Dict, List, Optional, Tuple
 from vfgraph import records
 from vfgraph.analysis.profile import profile_of
 from vfgraph.analysis.stages import StagePlan, plan_stages
-from vfgraph.analysis.train_step import analyze_train_step, check_batch_inputs, training_signature
+from vfgraph.analysis.phases import train_steps
+from vfgraph.analysis.train_step import check_batch_inputs, training_signature
 from vfgraph.errors import PipelineError
 from vfgraph.io.signatures import has_object_graph, set_variable_devices
 from vfgraph.ir.attrs import type_attr
@@ -104,7 +105,7 @@ class PartitionStagesPass(Pass):
         g = FunctionGraph.over(item.function(sig.function), item.library)
         g.verify()
         check_batch_inputs(g, sig)
-        step = analyze_train_step(g, sig)
+        step = train_steps(g, sig, stages=True)[0]
         profile = None
         if self.balance == "profile" and not split_at and self.stages > 1:
             profile = profile_of(item.source, sig, self.profile_batch, self.profile)

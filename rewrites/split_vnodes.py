@@ -18,8 +18,8 @@ import numpy as np
 from tensorflow.core.framework import types_pb2
 
 from vfgraph import records
-from vfgraph.analysis.train_step import (TrainStep, analyze_train_step, check_batch_inputs, static_batch,
-                                         training_signature, with_dynamic_batch)
+from vfgraph.analysis.train_step import (DependentUpdates, TrainStep, analyze_train_step, check_batch_inputs,
+                                         static_batch, training_signature, with_dynamic_batch)
 from vfgraph.errors import DetectionError, PipelineError, VerifyError
 from vfgraph.io.signatures import (add_graph_signature, add_graph_variables, add_object_variables, add_signature,
                                    entry_header, has_object_graph, signature_wrapper)
@@ -75,7 +75,12 @@ class SplitVnodesPass(Pass):
         b = self._vnode_batch(original, sig)
         static = static_batch(original, sig) > 0
         g = with_dynamic_batch(original, sig, b) if static else original
-        step = analyze_train_step(g, sig)
+        try:
+            step = analyze_train_step(g, sig)
+        except DependentUpdates as dependent:  # several phases, one after the other
+            from vfgraph.rewrites.phased_step import split_phased
+
+            return split_phased(self, item, sig, g, b, dependent)
         vnode_fn = function_name(sig.function, "vnode")
         update_fn = function_name(sig.function, "update")
         vnode_outputs = [o for o in step.outputs if o.side == "vnode"]

@@ -518,7 +518,7 @@ def _partition_options(args) -> dict:
 
 
 def cmd_inspect(args) -> int:
-    from vfgraph.analysis.train_step import analyze_train_step
+    from vfgraph.analysis.phases import train_steps
     from vfgraph.ir.functions import function_dependencies
     from vfgraph.ir.graph import FunctionGraph
 
@@ -554,16 +554,19 @@ def cmd_inspect(args) -> int:
             "ops": dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))),
         }
         if train is not None and key == train.key and key not in split:
-            step = analyze_train_step(g, sig)
+            steps = train_steps(g, sig, stages=stages is not None)  # one per phase of dependent updates
+            step = steps[0]
             name = lambda r: sig.variables[r].name  # noqa: E731
             entry["training"] = {
                 "gradients": [{"variable": name(c.variable) if c.variable else None, "tensor": str(c.ref),
-                               "shape": c.shape, "role": c.role} for c in step.cut],
-                "trainable": [name(r) for r in step.trainable],
-                "batch_dependent_updates": [name(r) for r in step.batch_updated],
-                "optimizer_state": [name(r) for r in step.optimizer_state],
-                "per_vnode_nodes": len(step.vnode_nodes),
+                               "shape": c.shape, "role": c.role} for s in steps for c in s.cut],
+                "trainable": [name(r) for s in steps for r in s.trainable],
+                "batch_dependent_updates": [name(r) for s in steps for r in s.batch_updated],
+                "optimizer_state": [name(r) for s in steps for r in s.optimizer_state],
+                "per_vnode_nodes": sum(len(s.vnode_nodes) for s in steps),
             }
+            if len(steps) > 1:
+                entry["training"]["phases"] = len(steps)
             if stages is not None:
                 from vfgraph.analysis.stages import plan_stages
 
@@ -620,6 +623,8 @@ def cmd_inspect(args) -> int:
             print("  gradients (tensor -> variable):")
             for gr in t["gradients"]:
                 print(f"    {gr['tensor']} {gr['shape']} -> {gr['variable'] or '(' + gr['role'] + ')'}")
+            if "phases" in t:
+                print(f"  phases: {t['phases']} (dependent updates: each runs over all virtual nodes before the next)")
             print(f"  optimizer state: {', '.join(t['optimizer_state']) or 'none'}")
             print(f"  batch-dependent updates: {', '.join(t['batch_dependent_updates']) or 'none'}")
         top = list(e["ops"].items())[:12]

@@ -490,13 +490,23 @@ def _conditional_update(g: FunctionGraph, dep: Set[str]) -> str:
     return ""
 
 
+class DependentUpdates(DetectionError):
+    """A step whose per-example work reads variables an earlier update of the same step wrote:
+    ``reads`` are those reads (ReadVariableOp nodes), ``updates`` the (earlier write, later
+    write) pairs the message names. Split into phases by :mod:`vfgraph.analysis.phases`."""
+
+    def __init__(self, message: str, reads: List[str]):
+        super().__init__(message)
+        self.reads = reads
+
+
 def _check_one_phase(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, List[str]], sinks: Set[str],
                      vnode_nodes: Set[str]) -> None:
-    """Refuse a step whose per-example work reads a variable the same step updated before it
-    (a GAN's generator loss through the discriminator it just updated): each virtual node would
-    read the value before the update, which runs once after them all. Reads by the update
-    itself (EMA of the new weights) are what the step computes once, and so are reads after
-    writes that do not depend on the batch (a dropout seed's counter)."""
+    """Refuse (:class:`DependentUpdates`) a step whose per-example work reads a variable the same
+    step updated before it (a GAN's generator loss through the discriminator it just updated):
+    each virtual node would read the value before the update, which runs once after them all.
+    Reads by the update itself (EMA of the new weights) are what the step computes once, and so
+    are reads after writes that do not depend on the batch (a dropout seed's counter)."""
     def variable(res: str) -> str:  # (a variable captured twice is two arguments of one name)
         return sig.variables[res].name if res in sig.variables else res
 
@@ -505,6 +515,7 @@ def _check_one_phase(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, Lis
         bit.setdefault(variable(r), 1 << len(bit))
     write_of = {w: variable(r) for r, ws in writes.items() for w in ws if w in sinks}
     before: Dict[str, int] = {}  # node -> the variables written before it (a bit each)
+    found: List[Tuple[str, str, str]] = []  # (read, variable, the write before it)
     for name in g.topological_order():
         mask = 0
         for t, _ in g.inputs(name):  # (data and control inputs; arguments are in no ``before``)
@@ -517,12 +528,26 @@ def _check_one_phase(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, Lis
         if res is None or not mask & bit.get(variable(res), 0):
             continue
         if any(c in vnode_nodes for t in g.outputs(name) for c, _ in g.consumers(t)):
-            earlier = next(w for w, v in write_of.items() if v == variable(res))
-            raise DetectionError(
-                f"signature {sig.key!r}: {name!r} reads {variable(res)} after {earlier!r} updated it in the same "
-                "step, and per-example work uses what it reads (a step with two dependent updates, as a GAN's "
-                "discriminator then generator); vfgraph cannot yet run such a step phase by phase: export each "
-                "update as its own training signature")
+            found.append((name, variable(res), next(w for w, v in write_of.items() if v == variable(res))))
+    if not found:
+        return
+    read, var, earlier = found[0]
+    reads = {r for r, _, _ in found}
+    later = _write_reached_from(g, reads, sinks) or "a later update"
+    raise DependentUpdates(
+        f"signature {sig.key!r}: the update {later!r} comes from a loss that reads {var} after the update "
+        f"{earlier!r} wrote it in the same step (read by {read!r}; two dependent updates, as a GAN's "
+        "discriminator then generator)", sorted(reads))
+
+
+def _write_reached_from(g: FunctionGraph, reads: Set[str], sinks: Set[str]) -> str:
+    """The first batch-dependent write (in stored order) whose inputs reach back to ``reads``."""
+    kids: Dict[str, List[str]] = {}
+    for n in g.nodes:
+        for t, _ in g.inputs(n):
+            kids.setdefault(t.node, []).append(n)
+    after = g.reachable(reads, lambda n: kids.get(n, ()))
+    return next((w for w in g.nodes if w in sinks and w in after), "")
 
 
 def _loss_reduction(g: FunctionGraph, sig: SignatureInfo, counts: "reduction.BatchCounts", vnode_nodes: Set[str],
