@@ -564,6 +564,9 @@ def cmd_inspect(args) -> int:
                 "batch_dependent_updates": [name(r) for s in steps for r in s.batch_updated],
                 "optimizer_state": [name(r) for s in steps for r in s.optimizer_state],
                 "per_vnode_nodes": sum(len(s.vnode_nodes) for s in steps),
+                "loss_reduction": [s.loss_reduction for s in steps],
+                "outputs_over_vnodes": {o.name: ("mean" if o.averaged else "sum") if o.combine == "mean" else o.combine
+                                        for s in steps for o in s.outputs if o.side == "vnode"},
             }
             if len(steps) > 1:
                 entry["training"]["phases"] = len(steps)
@@ -619,19 +622,27 @@ def cmd_inspect(args) -> int:
         elif rw:
             print("  all-reduce: none (each process trains alone; rewrite with --allreduce mpi for mpiexec)")
         if "training" in e:
-            t = e["training"]
-            print("  gradients (tensor -> variable):")
-            for gr in t["gradients"]:
-                print(f"    {gr['tensor']} {gr['shape']} -> {gr['variable'] or '(' + gr['role'] + ')'}")
-            if "phases" in t:
-                print(f"  phases: {t['phases']} (dependent updates: each runs over all virtual nodes before the next)")
-            print(f"  optimizer state: {', '.join(t['optimizer_state']) or 'none'}")
-            print(f"  batch-dependent updates: {', '.join(t['batch_dependent_updates']) or 'none'}")
+            _print_training(e["training"])
         top = list(e["ops"].items())[:12]
         print(f"  ops: {', '.join(f'{k} {v}' for k, v in top)}{' ...' if len(e['ops']) > 12 else ''}")
     if plan is not None:
         _print_stages(plan, report.get("stages_by_estimate"))
     return 0
+
+
+def _print_training(t: dict) -> None:
+    """inspect's analysis of a training step (its JSON entry), as text."""
+    print("  gradients (tensor -> variable):")
+    for gr in t["gradients"]:
+        print(f"    {gr['tensor']} {gr['shape']} -> {gr['variable'] or '(' + gr['role'] + ')'}")
+    if "phases" in t:
+        print(f"  phases: {t['phases']} (dependent updates: each runs over all virtual nodes before the next)")
+    how = {"mean": "a mean: virtual nodes' gradients averaged", "sum": "a sum: virtual nodes' gradients summed"}
+    print(f"  loss over the batch: {'; '.join(how[r] for r in t['loss_reduction'])}")
+    if t["outputs_over_vnodes"]:
+        print("  outputs over virtual nodes: " + ", ".join(f"{k} {v}" for k, v in t["outputs_over_vnodes"].items()))
+    print(f"  optimizer state: {', '.join(t['optimizer_state']) or 'none'}")
+    print(f"  batch-dependent updates: {', '.join(t['batch_dependent_updates']) or 'none'}")
 
 
 def _print_stages(plan, by_estimate: Optional[dict] = None) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 import vfgraph
 from vfgraph.errors import VfgraphError
+from vfgraph import cli
 from vfgraph.testing.compare import compare_models
 
 LOSSES = {
@@ -109,7 +110,7 @@ def test_training_options_keep_their_meaning(name, tmp_path):
     assert_same_training(export(tmp_path / name, **CASES[name]), tmp_path, name)
 
 
-def test_the_loss_reduction_is_read_from_dataflow(tmp_path):
+def test_the_loss_reduction_is_read_from_dataflow(tmp_path, capsys):
     """inspect's analysis says which reduction it found; a loss normalised by a batch-dependent
     value (a sum of sample weights) is refused naming the scalar."""
     from vfgraph.analysis.train_step import analyze_train_step
@@ -121,6 +122,9 @@ def test_the_loss_reduction_is_read_from_dataflow(tmp_path):
         step = analyze_train_step(FunctionGraph.over(item.function(sig.function), item.library), sig)
         assert step.loss_reduction == want, loss
         assert [o.averaged for o in step.outputs] == [want == "mean"], loss
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "sum")]) == 0
+    assert "loss over the batch: a sum: virtual nodes' gradients summed" in capsys.readouterr().out
     weighted = export(tmp_path / "weighted", loss="weighted_by_sum")
     with pytest.raises(VfgraphError, match="scaled by .*computed from the batch's values"):
         vfgraph.rewrite(weighted, vnodes=4, allreduce="none")
