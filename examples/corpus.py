@@ -439,6 +439,8 @@ CORPUS: Dict[str, Entry] = {
     "gru-clipped": Entry(gru, "recurrent, Adam with global_clipnorm", "adam", training=(("global_clipnorm", 0.05),)),
     "roberta-sum": Entry(roberta, "encoder, loss summed over the batch, clipvalue", "momentum",
                          training=(("clipvalue", 0.01), ("loss", "sum"))),
+    "bart-sum-clipped": Entry(bart, "encoder-decoder, loss summed, global_clipnorm", "sgd",
+                              training=(("global_clipnorm", 0.5), ("loss", "sum"))),
     "mobilenet-v3-export": Entry(mobilenet_v3_export, "keras.applications, model.export(), inference", ""),
 }
 
@@ -456,8 +458,6 @@ EXTENDED: Dict[str, Entry] = {
                                 dropout=True),
     "vit-ema": Entry(vit, "vision transformer, AdamW with EMA and clipnorm", "adamw",
                      training=(("use_ema", True), ("ema_overwrite_frequency", 2), ("clipnorm", 0.1))),
-    "bart-sum-clipped": Entry(bart, "encoder-decoder, loss summed, global_clipnorm", "sgd",
-                              training=(("global_clipnorm", 0.5), ("loss", "sum"))),
     "convnext-tiny": Entry(convnext_tiny, "keras.applications, LayerNorm, stochastic depth", "adamw", dropout=True),
 }
 ALL: Dict[str, Entry] = {**CORPUS, **EXTENDED}

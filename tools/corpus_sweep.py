@@ -19,7 +19,9 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 def _row(r, e) -> str:
     if r.refused:
         return f"| {r.name} | {e.family} | - | - | - | refused: {r.refused[:120]} |"
-    return (f"| {r.name} | {e.family} | {e.optimizer or 'inference'} | {r.params:,} | {r.nodes:,} | "
+    import corpus
+
+    return (f"| {r.name} | {e.family} | {corpus.training_spec(e.optimizer, e.training) or 'inference'} | {r.params:,} | {r.nodes:,} | "
             f"{r.rewrite_s:.2f} | {', '.join(r.checks())} |")
 
 

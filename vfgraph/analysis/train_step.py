@@ -204,17 +204,28 @@ def _per_example_statistics(g: FunctionGraph, dep: Set[str], shapes: Dict[Tensor
         shape = shapes.get(ref) or g.shape(ref)
         return bool(shape) and shape[0] < 0
 
+    returned = {r for _, r in g.output_refs()}
+
+    def read_per_example(name: str) -> List[TensorRef]:
+        """The inputs of ``name`` that feed a per-example output something reads (an IdentityN's
+        output k forwards its input k alone; an output nothing reads is no work)."""
+        outs, ins = g.outputs(name), g.data_inputs(name)
+        used = [per_example(t) and (t in returned or bool(g.consumers(t))) for t in outs]
+        if g.nodes[name].op == "IdentityN":
+            return [i for i, u in zip(ins, used) if u]
+        return ins if any(used) else []
+
     found: Set[TensorRef] = set()
-    stack = [n for n in dep if n in g.nodes and any(per_example(t) for t in g.outputs(n))]
-    seen = set(stack)
+    stack = [ins for ins in (read_per_example(n) for n in dep if n in g.nodes) if ins]
+    seen: Set[str] = set()
     while stack:
-        for t in g.data_inputs(stack.pop()):
+        for t in stack.pop():
             if t.is_function_arg or t.node not in dep or per_example(t):
                 continue
             found.add(t)
-            if t.node not in seen:
+            if t.node not in seen:  # a statistic's own inputs are statistics too
                 seen.add(t.node)
-                stack.append(t.node)
+                stack.append(g.data_inputs(t.node))
     return found
 
 
@@ -274,7 +285,36 @@ def refine_shapes(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, List[s
                 s, o = g.shape(mine), found.get(other) or g.shape(other)
                 if (s is not None and len(s) == len(shape)) or (s is None and o == []):
                     learn(mine, shape)
+    _forward_shapes(g, found)
     return found
+
+
+def _forward_shapes(g: FunctionGraph, found: Dict[TensorRef, List[int]]) -> None:
+    """Carry recovered shapes forward through shape-preserving and broadcasting ops (the square
+    of a gradient whose shape was recovered, for a norm, has that shape too)."""
+    import numpy as np
+
+    def known(ref: TensorRef) -> Optional[List[int]]:
+        shape = found.get(ref) or g.shape(ref)
+        return shape if _known(shape) else None
+
+    for name in g.topological_order():
+        op = g.nodes[name].op
+        if op not in _SAME_SHAPE and op not in _BROADCASTING:
+            continue
+        out, inputs = g.outputs(name), g.data_inputs(name)
+        if len(out) != 1 or out[0] in found or _known(g.shape(out[0])):
+            continue
+        shapes = [known(i) for i in (inputs[:1] if op in _SAME_SHAPE else inputs)]
+        if not shapes or any(s is None for s in shapes):
+            continue
+        try:
+            shape = list(np.broadcast_shapes(*map(tuple, shapes)))
+        except ValueError:
+            continue
+        recorded = g.shape(out[0])
+        if recorded is None or (len(recorded) == len(shape) and all(d < 0 or d == e for d, e in zip(recorded, shape))):
+            found[out[0]] = shape
 
 
 # Ops that sum rows of a sparse gradient into a variable's shape: (values input, indices input).
