@@ -213,10 +213,10 @@ def _has_training(item: GraphItem, train_signature: str, serving_only: bool) -> 
     if train_signature or any(s.is_training for s in item.signatures.values()):
         return True
     if item.kind == "saved_model" and not serving_only:
-        raise InputError(f"{item.source}: the model has no training step (signatures: {names}; none updates "
-                         f"variables from a batch, and none is named 'train'); give one with {keras_file.LOSS_FLAG} "
-                         f"NAME {keras_file.OPTIMIZER_FLAG} NAME (or export it as a signature and pass "
-                         "--train-signature NAME), or micro-batch its serving with --vnode-batch B alone")
+        raise InputError(f"{item.source}: no training signature (signatures: {names}; none updates variables from a "
+                         f"batch, and none is named 'train'): the model has no training step; give one with "
+                         f"{keras_file.LOSS_FLAG} NAME {keras_file.OPTIMIZER_FLAG} NAME (or export it as a signature "
+                         "and pass --train-signature NAME), or micro-batch its serving with --vnode-batch B alone")
     return False
 
 

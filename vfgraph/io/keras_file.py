@@ -180,6 +180,7 @@ def _load_model(path: str):
     except Exception as e:  # Keras' errors are of every type: one line naming the file
         raise InputError(f"{path}: Keras cannot load this model ({_first(e)}); if it uses custom layers, losses or "
                          "keras-hub models, pass --import MODULE with the module that defines them") from None
+    _compile_as_saved(model, path)
     if not getattr(model, "compiled", False) or model.optimizer is None or getattr(model, "_compile_loss", None) is None:
         raise InputError(f"{path}: the model is not compiled (no optimizer and loss saved), so there is no training "
                          "step to rewrite; call model.compile(optimizer=..., loss=...) and model.save() again")
@@ -189,9 +190,51 @@ def _load_model(path: str):
     return model
 
 
+def _compile_as_saved(model, path: str) -> None:
+    """Compile ``model`` as the file says where Keras' loader does not: a model class with its
+    own ``compile`` (keras-hub's tasks) is loaded compiled with its defaults, not with the
+    optimizer and loss it was saved with; the saved optimizer's state is restored as Keras does."""
+    import io
+    import json
+
+    import h5py
+    import numpy as np
+    import keras
+    from keras.src.saving import serialization_lib
+
+    if type(model).compile is keras.Model.compile:
+        return
+    with zipfile.ZipFile(path) as z:
+        config = json.loads(z.read("config.json")).get("compile_config")
+        weights = z.read("model.weights.h5") if config and "model.weights.h5" in z.namelist() else b""
+    if not config:
+        return
+    model.compile(**serialization_lib.deserialize_keras_object(config))
+    if not weights:
+        return
+    with h5py.File(io.BytesIO(weights), "r") as h5:
+        saved = h5.get("optimizer/vars")
+        values = {k: np.asarray(saved[k]) for k in saved.keys()} if saved is not None else {}
+    optimizer = model.optimizer
+    if values and len(values) > 2:  # (a never-built optimizer saves its iterations and learning rate only)
+        optimizer.build(model.trainable_variables)
+        if len(values) != len(optimizer.variables):
+            raise InputError(f"{path}: its optimizer state holds {len(values)} variables, the compiled optimizer "
+                             f"{len(optimizer.variables)}; save the model again after compiling it")
+        optimizer.load_own_variables(values)
+    elif "0" in values:  # its iterations (and learning rate, from the config)
+        optimizer.iterations.assign(values["0"])
+
+
 def _is_sparse(loss) -> bool:
     name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", "")
     return "sparse" in str(name).lower()
+
+
+def _input_name(tensor) -> str:
+    """The name of the Input layer that makes ``tensor`` (what Keras' own exports call it)."""
+    history = getattr(tensor, "_keras_history", None)
+    return getattr(getattr(history, "operation", None), "name", None) or tensor.name
 
 
 def _specs(model) -> Tuple[list, list, List[str]]:
@@ -199,7 +242,7 @@ def _specs(model) -> Tuple[list, list, List[str]]:
     import tensorflow as tf
     from keras import tree
 
-    inputs = [tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=t.name) for t in tree.flatten(model.inputs)]
+    inputs = [tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=_input_name(t)) for t in tree.flatten(model.inputs)]
     outputs = tree.flatten(model.outputs)
     names = list(getattr(model, "output_names", None) or range(len(outputs)))
     losses = model.loss if isinstance(model.loss, (list, tuple)) else (
@@ -233,7 +276,7 @@ def _keras_step(model):
         return tree.pack_sequence_as(y_pred, list(ys)) if tree.is_nested(y_pred) else ys[0]
 
     # the compiled loss and metrics build their trackers eagerly, before the step is traced
-    zeros = [np.zeros([1, *s.shape[1:]], s.dtype.as_numpy_dtype) for s in model_inputs + labels]
+    zeros = [np.zeros([1, *[d or 1 for d in s.shape[1:]]], s.dtype.as_numpy_dtype) for s in model_inputs + labels]
     x0, y_pred0 = pack_x(zeros[:len(model_inputs)]), None
     y_pred0 = model(x0, training=False)
     y0 = pack_y(zeros[len(model_inputs):], y_pred0)
@@ -292,6 +335,10 @@ def _fine_tune_step(path: str, loss_name: str, optimizer_spec: str, label: str):
     if "serving_default" not in loaded.signatures:
         raise InputError(f"{path}: no serving_default signature to fine-tune (has: "
                          f"{', '.join(sorted(loaded.signatures)) or 'none'}); export the model with model.export()")
+    trains = sorted(k for k in loaded.signatures if k.startswith("train"))
+    if trains:
+        raise InputError(f"{path}: the model has a training step already (signature {trains[0]!r}); leave out "
+                         f"{LOSS_FLAG} and {OPTIMIZER_FLAG} to rewrite it")
     fn = loaded.signatures["serving_default"]
     weights = [v for v in fn.variables if v.trainable]
     if not weights:
