@@ -8,10 +8,11 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import textwrap
 import time
 import traceback
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import vfgraph
 from vfgraph import records
@@ -185,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
                 "OUTPUT.serving/1/). Checkpoints go to OUTPUT.ckpt; Ctrl-C (or SIGTERM) stops after the step in "
                 "progress with a checkpoint, and --resume continues from it. Under mpiexec every rank trains its "
                 "share of each global batch.")
-    t.add_argument("model", help="SavedModel directory with a training signature (rewritten or not)")
+    t.add_argument("model", help="SavedModel directory with a training signature (rewritten or not), or a compiled "
+                                 ".keras file (trained as it is: its step built as 'vfgraph rewrite' builds it)")
     t.add_argument("--data", required=True, help=".npz whose array names match the training signature's inputs, "
                    "or TFRecord files (.tfrecord, or a glob) of tf.train.Example records with those features")
     t.add_argument("--steps", type=int, required=True, help="training steps (global batches) in all, at least 1")
@@ -221,6 +223,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--discovery-interval", type=float, default=5.0, metavar="SECONDS",
                    help="how often to run --host-discovery-script (default 5)")
     t.add_argument("--elastic-join", action="store_true", help=argparse.SUPPRESS)
+    _keras_options(t)
     t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: "
                    "the CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
 
@@ -795,17 +798,18 @@ def cmd_train(args) -> int:
         except ValueError:
             raise InputError(f"--vnodes-per-rank {args.vnodes_per_rank}: give comma-separated integers, e.g. 5,3, "
                              "or auto")
-    try:
-        res = train(args.model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
-                    force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
-                    seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank, threads=args.threads,
-                    allow_nonfinite=args.allow_nonfinite, elastic=elastic)
-    except Exception as e:
-        if args.elastic_join:  # a new rank of an elastic job: the job goes on without it
-            from vfgraph.runtime.elastic import report_failure
+    with _keras_model(args.model, args.imports) as model:
+        try:
+            res = train(model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
+                        force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
+                        seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank,
+                        threads=args.threads, allow_nonfinite=args.allow_nonfinite, elastic=elastic)
+        except Exception as e:
+            if args.elastic_join:  # a new rank of an elastic job: the job goes on without it
+                from vfgraph.runtime.elastic import report_failure
 
-            report_failure(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        raise
+                report_failure(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise
     if res is not None:  # rank 0 (or the only process)
         from vfgraph.io.serving import sibling_dir, target_dir
 
@@ -815,6 +819,19 @@ def cmd_train(args) -> int:
               f"{res.out}"
               + (f" and, to serve, {serve}" if os.path.isdir(serve) else ""))
     return 0
+
+
+@contextlib.contextmanager
+def _keras_model(model: str, imports) -> Iterator[str]:
+    """``model``, or for a .keras file the SavedModel built from it (the same for the same file,
+    so a run resumes), in a temporary directory removed afterwards."""
+    from vfgraph.io.keras_file import is_keras_file
+
+    if not is_keras_file(model):
+        yield model
+        return
+    with tempfile.TemporaryDirectory(prefix="vfgraph-keras-") as tmp:
+        yield vfgraph.save(vfgraph.load(model, imports=imports), os.path.join(tmp, "model"))
 
 
 def cmd_export(args) -> int:

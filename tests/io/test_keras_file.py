@@ -56,10 +56,10 @@ def _trained_here(out, feed, steps):
     """Serving outputs of the rewritten model ``out`` after ``steps`` calls of its train signature."""
     import tensorflow as tf
 
-    loaded = tf.saved_model.load(out)
+    loaded, result = tf.saved_model.load(out), None
+    serving = loaded.signatures["serving_default"]
     for _ in range(steps):
         result = loaded.signatures["train"](**feed)
-    serving = loaded.signatures["serving_default"]
     inputs = {k: v for k, v in feed.items() if k in serving.structured_input_signature[1]}
     return result, [v.numpy() for _, v in sorted(serving(**inputs).items())]
 
@@ -105,6 +105,18 @@ def test_same_keras_file_same_output(mlp, tmp_path, capsys):
                                    "-o", tmp_path / name)
         assert code == 0, err
     assert tree_digest(tmp_path / "a") == tree_digest(tmp_path / "b")
+
+
+def test_train_reads_keras_file(mlp, tmp_path, capsys):
+    """`vfgraph train m.keras` trains the step the file's model is compiled with, as it is."""
+    x, y = _data()
+    np.savez(tmp_path / "d.npz", x=x, label=y)
+    code, err = run_in_process(capsys, "train", mlp, "--data", tmp_path / "d.npz", "--steps", 2, "--batch-size", 16,
+                               "-o", tmp_path / "t", "--no-progress")
+    assert code == 0, err
+    _, got = _trained_here(str(tmp_path / "t"), {"x": x, "label": y}, 0)
+    _close(got[0], _keras_after(mlp, x, y, 2))
+    assert not [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("vfgraph-keras-")]
 
 
 def test_two_outputs_with_loss_weights(tmp_path):

@@ -181,7 +181,8 @@ def _load_model(path: str):
         raise InputError(f"{path}: Keras cannot load this model ({_first(e)}); if it uses custom layers, losses or "
                          "keras-hub models, pass --import MODULE with the module that defines them") from None
     _compile_as_saved(model, path)
-    if not getattr(model, "compiled", False) or model.optimizer is None or getattr(model, "_compile_loss", None) is None:
+    loss = getattr(model, "_compile_loss", None)
+    if not getattr(model, "compiled", False) or model.optimizer is None or loss is None:
         raise InputError(f"{path}: the model is not compiled (no optimizer and loss saved), so there is no training "
                          "step to rewrite; call model.compile(optimizer=..., loss=...) and model.save() again")
     if not getattr(model, "inputs", None):

@@ -468,8 +468,8 @@ def _metadata(item: GraphItem, proto: saved_model_pb2.SavedModel) -> dict:
     mg = proto.meta_graphs[0]
     keys = sorted(k for k in mg.signature_def if k != INIT_OP_KEY)
     sliced = records.get(item, Microbatch)
-    meta = {"serving_export": {"signatures": keys, "vfgraph_version": __version__,
-                               "source_fingerprint": savedmodel.source_fingerprint(item.source, keras_file.variables_read(item)),
+    source = savedmodel.source_fingerprint(item.source, keras_file.variables_read(item))
+    meta = {"serving_export": {"signatures": keys, "vfgraph_version": __version__, "source_fingerprint": source,
                                "vnode_batch": {k: sliced[k].vnode_batch for k in keys if k in sliced}}}
     if item.metadata.get("history"):
         meta["history"] = item.metadata["history"]
