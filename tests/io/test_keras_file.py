@@ -119,13 +119,32 @@ def test_train_reads_keras_file(mlp, tmp_path, capsys):
     assert not [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("vfgraph-keras-")]
 
 
-def test_two_outputs_with_loss_weights(tmp_path):
-    """Losses per output with weights, a metric per output: V=1 and V=4 train as Keras does."""
+CUSTOM = """import keras
+
+
+@keras.saving.register_keras_serializable(package="vftest")
+class Scale(keras.layers.Layer):
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.scale
+"""
+
+
+def test_two_outputs_with_loss_weights(tmp_path, monkeypatch, capsys):
+    """Losses per output with weights, a metric per output, a custom layer (--import): V=1 and
+    V=4 train as Keras does."""
+    import importlib
+
     import keras
 
+    (tmp_path / "vf_custom_layers.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    custom = importlib.import_module("vf_custom_layers")
     keras.utils.set_random_seed(0)
     inp = keras.Input((8,), name="x")
-    h = keras.layers.Dense(16, activation="relu")(inp)
+    h = custom.Scale()(keras.layers.Dense(16, activation="relu")(inp))
     out_a = keras.layers.Dense(10, name="a")(h)
     out_b = keras.layers.Dense(1, name="b")(h)
     model = keras.Model(inp, [out_a, out_b])
@@ -134,10 +153,12 @@ def test_two_outputs_with_loss_weights(tmp_path):
                   loss_weights={"a": 1.0, "b": 0.25}, metrics={"a": ["accuracy"]})
     path = str(tmp_path / "two.keras")
     model.save(path)
+    code, err = run_in_process(capsys, "inspect", path)
+    one_error(code, err, "two.keras", "--import MODULE")
     x, y = _data()
     yb = np.random.default_rng(3).normal(size=(N, 1)).astype(np.float32)
     want = _keras_after(path, x, {"a": y, "b": yb}, 2)
-    item = vfgraph.load(path)
+    item = vfgraph.load(path, imports=["vf_custom_layers"])
     assert sorted(item.signatures["train"].input_keys.values()) == ["label_a", "label_b", "x"]
     for vnodes in (1, 4):
         out = str(tmp_path / f"v{vnodes}")
