@@ -278,8 +278,7 @@ def _keras_step(model):
 
     # the compiled loss and metrics build their trackers eagerly, before the step is traced
     zeros = [np.zeros([1, *[d or 1 for d in s.shape[1:]]], s.dtype.as_numpy_dtype) for s in model_inputs + labels]
-    x0, y_pred0 = pack_x(zeros[:len(model_inputs)]), None
-    y_pred0 = model(x0, training=False)
+    y_pred0 = model(pack_x(zeros[:len(model_inputs)]), training=False)
     y0 = pack_y(zeros[len(model_inputs):], y_pred0)
     model._compile_loss.build(y0, y_pred0)
     metrics = getattr(model, "_compile_metrics", None)
@@ -292,7 +291,7 @@ def _keras_step(model):
     def train(*args):
         import tensorflow as tf
 
-        x, y = pack_x(args[:len(model_inputs)]), None
+        x = pack_x(args[:len(model_inputs)])
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             y = pack_y(args[len(model_inputs):], y_pred)
