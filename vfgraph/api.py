@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 from vfgraph.version import __version__
 from vfgraph.errors import InputError, InternalError, VfgraphError
-from vfgraph.io import files, graphdef, metagraph, objectgraph, outputs, savedmodel
+from vfgraph.io import files, graphdef, keras_file, metagraph, objectgraph, outputs, savedmodel
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import parse_pipeline
 from vfgraph.passes.manager import AfterEach, PassManager
@@ -18,20 +18,34 @@ ModelLike = Union[str, os.PathLike, GraphItem]
 
 
 def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None,
-         checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "") -> GraphItem:
-    """Load an exported model without modifying it: a SavedModel directory; a frozen GraphDef
-    (.pb / .pbtxt; ``outputs`` names its output tensors, default: unconsumed nodes); or a TF1
-    MetaGraphDef (.meta, or a checkpoint directory) with its checkpoint (default: beside it,
-    or ``checkpoint``; ``loss`` names the train op's loss when it cannot be found)."""
+         checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", imports: Sequence[str] = (),
+         keras_loss: str = "", keras_optimizer: str = "", label: str = "label") -> GraphItem:
+    """Load an exported model without modifying it: a SavedModel directory; a Keras 3 ``.keras``
+    file (compiled: its training step is built as ``fit`` runs it; ``imports`` names modules to
+    import first, for custom layers); a frozen GraphDef (.pb / .pbtxt; ``outputs`` names its
+    output tensors, default: unconsumed nodes); or a TF1 MetaGraphDef (.meta, or a checkpoint
+    directory) with its checkpoint (default: beside it, or ``checkpoint``; ``loss`` names the
+    train op's loss when it cannot be found). An inference SavedModel given ``keras_loss`` and
+    ``keras_optimizer`` gets a training step over its serving function, the label fed as the
+    input ``label`` (:mod:`vfgraph.io.keras_file`)."""
     with _gc_paused():
-        return _load(os.fspath(path), outputs, checkpoint, loss)
+        return _load(os.fspath(path), outputs, checkpoint, loss, tuple(imports), (keras_loss, keras_optimizer, label))
 
 
-def _load(path: str, outputs, checkpoint, loss) -> GraphItem:
+def _load(path: str, outputs, checkpoint, loss, imports=(), fine_tune=("", "", "label")) -> GraphItem:
     files.check_readable(path)
+    keras_file.check_fine_tune_options(*fine_tune)
+    tuned = bool(fine_tune[0])
+    if tuned and not savedmodel.is_saved_model_dir(path):
+        raise InputError(f"{path}: {keras_file.LOSS_FLAG} and {keras_file.OPTIMIZER_FLAG} give an inference "
+                         "SavedModel directory a training step; a .keras file brings its own compiled loss and "
+                         "optimizer: leave them out")
+    if keras_file.is_keras_file(path):
+        _only_for(path, "a Keras file", outputs=outputs, checkpoint=checkpoint, loss=loss)
+        return keras_file.load_keras_file(path, imports)
     if savedmodel.is_saved_model_dir(path):
         _only_for(path, "a SavedModel", outputs=outputs, checkpoint=checkpoint, loss=loss)
-        return savedmodel.load_saved_model(path)
+        return keras_file.fine_tuned(path, *fine_tune, imports) if tuned else savedmodel.load_saved_model(path)
     if path.endswith(".meta") and os.path.isfile(path) or metagraph.is_checkpoint_dir(path):
         _only_for(path, "a TF1 MetaGraphDef", outputs=outputs)
         return metagraph.load_meta_graph(path, os.fspath(checkpoint) if checkpoint else None, loss)
@@ -44,8 +58,8 @@ def _load(path: str, outputs, checkpoint, loss) -> GraphItem:
     if os.path.isdir(path):
         raise InputError(f"{path}: not a SavedModel directory (no saved_model.pb) or TF1 checkpoint directory (no "
                          "'checkpoint' file); give the directory tf.saved_model.save or model.export() wrote")
-    raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory, a frozen GraphDef "
-                     "(.pb, .pbtxt) or a TF1 MetaGraphDef (.meta) with its checkpoint")
+    raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory, a Keras 3 .keras "
+                     "file, a frozen GraphDef (.pb, .pbtxt) or a TF1 MetaGraphDef (.meta) with its checkpoint")
 
 
 _LOAD_OPTIONS = {"outputs": ("--outputs", "a frozen GraphDef's output tensors"),
@@ -106,7 +120,8 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
             checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False,
             verify_each: bool = False, stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
             schedule: Optional[str] = None, deterministic: bool = False, balance: str = "estimate",
-            profile_batch: int = 32, profile: Union[str, os.PathLike] = "") -> GraphItem:
+            profile_batch: int = 32, profile: Union[str, os.PathLike] = "", imports: Sequence[str] = (),
+            keras_loss: str = "", keras_optimizer: str = "", label: str = "label") -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
     With ``in_place``, a loaded item is rewritten itself and returned, without the copy (a
     model's size in memory and the time to copy it): for an item loaded only to be rewritten
@@ -135,7 +150,10 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
 
     ``deterministic`` sums the virtual nodes' gradients and outputs exactly (fixed point), so
     that any layout of the V virtual nodes over ranks (1x8, 2x4, 5+3) trains bit-identical
-    parameters."""
+    parameters.
+
+    ``imports``, ``keras_loss``, ``keras_optimizer`` and ``label`` are :func:`load`'s, for a model
+    given by its path (a .keras file; an inference SavedModel to fine-tune)."""
     if allreduce not in (None, "mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi' or 'none'")
     _check_applies(pipeline, vnodes, vnode_batch, allreduce, fusion_mb, stages, devices, split_at, schedule,
@@ -151,7 +169,8 @@ def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: O
                         fusion_mb, checkpoint, loss, in_place, verify_each,
                         dict(stages=stages, devices=tuple(devices), split_at=tuple(split_at), schedule=schedule,
                              deterministic=deterministic, balance=balance, profile_batch=profile_batch,
-                             profile=profile))
+                             profile=profile), dict(imports=tuple(imports), keras_loss=keras_loss,
+                                                    keras_optimizer=keras_optimizer, label=label))
 
 
 def _check_applies(pipeline, vnodes, vnode_batch, allreduce, fusion_mb, stages, devices, split_at, schedule,
@@ -207,7 +226,7 @@ def _gc_paused():
 
 
 def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce, fusion_mb,
-             checkpoint, loss, in_place, verify_each, partition=None) -> GraphItem:
+             checkpoint, loss, in_place, verify_each, partition=None, keras=None) -> GraphItem:
     owned = in_place or not isinstance(model, GraphItem)  # loaded here: held by nothing else
     if pipeline is not None and (partition or {}).get("deterministic"):
         raise InputError("deterministic with a pipeline: give split-vnodes the option instead, "
@@ -219,7 +238,7 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
                                         **part))  # every option checked by its pass, before the load
     else:
         parse_pipeline(pipeline)
-    item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss)
+    item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss, **(keras or {}))
     if pipeline is None:
         staged = part.get("stages", 1) != 1 or part.get("devices") or part.get("split_at")
         serving_only = vnodes == 1 and bool(vnode_batch) and not staged and not part.get("deterministic")
@@ -227,7 +246,7 @@ def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, 
         _check_model_applies(item, has_training, allreduce, fusion_mb)
         reduced = allreduce != "none" and item.kind == "saved_model"  # TF1 and GraphDef outputs: one process
         pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, reduced, fusion, **part)
-    source_fingerprint = savedmodel.source_fingerprint(item.source, item.variables_prefix)
+    source_fingerprint = savedmodel.source_fingerprint(item.source, keras_file.variables_read(item))
     seq = PassManager(parse_pipeline(pipeline), verify_each=verify_each, after_each=after_each)
     out, notes = seq.run(item, owned=owned)
     objectgraph.relink_captured_tensors(out.meta_graph.object_graph_def, out.library)
@@ -257,8 +276,9 @@ def _has_training(item: GraphItem, train_signature: str, serving_only: bool) -> 
         return True
     if item.kind == "saved_model" and not serving_only:
         raise InputError(f"{item.source}: no training signature (signatures: {names}; none updates variables from a "
-                         "batch, and none is named 'train'); export the training step as a signature, pass "
-                         "--train-signature NAME, or to micro-batch serving only give --vnode-batch B alone")
+                         f"batch, and none is named 'train'): the model has no training step; give one with "
+                         f"{keras_file.LOSS_FLAG} NAME {keras_file.OPTIMIZER_FLAG} NAME (or export it as a signature "
+                         "and pass --train-signature NAME), or micro-batch its serving with --vnode-batch B alone")
     return False
 
 
@@ -274,7 +294,7 @@ def save(item: GraphItem, out: Union[str, os.PathLike], force: bool = False) -> 
 
 @outputs.command()
 def export(model: ModelLike, out: Union[str, os.PathLike], version: int = 1, vnode_batch: int = 0,
-           force: bool = False) -> str:
+           force: bool = False, imports: Sequence[str] = ()) -> str:
     """Write a serving-only SavedModel of ``model`` at ``out/<version>/`` (TF Serving's layout)
     and return that directory: the serving signatures, micro-batched, and the variables they
     read; no training functions and none of vfgraph's ops, so TensorFlow loads and serves it
@@ -283,7 +303,8 @@ def export(model: ModelLike, out: Union[str, os.PathLike], version: int = 1, vno
     Serving is micro-batched in slices of ``vnode_batch`` examples, or of the training rewrite's
     b when the model records one; a model whose serving is already micro-batched keeps its
     slices; with no slice size known, the serving functions are kept as they are. The input is
-    not changed; the output is written atomically (an existing version only with ``force``)."""
+    not changed; the output is written atomically (an existing version only with ``force``).
+    ``imports``: :func:`load`'s, for a .keras file with custom layers."""
     from vfgraph.io import serving
 
     if not isinstance(vnode_batch, int) or vnode_batch < 0:
@@ -292,7 +313,7 @@ def export(model: ModelLike, out: Union[str, os.PathLike], version: int = 1, vno
     outputs.lock(os.fspath(out), sources)
     serving.prepare_target(os.fspath(out), version, force, sources)
     with _gc_paused():
-        item = model if isinstance(model, GraphItem) else load(model)
+        item = model if isinstance(model, GraphItem) else load(model, imports=imports)
         item = _sliced_for_serving(item, vnode_batch, in_place=not isinstance(model, GraphItem))
         return serving.save_serving_model(item, os.fspath(out), version, force)
 

@@ -8,10 +8,11 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import textwrap
 import time
 import traceback
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import vfgraph
 from vfgraph import records
@@ -74,8 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                 "Rewrite MODEL so each training step runs as V virtual nodes of b examples (gradients "
                 "accumulated, one update), with the all-reduce over MPI ranks, and serving micro-batched. The "
                 "input is only read; the output is written whole or not at all.")
-    r.add_argument("model", help="SavedModel directory, frozen GraphDef (.pb, .pbtxt), or TF1 MetaGraphDef (.meta, "
-                                 "or a checkpoint directory) with its checkpoint")
+    r.add_argument("model", help="SavedModel directory, compiled Keras 3 .keras file, frozen GraphDef (.pb, .pbtxt), "
+                                 "or TF1 MetaGraphDef (.meta, or a checkpoint directory) with its checkpoint")
     r.add_argument("--vnodes", type=int, metavar="V",
                    help="virtual nodes per training step (default 1: the same step, ready to be split later)")
     r.add_argument("--vnode-batch", type=int, metavar="B",
@@ -119,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="sum the virtual nodes' gradients exactly (fixed point): any layout of the virtual nodes "
                         "over ranks (1x8, 2x4, 5+3) trains bit-identical parameters")
     _tf1_options(r)
+    _keras_options(r, fine_tune=True)
 
     i = command("inspect", "show what vfgraph detects in a model")
     i.add_argument("model", help="a model, as for 'rewrite'")
@@ -131,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --stages: the forward ops that start stages 2..K, instead of the balanced choice")
     _balance_options(i)
     _tf1_options(i)
+    _keras_options(i, fine_tune=True)
 
     pr = command("profile", "time each op of a model's training step here, for --stages with --profile",
                  "Run MODEL's training step on a synthetic batch (normal floats, zero integers, true booleans) in "
@@ -183,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
                 "OUTPUT.serving/1/). Checkpoints go to OUTPUT.ckpt; Ctrl-C (or SIGTERM) stops after the step in "
                 "progress with a checkpoint, and --resume continues from it. Under mpiexec every rank trains its "
                 "share of each global batch.")
-    t.add_argument("model", help="SavedModel directory with a training signature (rewritten or not)")
+    t.add_argument("model", help="SavedModel directory with a training signature (rewritten or not), or a compiled "
+                                 ".keras file (trained as it is: its step built as 'vfgraph rewrite' builds it)")
     t.add_argument("--data", required=True, help=".npz whose array names match the training signature's inputs, "
                    "or TFRecord files (.tfrecord, or a glob) of tf.train.Example records with those features")
     t.add_argument("--steps", type=int, required=True, help="training steps (global batches) in all, at least 1")
@@ -219,6 +223,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--discovery-interval", type=float, default=5.0, metavar="SECONDS",
                    help="how often to run --host-discovery-script (default 5)")
     t.add_argument("--elastic-join", action="store_true", help=argparse.SUPPRESS)
+    _keras_options(t)
     t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: "
                    "the CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
 
@@ -230,13 +235,14 @@ def _parser() -> argparse.ArgumentParser:
 
     e = command("export", "write a serving-only SavedModel (TF Serving's OUTPUT/VERSION/ layout) that TensorFlow "
                           "serves without vfgraph")
-    e.add_argument("model", help="SavedModel directory (an original model or a rewritten one)")
+    e.add_argument("model", help="SavedModel directory (an original model or a rewritten one), or a .keras file")
     e.add_argument("-o", "--output", required=True, help="base directory; the model is written to OUTPUT/VERSION/")
     e.add_argument("--version", type=int, default=1, help="version directory under OUTPUT (default 1)")
     e.add_argument("--vnode-batch", type=int, default=0, metavar="B",
                    help="serve in slices of at most B examples (default 0: the model's own b, if it has one)")
     e.add_argument("--force", action="store_true",
                    help="replace OUTPUT/VERSION if it exists and vfgraph wrote it")
+    _keras_options(e)
 
     ps = command("passes", "list the passes a --pipeline can name, with their options")
     ps.add_argument("--json", action="store_true", help="machine-readable output")
@@ -252,6 +258,26 @@ def _tf1_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", default="", metavar="TENSOR",
                    help="TF1 .meta input without a 'train' signature: the loss tensor (default: found from the "
                         "gradient computation)")
+
+
+def _keras_options(p: argparse.ArgumentParser, fine_tune: bool = False) -> None:
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help=".keras input: a module to import before loading it (custom layers, losses; repeatable)")
+    if not fine_tune:
+        return
+    p.add_argument("--keras-loss", default="", metavar="NAME",
+                   help="an inference SavedModel (model.export(), tf.saved_model.save): a training step with this "
+                        "Keras loss, e.g. sparse_categorical_crossentropy (with --keras-optimizer)")
+    p.add_argument("--keras-optimizer", default="", metavar="NAME[:K=V,...]",
+                   help="with --keras-loss: the Keras optimizer and its arguments, e.g. adam:learning_rate=1e-3")
+    p.add_argument("--label", default="label", metavar="NAME",
+                   help="with --keras-loss: the name of the training step's label input (default label)")
+
+
+def _keras_args(args) -> dict:
+    """The Keras options of a command, as :func:`vfgraph.load` takes them."""
+    return dict(imports=args.imports, keras_loss=args.keras_loss, keras_optimizer=args.keras_optimizer,
+                label=args.label)
 
 
 def _elastic(args) -> bool:
@@ -387,9 +413,12 @@ def _rewrite(args) -> int:
     vnodes = 1 if args.vnodes is None else args.vnodes  # (the passes check the numbers)
     vnode_batch = args.vnode_batch or 0
     partition = _partition_options(args)
+    from vfgraph.io.keras_file import check_fine_tune_options
+
+    check_fine_tune_options(args.keras_loss, args.keras_optimizer, args.label)  # before any work
     stem, ext = os.path.splitext(os.path.normpath(args.model))
     out = args.output or (stem + f"_vf{ext}" if ext in (".pb", ".pbtxt") else
-                          stem + ("" if ext == ".meta" else ext) + f"_vnodes{vnodes}")
+                          stem + ("" if ext in (".meta", ".keras") else ext) + f"_vnodes{vnodes}")
     inputs = [args.model]
     if args.model.endswith(".meta") or args.checkpoint:  # and the checkpoint's files
         from vfgraph.io.checkpoint import checkpoint_files
@@ -409,7 +438,7 @@ def _rewrite(args) -> int:
                            outputs=args.outputs.split(",") if args.outputs else None,
                            allreduce=args.allreduce, fusion_mb=args.fusion_mb, checkpoint=args.checkpoint,
                            loss=args.loss, verify_each=args.verify_each, deterministic=args.deterministic,
-                           **partition)
+                           **partition, **_keras_args(args))
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
@@ -526,7 +555,7 @@ def cmd_inspect(args) -> int:
     stages = args.stages if args.stages is not None else (len(split_at) + 1 if split_at else None)
     with _flags_named():
         _check_balance(args, stages)
-    item = vfgraph.load(args.model, checkpoint=args.checkpoint, loss=args.loss)
+    item = vfgraph.load(args.model, checkpoint=args.checkpoint, loss=args.loss, **_keras_args(args))
     lib = item.library
     report = {"model": item.source, "signatures": {}, "rewrites": records.rewrites(item),
               "history": item.metadata.get("history", [])}
@@ -785,29 +814,45 @@ def cmd_train(args) -> int:
         except ValueError:
             raise InputError(f"--vnodes-per-rank {args.vnodes_per_rank}: give comma-separated integers, e.g. 5,3, "
                              "or auto")
-    try:
-        res = train(args.model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
-                    force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
-                    seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank, threads=args.threads,
-                    allow_nonfinite=args.allow_nonfinite, elastic=elastic)
-    except Exception as e:
-        if args.elastic_join:  # a new rank of an elastic job: the job goes on without it
-            from vfgraph.runtime.elastic import report_failure
+    with _keras_model(args.model, args.imports) as model:
+        try:
+            res = train(model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
+                        force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
+                        seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank,
+                        threads=args.threads, allow_nonfinite=args.allow_nonfinite, elastic=elastic)
+        except Exception as e:
+            if args.elastic_join:  # a new rank of an elastic job: the job goes on without it
+                from vfgraph.runtime.elastic import report_failure
 
-            report_failure(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        raise
+                report_failure(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            raise
     if res is not None:  # rank 0 (or the only process)
         from vfgraph.io.serving import sibling_dir, target_dir
 
         serve = target_dir(sibling_dir(res.out), 1)
-        print(f"trained {res.steps} steps: loss {res.losses.first:.4f} -> {res.losses.recent[-1]:.4f}; wrote {res.out}"
+        last = "".join(f", {k} {v:.4g}" for k, v in res.metrics.items())  # the last step's metrics
+        print(f"trained {res.steps} steps: loss {res.losses.first:.4f} -> {res.losses.recent[-1]:.4f}{last}; wrote "
+              f"{res.out}"
               + (f" and, to serve, {serve}" if os.path.isdir(serve) else ""))
     return 0
 
 
+@contextlib.contextmanager
+def _keras_model(model: str, imports) -> Iterator[str]:
+    """``model``, or for a .keras file the SavedModel built from it (the same for the same file,
+    so a run resumes), in a temporary directory removed afterwards."""
+    from vfgraph.io.keras_file import is_keras_file
+
+    if not is_keras_file(model):
+        yield model
+        return
+    with tempfile.TemporaryDirectory(prefix="vfgraph-keras-") as tmp:
+        yield vfgraph.save(vfgraph.load(model, imports=imports), os.path.join(tmp, "model"))
+
+
 def cmd_export(args) -> int:
     path = vfgraph.export(args.model, args.output, version=args.version, vnode_batch=args.vnode_batch,
-                          force=args.force)
+                          force=args.force, imports=args.imports)
     rec = (records.read_metadata(path) or {}).get("serving_export", {})
     sliced = rec.get("vnode_batch", {})
     sigs = ", ".join(f"{k} (slices of {sliced[k]})" if k in sliced else k for k in rec.get("signatures", []))

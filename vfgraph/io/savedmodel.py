@@ -299,14 +299,16 @@ def save_saved_model(item: GraphItem, out: str, force: bool = False) -> str:
         proto = without_unsaved_gradient_types(tf1.emit(item) if item.kind == "tf1_saved_model" else item.saved_model)
         prefix = os.path.join("variables", "variables")
         extended = False  # the checkpoint written again with the object graph's new variables
-        if os.path.isfile(os.path.join(item.source, prefix + ".index")):
-            extended = extend_checkpoint(os.path.join(item.source, prefix), os.path.join(tmp, prefix),
-                                         proto.meta_graphs[0].object_graph_def)
+        built = item.kind == "saved_model" and bool(item.variables_prefix)  # from a .keras file (io.keras_file)
+        src_prefix = checkpoint_prefix(item)
+        src_prefix = src_prefix if os.path.isfile(src_prefix + ".index") else ""
+        if src_prefix:
+            extended = extend_checkpoint(src_prefix, os.path.join(tmp, prefix), proto.meta_graphs[0].object_graph_def)
         for sub in ("variables", "assets"):
             src = os.path.join(item.source, sub)
-            if os.path.isdir(src) and not (sub == "variables" and extended):
+            if os.path.isdir(src) and not (sub == "variables" and (extended or built)):
                 shutil.copytree(src, os.path.join(tmp, sub))
-        if item.variables_prefix:  # a TF1 checkpoint becomes the SavedModel's variables
+        if item.variables_prefix and not extended:  # a TF1 checkpoint becomes the SavedModel's variables
             os.makedirs(os.path.join(tmp, "variables"), exist_ok=True)
             for f in checkpoint_files(item.variables_prefix):
                 suffix = f[len(item.variables_prefix):]
@@ -363,6 +365,14 @@ def without_unsaved_gradient_types(proto: saved_model_pb2.SavedModel) -> saved_m
                 if (fdef.signature.name, node.name) in drop:
                     del node.attr["_gradient_op_type"]
     return out
+
+
+def checkpoint_prefix(item: GraphItem) -> str:
+    """The checkpoint prefix of a SavedModel item's variables: beside its protobuf, or for a
+    model built from another file (:mod:`vfgraph.io.keras_file`) its ``variables_prefix``."""
+    if item.kind == "saved_model" and item.variables_prefix:
+        return item.variables_prefix
+    return os.path.join(item.source, "variables", "variables")
 
 
 def input_paths(item: GraphItem) -> List[str]:

@@ -31,7 +31,7 @@ from tensorflow.core.protobuf import saved_model_pb2, saved_object_graph_pb2, sa
 
 from vfgraph import records
 from vfgraph.errors import InputError, OutputError
-from vfgraph.io import checkpoint, outputs, savedmodel
+from vfgraph.io import checkpoint, keras_file, outputs, savedmodel
 from vfgraph.io.checkpoint import OBJECT_GRAPH_KEY, CheckpointReader
 from vfgraph.io.signatures import INIT_OP_KEY
 from vfgraph.ir.functions import CALL_OPS, function_dependencies, iter_func_attrs
@@ -379,7 +379,7 @@ def _source_keys(item: GraphItem, variables: List[_Var]) -> Tuple[str, List[str]
     checkpoint object graph has the saved object graph's node ids)."""
     import tensorflow as tf
 
-    prefix = os.path.join(item.source, "variables", "variables")
+    prefix = savedmodel.checkpoint_prefix(item)
     if not os.path.isfile(prefix + ".index"):
         raise InputError(f"{prefix}.index: variables are missing; copy the whole SavedModel directory")
     reader = CheckpointReader(prefix)
@@ -468,8 +468,8 @@ def _metadata(item: GraphItem, proto: saved_model_pb2.SavedModel) -> dict:
     mg = proto.meta_graphs[0]
     keys = sorted(k for k in mg.signature_def if k != INIT_OP_KEY)
     sliced = records.get(item, Microbatch)
-    meta = {"serving_export": {"signatures": keys, "vfgraph_version": __version__,
-                               "source_fingerprint": savedmodel.source_fingerprint(item.source, item.variables_prefix),
+    source = savedmodel.source_fingerprint(item.source, keras_file.variables_read(item))
+    meta = {"serving_export": {"signatures": keys, "vfgraph_version": __version__, "source_fingerprint": source,
                                "vnode_batch": {k: sliced[k].vnode_batch for k in keys if k in sliced}}}
     if item.metadata.get("history"):
         meta["history"] = item.metadata["history"]

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -138,6 +138,7 @@ class TrainResult:
     out: str
     steps: int
     losses: LossHistory
+    metrics: Dict[str, float] = field(default_factory=dict)  # the last step's, besides the loss
 
 
 def batches_for(data: Dict[str, np.ndarray], keys: List[str], batch_size: int, step: int, seed: int = 0):
@@ -575,6 +576,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         last_ckpt = done
 
     step_seconds: List[float] = []  # each step's time on this rank (data, step, agreement)
+    metrics: Dict[str, float] = {}  # the other scalars the last step returned (a Keras model's metrics)
     bar = tqdm(initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
     # (rank 0 of an elastic job) the last completed step and a copy of the variables after it,
     # kept while the job runs on more than one rank: when it loses ranks, rank 0 goes back to
@@ -666,7 +668,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                             raise NonFiniteLoss(_nonfinite_message(step, loss, feed, ckpt_dir, last_ckpt,
                                                                    checkpoint_every, w))
                         losses.append(loss)
-                        bar.set_postfix(loss=f"{loss:.4f}")
+                        metrics = {k: float(v) for k, v in sorted(result.items()) if k != "loss" and v.shape.rank == 0}
+                        bar.set_postfix(loss=f"{loss:.4f}", **{k: f"{v:.4g}" for k, v in metrics.items()})
                         done = step + 1
                         interrupted = any(f & STOP for f in seen) and done < steps
                         if interrupted or (checkpoint_every and done % checkpoint_every == 0 and done < steps):
@@ -743,7 +746,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     # OUT holds all the checkpoint held (every variable, the optimizer's state among them, and
     # the losses): the checkpoint goes once OUT and its serving export are whole (docs/semantics.md)
     outputs.remove_written(ckpt_dir)
-    return TrainResult(out, steps, losses)
+    return TrainResult(out, steps, losses, metrics)
 
 
 def _rows(per: List[int], rank: int, b: int) -> Tuple[int, int]:
