@@ -176,11 +176,8 @@ def test_two_independent_updates_are_one_step(tmp_path):
 
 
 def test_steps_the_rewrite_cannot_split_are_refused_naming_the_construct(tmp_path):
-    """A GAN step (the generator's loss reads the discriminator the step just updated) and an
-    update under a condition (Keras' gradient accumulation) are refused, saying which."""
+    """A GAN step (the generator's loss reads the discriminator the step just updated) is
+    refused, saying which."""
     gan = export_two_updates(tmp_path / "gan", dependent=True)
     with pytest.raises(VfgraphError, match=r"reads .*kernel after .* updated it in the same step.*GAN"):
         vfgraph.rewrite(gan, vnodes=4, allreduce="none")
-    accumulating = export(tmp_path / "accumulating", gradient_accumulation_steps=2)
-    with pytest.raises(VfgraphError, match=r"variable updates run inside .*\(If\).*gradient_accumulation_steps"):
-        vfgraph.rewrite(accumulating, vnodes=4, allreduce="none")

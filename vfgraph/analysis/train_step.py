@@ -1,8 +1,10 @@
 """What a training function means: where the per-example work ends and the update begins.
 
 The cut is derived from dataflow, not from names. Every variable write whose value depends
-on the batch is a sink; the batch arguments are the sources; a tensor may be cut only if its
-shape does not depend on the batch (a fully known static shape) and it is floating point.
+on the batch is a sink (a functional op whose functions write variables, an ``If`` applying
+the update under a condition, is a write of those: :mod:`vfgraph.analysis.calls`); the batch
+arguments are the sources; a tensor may be cut only if its shape does not depend on the
+batch (a fully known static shape) and it is floating point.
 The minimum cut closest to the batch is the set of per-step quantities that sum over
 examples: the gradients, and the batch statistics that feed moving-average updates; whatever
 the step then does with them (clipping, scaling, EMA) runs once, on the batch's value.
@@ -19,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import networkx as nx
 from tensorflow.core.framework import types_pb2
 
-from vfgraph.analysis import reduction
+from vfgraph.analysis import calls, reduction
 from vfgraph.errors import DetectionError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.item import GraphItem, SignatureInfo
@@ -371,28 +373,11 @@ def check_batch_inputs(g: FunctionGraph, sig: SignatureInfo) -> None:
 def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     """Find the cut of ``g`` (the training signature's function)."""
     check_batch_inputs(g, sig)
-    found: Dict[str, List[str]] = {}
-    writing = {op: is_write(op) for op in g.present_ops()}
-    for name, op in g.op_types().items():
-        if writing[op] and g.inputs(name):
-            res = resource_root(g, g.data_inputs(name)[0])
-            if res is None:
-                raise DetectionError(
-                    f"signature {sig.key!r}: variable write {name!r} ({op}) does not write a captured "
-                    "variable; vfgraph cannot tell which variable it updates")
-            found.setdefault(res, []).append(name)
+    writes, fed_by = _variable_writes(g, sig)
     order = {r: i for i, r in enumerate(sig.resource_args)}
-    writes = {r: found[r] for r in sorted(found, key=lambda r: (order.get(r, 1 << 30), r))}
     dep = batch_dependent_nodes(g, sig.batch_args)
-    sinks = [w for ws in writes.values() for w in ws if w in dep]
+    sinks = list(dict.fromkeys(w for ws in writes.values() for w in ws if w in dep))
     if not sinks:
-        conditional = _conditional_update(g, dep)
-        if conditional:
-            raise DetectionError(
-                f"signature {sig.key!r}: its variable updates run inside {conditional}, a conditional or a call "
-                "that depends on the batch (Keras' LossScaleOptimizer and gradient_accumulation_steps put the "
-                "update under one); vfgraph cannot yet move the gradients out of it: train without that option, "
-                "or accumulate with vfgraph's virtual nodes instead")
         raise DetectionError(
             f"signature {sig.key!r}: no variable update depends on the batch, so {g.name!r} is not a "
             "training step; pass --train-signature to name the training signature")
@@ -410,7 +395,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
         raise DetectionError(f"signature {sig.key!r}: could not separate the update {reached[0]!r} from the "
                              "per-example computation")
     _check_one_phase(g, sig, writes, set(sinks), vnode_nodes)
-    reach = _write_reach(g, cut_refs, writes, vnode_nodes)
+    reach = _write_reach(g, cut_refs, writes, vnode_nodes, fed_by)
     forward = g.reachable([r.node for _, r in g.output_refs() if not r.is_function_arg],
                           lambda n: [t.node for t in g.data_inputs(n)])
     forward_reads = _forward_read_args(g, forward | vnode_nodes)
@@ -432,6 +417,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     cut.sort(key=lambda c: (order.get(c.variable, 1 << 30) if c.variable else 1 << 30,
                             min((order.get(w, 1 << 30) for w in c.writes), default=1 << 30), str(c.ref)))
 
+    _check_conditions(g, sig, cut, [w for w in sinks if w in fed_by], vnode_nodes)
     counts = reduction.BatchCounts(g, dep, sig.batch_args, shapes)
     summed = _loss_reduction(g, sig, counts, vnode_nodes, cut, shapes) == "sum"
     for c in cut:
@@ -439,10 +425,6 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     outputs = _plan_outputs(g, sig, counts, dep, vnode_nodes)
     return TrainStep(signature=sig, function=g.name, cut=cut, vnode_nodes=vnode_nodes, writes=writes,
                      outputs=outputs, batch_dependent=dep, loss_reduction="sum" if summed else "mean")
-
-
-_CONDITIONAL = ("If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile", "PartitionedCall",
-                "StatefulPartitionedCall")
 
 
 def _plan_outputs(g: FunctionGraph, sig: SignatureInfo, counts: "reduction.BatchCounts", dep: Set[str],
@@ -468,20 +450,66 @@ def _plan_outputs(g: FunctionGraph, sig: SignatureInfo, counts: "reduction.Batch
     return outputs
 
 
-def _conditional_update(g: FunctionGraph, dep: Set[str]) -> str:
-    """The batch-dependent functional op (``If``, ``Case``, a call) whose functions write a
-    variable, named with its op; empty when there is none."""
-    from vfgraph.ir.functions import function_dependencies, iter_func_attrs
+def _variable_writes(g: FunctionGraph,
+                     sig: SignatureInfo) -> Tuple[Dict[str, List[str]], Dict[str, Dict[int, List[str]]]]:
+    """The nodes that write each resource argument (in the signature's order), and for each
+    functional op among them (an ``If`` whose branches apply the update: a loss-scale
+    optimizer's, Keras' gradient accumulation) which resource arguments the value at each of
+    its inputs reaches a write of (:mod:`vfgraph.analysis.calls`)."""
+    found: Dict[str, List[str]] = {}
+    fed_by: Dict[str, Dict[int, List[str]]] = {}
+    writing = {op: is_write(op) for op in g.present_ops()}
+    summaries = calls.Calls(g.library, is_write, resource_root)
 
-    lib = g.library
-    for name in sorted(n for n in dep if n in g.nodes and g.nodes[n].op.startswith(_CONDITIONAL)):
-        node = g.nodes[name]
-        called = [a.name for a in iter_func_attrs(node, None)]
-        for f in called:
-            for dep_fn in function_dependencies(f, lib):
-                if any(is_write(n.op) for n in lib[dep_fn].node_def):
-                    return f"{name!r} ({node.op})"
-    return ""
+    def root(name: str, op: str, ref: TensorRef) -> str:
+        res = resource_root(g, ref)
+        if res is None:
+            raise DetectionError(f"signature {sig.key!r}: variable write {name!r} ({op}) does not write a captured "
+                                 "variable; vfgraph cannot tell which variable it updates")
+        return res
+
+    for name, op in g.op_types().items():
+        if writing[op] and g.inputs(name):
+            found.setdefault(root(name, op, g.data_inputs(name)[0]), []).append(name)
+        elif calls.is_functional(op):
+            summary = summaries.of_node(g, name)
+            if summary is None:
+                continue
+            inputs = g.data_inputs(name)
+            for w in sorted(summary.written):
+                ws = found.setdefault(root(name, op, inputs[w]), [])
+                if name not in ws:
+                    ws.append(name)
+            fed_by[name] = {k: sorted({root(name, op, inputs[w]) for w in ws}) for k, ws in summary.feeds.items()}
+    order = {r: i for i, r in enumerate(sig.resource_args)}
+    return {r: found[r] for r in sorted(found, key=lambda r: (order.get(r, 1 << 30), r))}, fed_by
+
+
+def _check_conditions(g: FunctionGraph, sig: SignatureInfo, cut: List[CutTensor], conditional: List[str],
+                      vnode_nodes: Set[str]) -> None:
+    """Refuse an update under a condition (or branch index) computed from a cut tensor that is
+    not a gradient: the update runs once, on the virtual nodes' average of that value, which is
+    the batch's own only for gradients (a loss-scale optimizer's finite check of the gradients
+    is; a condition on the batch's largest value is not)."""
+    role = {c.ref: c.role for c in cut}
+    for name in conditional:
+        op = g.nodes[name].op
+        stack = list(g.data_inputs(name)[:calls.leading_inputs(op)])
+        seen = set(stack)
+        while stack:
+            t = stack.pop()
+            if role.get(t, "gradient") != "gradient":
+                raise DetectionError(
+                    f"signature {sig.key!r}: the update {name!r} ({op}) runs under a condition computed from {t}, "
+                    "a value of the batch that is not a gradient; vfgraph would decide it on the virtual nodes' "
+                    "average of that value, not on the batch's: compute the condition from the gradients, or "
+                    "apply the update unconditionally")
+            if t in role or t.is_function_arg or t.node in vnode_nodes:
+                continue
+            for i in g.data_inputs(t.node):
+                if i not in seen:
+                    seen.add(i)
+                    stack.append(i)
 
 
 def _check_one_phase(g: FunctionGraph, sig: SignatureInfo, writes: Dict[str, List[str]], sinks: Set[str],
@@ -543,10 +571,11 @@ _SHAPE_ONLY = {"Identity", "Snapshot", "Reshape", "Squeeze", "ExpandDims"}
 
 def _through_shape_ops(g: FunctionGraph, cuttable: "_Cuttable", cut: List[TensorRef]) -> List[TensorRef]:
     """Each cut tensor moved down through the ops that only reshape or rename it (its one
-    consumer; an average commutes with them), so that a gradient is cut in its variable's
-    shape where the step reshapes it on the way, and the gradients an ``IdentityN`` passes on
-    together (Keras' optimizer step) are cut where it passes them, so that the update reads
-    each variable's gradient on its own (pipeline stages split the update by variable)."""
+    consumer; an average commutes with them) or widen its floating-point type, so that a
+    gradient is cut in its variable's shape where the step reshapes it on the way, and the
+    gradients an ``IdentityN`` passes on together (Keras' optimizer step) are cut where it
+    passes them, so that the update reads each variable's gradient on its own (pipeline stages
+    split the update by variable)."""
     out = []
     for ref in _through_identity_n(g, cuttable, cut):
         while not ref.is_function_arg and ref not in cuttable.sparse:
@@ -554,7 +583,7 @@ def _through_shape_ops(g: FunctionGraph, cuttable: "_Cuttable", cut: List[Tensor
             if len(consumers) != 1:
                 break
             node = consumers[0][0]
-            if g.nodes[node].op not in _SHAPE_ONLY or g.data_inputs(node)[0] != ref:
+            if not (g.nodes[node].op in _SHAPE_ONLY or _widening(g, node)) or g.data_inputs(node)[0] != ref:
                 break
             nxt = g.outputs(node)[0]
             if not cuttable(nxt):
@@ -562,6 +591,19 @@ def _through_shape_ops(g: FunctionGraph, cuttable: "_Cuttable", cut: List[Tensor
             ref = nxt
         out.append(ref)
     return sorted(set(out))
+
+
+_FLOAT_BITS = {types_pb2.DT_HALF: 16, types_pb2.DT_BFLOAT16: 16, types_pb2.DT_FLOAT: 32, types_pb2.DT_DOUBLE: 64}
+
+
+def _widening(g: FunctionGraph, node: str) -> bool:
+    """Whether ``node`` casts a floating-point tensor to a wider floating-point type (a mixed
+    precision gradient to its variable's float32): its average is then taken in the wider type."""
+    n = g.nodes[node]
+    if n.op != "Cast":
+        return False
+    src, dst = _FLOAT_BITS.get(n.attr["SrcT"].type, 0), _FLOAT_BITS.get(n.attr["DstT"].type, 0)
+    return 0 < src < dst
 
 
 def _through_identity_n(g: FunctionGraph, cuttable: "_Cuttable", cut: List[TensorRef]) -> List[TensorRef]:
@@ -883,9 +925,13 @@ def _same_shape(a: Optional[List[int]], b: Optional[List[int]]) -> bool:
 
 
 def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, List[str]],
-                 vnode_nodes: Set[str]) -> Dict[TensorRef, List[str]]:
-    """For each cut tensor, the resource args whose updates it is the nearest cut tensor to."""
-    write_res = {w: r for r, ws in writes.items() for w in ws}
+                 vnode_nodes: Set[str], fed_by: Optional[Dict[str, Dict[int, List[str]]]] = None
+                 ) -> Dict[TensorRef, List[str]]:
+    """For each cut tensor, the resource args whose updates it is the nearest cut tensor to
+    (``fed_by``: of a functional op that writes variables, the resource args each of its inputs
+    reaches a write of)."""
+    fed_by = fed_by or {}
+    write_res = {w: r for r, ws in writes.items() for w in ws if w not in fed_by}
     reads_after: Dict[str, List[TensorRef]] = {}
     for name in g.nodes_of("ReadVariableOp"):
         if name not in vnode_nodes:
@@ -908,7 +954,9 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
                 # is labelled already (distance 0): walking it changes no claim.
                 continue
             res = write_res.get(consumer)
-            if res is not None and res not in claimed:
+            for res in [res] if res is not None else fed_by.get(consumer, {}).get(slot, []):
+                if res in claimed:
+                    continue
                 claimed.add(res)
                 out[src].append(res)
                 # Optimizers write a slot, then read it back for the parameter update.

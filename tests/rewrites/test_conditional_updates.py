@@ -1,0 +1,161 @@
+"""Updates applied under a condition train at any number of virtual nodes: the virtual nodes'
+gradients are averaged before the step's condition and its update, which run once per step on
+the batch's gradient (a loss-scale optimizer's unscaling, finite check and scale update, Keras'
+gradient accumulation counter and apply, a condition on the gradients' norm). A condition on a
+value of the batch that is not a gradient is refused, naming the conditional."""
+import numpy as np
+import pytest
+
+import vfgraph
+from vfgraph.errors import VfgraphError
+from vfgraph.testing.compare import compare_models
+
+from test_training_semantics import assert_same_training, data, export
+
+
+def export_loss_scaled(path, policy="float32"):
+    """The small MLP trained through Keras' LossScaleOptimizer (SGD) under ``policy``; its scale
+    doubles after every 2 finite steps."""
+    import keras
+    import tensorflow as tf
+
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(10, dtype="float32")])
+        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.3), initial_scale=2.0 ** 8,
+                                                  dynamic_growth_steps=2)
+        opt.build(model.trainable_variables)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    specs = {"x": tf.TensorSpec([None, 8], tf.float32), "y": tf.TensorSpec([None], tf.int32)}
+
+    class Trainer(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.opt, self.model_variables = model, opt, list(model.variables) + list(opt.variables)
+
+        @tf.function(input_signature=[specs])
+        def train(self, batch):
+            with tf.GradientTape() as tape:
+                logits = self.model(batch["x"], training=True)
+                value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["y"], logits,
+                                                                                    from_logits=True))
+                scaled = self.opt.scale_loss(value)
+            grads = tape.gradient(scaled, self.model.trainable_variables)
+            self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
+            return {"loss": value}
+
+        @tf.function(input_signature=[specs["x"]])
+        def serve(self, x):
+            return {"logits": self.model(x, training=False)}
+
+    m = Trainer()
+    tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
+    return str(path)
+
+
+def export_conditional_sgd(path, condition):
+    """Plain SGD applied under ``tf.cond``: when the gradients' global norm is below a bound
+    (``condition="gradient_norm"``), or when the batch's largest feature is (``"batch_max"``)."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(10)])
+    specs = {"x": tf.TensorSpec([None, 8], tf.float32), "y": tf.TensorSpec([None], tf.int32)}
+
+    class Trainer(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.model_variables = model, list(model.variables)
+
+        @tf.function(input_signature=[specs])
+        def train(self, batch):
+            params = self.model.trainable_variables
+            with tf.GradientTape() as tape:
+                logits = self.model(batch["x"], training=True)
+                value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["y"], logits,
+                                                                                    from_logits=True))
+            grads = tape.gradient(value, params)
+            if condition == "gradient_norm":  # on data()'s batches: steps 1 and 3 apply, step 2 does not
+                ok = tf.linalg.global_norm(grads) < 0.789
+            else:
+                ok = tf.reduce_max(batch["x"]) < 2.5
+
+            def apply():
+                for p, g in zip(params, grads):
+                    p.assign_sub(0.3 * g)
+                return tf.constant(1.0)
+
+            applied = tf.cond(ok, apply, lambda: tf.constant(0.0))
+            return {"loss": value, "applied": applied}
+
+        @tf.function(input_signature=[specs["x"]])
+        def serve(self, x):
+            return {"logits": self.model(x, training=False)}
+
+    m = Trainer()
+    tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
+    return str(path)
+
+
+def _trained(path, steps, batch=16):
+    """The train signature's variables after ``steps`` steps on data()'s batches."""
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(path)  # (kept alive while its function runs)
+    fn = loaded.signatures["train"]
+    feed = data(max(steps, 1) * batch)
+    for s in range(steps):
+        fn(**{k: tf.constant(feed[k][s * batch:(s + 1) * batch]) for k in ("batch", "batch_1")})
+    return {v.name: v.numpy() for v in fn.variables}
+
+
+def test_loss_scale_optimizer_trains_with_one_scale_update_per_step(tmp_path):
+    assert_same_training(export_loss_scaled(tmp_path / "scaled"), tmp_path, "scaled")
+
+
+def test_loss_scale_optimizer_under_mixed_float16(tmp_path):
+    """V=1 is the original step; at V=4 each virtual node rounds its own float16 gradient sums,
+    so the parameters agree within float16's rounding (the original's own float16 sums are
+    rounded as much), and the scale advances once per step exactly as the original's."""
+    original = export_loss_scaled(tmp_path / "mixed", "mixed_float16")
+    for vnodes, within in ((1, 0.0), (4, 2e-3)):
+        out = str(tmp_path / f"mixed_v{vnodes}")
+        vfgraph.save(vfgraph.rewrite(original, vnodes=vnodes, allreduce="none"), out)
+        rep = compare_models(original, out, steps=3, batch=16, data=data(48))
+        assert not rep.nonfinite and rep.worst_param <= within, (vnodes, rep.params)
+        scale = next(k for k in rep.params if k.endswith("/dynamic_scale:0"))  # (Keras numbers the names)
+        assert rep.params[scale] == 0.0, vnodes
+    after = _trained(out, steps=3)
+    counter = next(k for k in after if k.endswith("/step_counter:0"))
+    assert after[scale] == 2.0 ** 9 and after[counter] == 1, after
+
+
+def test_keras_gradient_accumulation_over_four_steps(tmp_path):
+    """Keras' gradient_accumulation_steps=2 applies every second step the mean of two steps'
+    gradients: V=1 equals the original and V=4 the full-batch step, over two applies."""
+    original = export(tmp_path / "accumulating", gradient_accumulation_steps=2)
+    for vnodes in (1, 4):
+        out = str(tmp_path / f"accumulating_v{vnodes}")
+        vfgraph.save(vfgraph.rewrite(original, vnodes=vnodes, allreduce="none"), out)
+        rep = compare_models(original, out, steps=4, batch=16, data=data(64))
+        assert not rep.nonfinite and rep.worst_param < 2e-5, (vnodes, rep.params)
+        for step, a, b in rep.loss:
+            assert b == pytest.approx(a, rel=1e-5), (vnodes, step)
+    before, after = _trained(original, steps=0), _trained(out, steps=4)
+    kernel = sorted(k for k in after if k.endswith("kernel:0"))[0]
+    assert np.abs(after[kernel] - before[kernel]).max() > 1e-3  # it did train
+
+
+def test_a_condition_on_the_gradients_trains(tmp_path):
+    assert_same_training(export_conditional_sgd(tmp_path / "norm", "gradient_norm"), tmp_path, "norm")
+
+
+def test_a_condition_on_the_batch_values_is_refused_naming_it(tmp_path):
+    path = export_conditional_sgd(tmp_path / "batch_max", "batch_max")
+    with pytest.raises(VfgraphError, match=r"the update 'cond' \(If\) runs under a condition computed from .*Max"
+                                           r".*not a gradient"):
+        vfgraph.rewrite(path, vnodes=4, allreduce="none")
