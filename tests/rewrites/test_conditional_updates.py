@@ -2,7 +2,9 @@
 gradients are averaged before the step's condition and its update, which run once per step on
 the batch's gradient (a loss-scale optimizer's unscaling, finite check and scale update, Keras'
 gradient accumulation counter and apply, a condition on the gradients' norm). A condition on a
-value of the batch that is not a gradient is refused, naming the conditional."""
+value of the batch that is not a gradient is refused, naming the conditional. Rows summed into
+a tensor sized from the batch (the gradient of a gather from activations, as in keras-hub's
+DeBERTa-V3) are per-example work, and what precedes them trains."""
 import numpy as np
 import pytest
 
@@ -58,7 +60,8 @@ def export_loss_scaled(path, policy="float32"):
 
 def export_conditional_sgd(path, condition):
     """Plain SGD applied under ``tf.cond``: when the gradients' global norm is below a bound
-    (``condition="gradient_norm"``), or when the batch's largest feature is (``"batch_max"``)."""
+    (``condition="gradient_norm"``), when the batch's largest feature is (``"batch_max"``), or
+    when any feature is above it (``"batch_any"``)."""
     import keras
     import tensorflow as tf
 
@@ -81,8 +84,10 @@ def export_conditional_sgd(path, condition):
             grads = tape.gradient(value, params)
             if condition == "gradient_norm":  # on data()'s batches: steps 1 and 3 apply, step 2 does not
                 ok = tf.linalg.global_norm(grads) < 0.789
-            else:
+            elif condition == "batch_max":
                 ok = tf.reduce_max(batch["x"]) < 2.5
+            else:  # "batch_any"
+                ok = tf.reduce_any(batch["x"] > 2.5)
 
             def apply():
                 for p, g in zip(params, grads):
@@ -154,8 +159,123 @@ def test_a_condition_on_the_gradients_trains(tmp_path):
     assert_same_training(export_conditional_sgd(tmp_path / "norm", "gradient_norm"), tmp_path, "norm")
 
 
-def test_a_condition_on_the_batch_values_is_refused_naming_it(tmp_path):
-    path = export_conditional_sgd(tmp_path / "batch_max", "batch_max")
-    with pytest.raises(VfgraphError, match=r"the update 'cond' \(If\) runs under a condition computed from .*Max"
-                                           r".*not a gradient"):
+@pytest.mark.parametrize("condition, message", [
+    ("batch_max", r"the update 'cond' \(If\) runs under a condition computed from .*Max.*not a gradient"),
+    ("batch_any", r"the update 'cond' \(If\) runs on values of the batch that cannot be averaged .*Any.*"
+                  r"not from the gradients")])
+def test_a_condition_on_the_batch_values_is_refused_naming_it(condition, message, tmp_path):
+    path = export_conditional_sgd(tmp_path / condition, condition)
+    with pytest.raises(VfgraphError, match=message):
         vfgraph.rewrite(path, vnodes=4, allreduce="none")
+
+
+def _same_training_on_random_batches(original, tmp_path, name):
+    """As assert_same_training, on compare_models' seeded random batches (integer inputs in [0, 10))."""
+    for vnodes in (1, 4):
+        out = str(tmp_path / f"{name}_v{vnodes}")
+        vfgraph.save(vfgraph.rewrite(original, vnodes=vnodes, allreduce="none"), out)
+        rep = compare_models(original, out, steps=3, batch=16)
+        assert not rep.nonfinite and rep.worst_param < 2e-5, (name, vnodes, rep.params)
+        for step, a, b in rep.loss:
+            assert b == pytest.approx(a, rel=1e-5), (name, vnodes, step)
+
+
+def export_gathering(path, construct):
+    """Token embeddings, layer-normalized, then per-example work whose gradient sums rows into a
+    tensor sized from the batch (a gather from the activations by per-example positions, or
+    per-example segment sums over the batch), then a dense layer and a mean-pooled classifier."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Embedding(20, 16), keras.layers.LayerNormalization(),
+              keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(10)]
+    embed, norm, dense, head = layers
+    head(dense(norm(embed(tf.zeros([2, 8], tf.int32)))))
+    params = [v for layer in layers for v in layer.trainable_variables]
+    opt = keras.optimizers.SGD(0.3)
+    opt.build(params)
+    specs = {"x": tf.TensorSpec([None, 8], tf.int32), "y": tf.TensorSpec([None], tf.int32)}
+
+    def forward(x):
+        h = norm(embed(x))  # [batch, 8, 16]
+        where = tf.math.floormod(x[:, ::-1], 8)  # per-example positions
+        if construct == "gather_batch_dims":
+            h = tf.gather(h, where, axis=1, batch_dims=1)
+        elif construct == "take_along_axis":
+            h = keras.ops.take_along_axis(h, where[:, :, None] * tf.ones([1, 1, 16], tf.int32), axis=1)
+        else:  # "segment_sum": each example's sum over its positions, added back to them
+            size = tf.shape(h)[0]
+            pooled = tf.math.unsorted_segment_sum(tf.reshape(h, [-1, 16]), tf.repeat(tf.range(size), 8), size)
+            h = h + pooled[:, None, :] / 8.0
+        return head(tf.reduce_mean(dense(h), axis=1))
+
+    class Trainer(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers, self.opt = layers, opt
+            self.model_variables = [v for layer in layers for v in layer.variables]
+
+        @tf.function(input_signature=[specs])
+        def train(self, batch):
+            with tf.GradientTape() as tape:
+                value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                    batch["y"], forward(batch["x"]), from_logits=True))
+            self.opt.apply_gradients(zip(tape.gradient(value, params), params))
+            return {"loss": value}
+
+    m = Trainer()
+    tf.saved_model.save(m, str(path), signatures={"train": m.train})
+    return str(path)
+
+
+def export_deberta(path):
+    """A tiny keras-hub DeBERTa-V3 backbone (its relative-position attention gathers from
+    activations) with a classifier on the first token."""
+    import keras
+    import keras_hub
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.DebertaV3Backbone(vocabulary_size=100, num_layers=1, num_heads=2, hidden_dim=16,
+                                                  intermediate_dim=32, dropout=0.0, max_sequence_length=8,
+                                                  bucket_size=4)
+    head = keras.layers.Dense(10)
+    specs = {"token_ids": tf.TensorSpec([None, 8], tf.int32), "padding_mask": tf.TensorSpec([None, 8], tf.int32),
+             "label": tf.TensorSpec([None], tf.int32)}
+    inputs = lambda batch: {k: batch[k] for k in ("token_ids", "padding_mask")}  # noqa: E731
+    head(backbone(inputs({k: tf.ones([2, 8], tf.int32) for k in specs}))[:, 0])
+    params = backbone.trainable_variables + head.trainable_variables
+    opt = keras.optimizers.SGD(0.1)
+    opt.build(params)
+
+    class Trainer(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone, self.head, self.opt = backbone, head, opt
+            self.model_variables = list(backbone.variables) + list(head.variables)
+
+        @tf.function(input_signature=[specs])
+        def train(self, batch):
+            with tf.GradientTape() as tape:
+                logits = self.head(self.backbone(inputs(batch), training=True)[:, 0])
+                value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["label"], logits,
+                                                                                    from_logits=True))
+            self.opt.apply_gradients(zip(tape.gradient(value, params), params))
+            return {"loss": value}
+
+    m = Trainer()
+    tf.saved_model.save(m, str(path), signatures={"train": m.train})
+    return str(path)
+
+
+@pytest.mark.parametrize("construct", ["gather_batch_dims", "take_along_axis", "segment_sum"])
+def test_rows_summed_into_a_batch_sized_tensor_are_per_example_work(construct, tmp_path):
+    """The gradient of a gather from activations sums rows into a tensor whose size is read from
+    the batch: per-example work, not a variable's sparse gradient, so the layer normalization
+    and embeddings before it train (they were refused: no cut behind a sparse gradient)."""
+    _same_training_on_random_batches(export_gathering(tmp_path / construct, construct), tmp_path, construct)
+
+
+def test_keras_hub_deberta_trains(tmp_path):
+    _same_training_on_random_batches(export_deberta(tmp_path / "deberta"), tmp_path, "deberta")

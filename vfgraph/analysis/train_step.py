@@ -132,7 +132,8 @@ class _Cuttable:
         self.blocked: Set[TensorRef] = set()
         self._flags: Dict[str, List[bool]] = {}
         roots = []
-        candidates = sorted(n for op in g.present_ops() if _is_sparse_op(op) for n in g.nodes_of(op) if n in dep)
+        candidates = sorted(n for op in g.present_ops() if _is_sparse_op(op) for n in g.nodes_of(op)
+                            if n in dep and not _batch_sized(g, n, dep))
         sparse_ops = set(candidates)
         for name in candidates:
             roles = _sparse_roles(g, name)
@@ -304,6 +305,20 @@ def _sparse_roles(g: FunctionGraph, name: str) -> Optional[Tuple[int, int]]:
 
 
 _SUMS = {"AddN", "AddV2", "Add"}
+
+
+def _batch_sized(g: FunctionGraph, name: str, dep: Set[str]) -> bool:
+    """Whether sparse op ``name`` sums rows into a tensor whose size is computed from the batch
+    (its segment count read from a batch-dependent shape): the gradient of a gather from an
+    activation (DeBERTa's relative-position attention), which is per-example work, not a
+    variable's gradient, so nothing marks its rows as cut or blocks what follows it."""
+    if g.nodes[name].op not in _SPARSE_DENSIFY:
+        return False
+    from tensorflow.python.framework import op_def_registry
+
+    names = [a.name for a in op_def_registry.get(g.nodes[name].op).input_arg]
+    size = g.data_inputs(name)[names.index("num_segments")]
+    return not size.is_function_arg and size.node in dep
 
 
 def _added_to_dense(g: FunctionGraph, name: str, dep: Set[str], sparse_ops: Set[str]) -> bool:
@@ -996,6 +1011,12 @@ def _unbounded_message(g, sig, flow, sinks) -> str:
         return f"signature {sig.key!r}: the gradients of {g.name!r} could not be separated from the update"
     w, p = path
     tensors = [str(n[1]) for n in p if isinstance(n, tuple) and n[0] == "in"]
+    op = g.nodes[w].op
+    if calls.is_functional(op):
+        return (f"signature {sig.key!r}: the update {w!r} ({op}) runs on values of the batch that cannot be "
+                f"averaged over virtual nodes ({', '.join(tensors[-3:])}: not floating point, or shaped by the "
+                "batch), so its condition or inputs come from per-example values, not from the gradients; "
+                "compute the condition from the gradients, or apply the update unconditionally")
     return (f"signature {sig.key!r}: the update {w!r} depends on the batch through tensors whose shape "
             f"depends on the batch ({', '.join(tensors[-3:])}); vfgraph cannot match its gradient to a "
             "variable (sparse or per-example gradients are not supported for this update)")
