@@ -15,23 +15,28 @@ from vfgraph.testing.compare import compare_models
 from test_training_semantics import assert_same_training, data, export
 
 
-def export_loss_scaled(path, policy="float32"):
-    """The small MLP trained through Keras' LossScaleOptimizer (SGD) under ``policy``; its scale
-    doubles after every 2 finite steps."""
+def export_loss_scaled(path, policy="float32", inner="sgd", embedding=False):
+    """The small MLP trained through Keras' LossScaleOptimizer under ``policy``, wrapping SGD
+    (``inner="sgd"``) or Adam with a global-norm clip (``"adam_clipped"``: every gradient reaches
+    every variable's update); its scale doubles after every 2 finite steps. ``embedding``: the
+    features are 8 token ids, embedded and averaged (a sparse gradient, applied in the branch)."""
     import keras
     import tensorflow as tf
 
     keras.mixed_precision.set_global_policy(policy)
     try:
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
-                                  keras.layers.Dense(10, dtype="float32")])
-        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.3), initial_scale=2.0 ** 8,
-                                                  dynamic_growth_steps=2)
+        first = ([keras.Input((8,), dtype="int32"), keras.layers.Embedding(20, 16),
+                  keras.layers.GlobalAveragePooling1D()] if embedding
+                 else [keras.Input((8,)), keras.layers.Dense(16, activation="tanh")])
+        model = keras.Sequential(first + [keras.layers.Dense(10, dtype="float32")])
+        wrapped = keras.optimizers.SGD(0.3) if inner == "sgd" else keras.optimizers.Adam(0.01, global_clipnorm=0.5)
+        opt = keras.optimizers.LossScaleOptimizer(wrapped, initial_scale=2.0 ** 8, dynamic_growth_steps=2)
         opt.build(model.trainable_variables)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    specs = {"x": tf.TensorSpec([None, 8], tf.float32), "y": tf.TensorSpec([None], tf.int32)}
+    specs = {"x": tf.TensorSpec([None, 8], tf.int32 if embedding else tf.float32),
+             "y": tf.TensorSpec([None], tf.int32)}
 
     class Trainer(tf.Module):
         def __init__(self):
@@ -118,8 +123,28 @@ def _trained(path, steps, batch=16):
     return {v.name: v.numpy() for v in fn.variables}
 
 
-def test_loss_scale_optimizer_trains_with_one_scale_update_per_step(tmp_path):
-    assert_same_training(export_loss_scaled(tmp_path / "scaled"), tmp_path, "scaled")
+@pytest.mark.parametrize("inner", ["sgd", "adam_clipped"])
+def test_loss_scale_optimizer_trains_with_one_scale_update_per_step(inner, tmp_path):
+    """Each cut gradient is matched to its own variable (and Adam's slots of it) inside the
+    conditional; V=1 and V=4 train as the original (the scale is compared with the parameters)."""
+    from vfgraph.analysis.train_step import analyze_train_step
+    from vfgraph.ir.graph import FunctionGraph
+
+    original = export_loss_scaled(tmp_path / inner, inner=inner)
+    item = vfgraph.load(original)
+    sig = item.signatures["train"]
+    step = analyze_train_step(FunctionGraph.over(item.function(sig.function), item.library), sig)
+    names = sorted(sig.variables[c.variable].name for c in step.cut if c.role == "gradient")
+    assert len(step.cut) == 4 and names == sorted(sig.variables[r].name for r in step.trainable), step.cut
+    assert len(set(names)) == 4 and all(n.endswith(("kernel", "bias")) for n in names), names
+    assert_same_training(original, tmp_path, inner)
+
+
+def test_loss_scale_optimizer_with_an_embedding(tmp_path):
+    """The embedding's rows and indices go into the conditional apply: they are cut as a sparse
+    gradient (rows concatenated over virtual nodes) and the finite check reads them."""
+    _same_training_on_random_batches(export_loss_scaled(tmp_path / "embedded", embedding=True), tmp_path,
+                                     "embedded")
 
 
 def test_loss_scale_optimizer_under_mixed_float16(tmp_path):

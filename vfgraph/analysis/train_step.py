@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import networkx as nx
 from tensorflow.core.framework import types_pb2
@@ -122,9 +122,12 @@ class _Cuttable:
     """Which tensors may be cut: floating point with a batch-free static shape, plus the
     values and indices of sparse (row-indexed) gradients, which are concatenated over virtual
     nodes instead of averaged. Nothing downstream of a sparse gradient's densification or
-    scatter may be cut (that is optimizer math on the whole step's gradient)."""
+    scatter may be cut (that is optimizer math on the whole step's gradient). ``called``: the
+    (node, values input, indices input) of functional ops whose functions apply sparse updates
+    from those inputs (a loss-scale optimizer's conditional apply of an embedding's rows)."""
 
-    def __init__(self, g: FunctionGraph, dep: Set[str], shapes: Dict[TensorRef, List[int]]):
+    def __init__(self, g: FunctionGraph, dep: Set[str], shapes: Dict[TensorRef, List[int]],
+                 called: Sequence[Tuple[str, int, int]] = ()):
         self.g = g
         self.dep = dep
         self.shapes = shapes
@@ -135,13 +138,15 @@ class _Cuttable:
         candidates = sorted(n for op in g.present_ops() if _is_sparse_op(op) for n in g.nodes_of(op)
                             if n in dep and not _batch_sized(g, n, dep))
         sparse_ops = set(candidates)
+        rows = []  # (sparse op, its values, its indices)
         for name in candidates:
             roles = _sparse_roles(g, name)
-            if roles is None or _added_to_dense(g, name, dep, sparse_ops):
-                continue
-            inputs = g.data_inputs(name)
-            vals = _walk_back(g, inputs[roles[0]], _ROWWISE, dep)
-            idx = _walk_back(g, inputs[roles[1]], _INDEX_PASS, dep)
+            if roles is not None and not _added_to_dense(g, name, dep, sparse_ops):
+                rows.append((name, g.data_inputs(name)[roles[0]], g.data_inputs(name)[roles[1]]))
+        rows.extend((name, g.data_inputs(name)[v], g.data_inputs(name)[i]) for name, v, i in called)
+        for name, values, indices in rows:
+            vals = _walk_back(g, values, _ROWWISE, dep)
+            idx = _walk_back(g, indices, _INDEX_PASS, dep)
             if not (_batch_shaped(g, vals) and g.dtype(vals) in FLOAT_TYPES and _batch_shaped(g, idx)):
                 continue
             self.sparse[vals] = "concat_scaled"
@@ -388,7 +393,7 @@ def check_batch_inputs(g: FunctionGraph, sig: SignatureInfo) -> None:
 def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     """Find the cut of ``g`` (the training signature's function)."""
     check_batch_inputs(g, sig)
-    writes, fed_by = _variable_writes(g, sig)
+    writes, functional, summaries = _variable_writes(g, sig)
     order = {r: i for i, r in enumerate(sig.resource_args)}
     dep = batch_dependent_nodes(g, sig.batch_args)
     sinks = list(dict.fromkeys(w for ws in writes.values() for w in ws if w in dep))
@@ -398,7 +403,9 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
             "training step; pass --train-signature to name the training signature")
 
     shapes = refine_shapes(g, sig, writes)
-    cuttable = _Cuttable(g, dep, shapes)
+    called = [(n, v, i) for n in functional if n in dep
+              for v, i in summaries.sparse_inputs(g, n, _sparse_roles, _ROWWISE, _INDEX_PASS)]
+    cuttable = _Cuttable(g, dep, shapes, called)
     flow = _FlowGraph(g, sig, dep, cuttable, sinks)
     earliest = flow.gradient_cut()
     if earliest is None:
@@ -410,7 +417,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
         raise DetectionError(f"signature {sig.key!r}: could not separate the update {reached[0]!r} from the "
                              "per-example computation")
     _check_one_phase(g, sig, writes, set(sinks), vnode_nodes)
-    reach = _write_reach(g, cut_refs, writes, vnode_nodes, fed_by)
+    reach = _write_reach(g, cut_refs, writes, vnode_nodes, summaries, functional)
     forward = g.reachable([r.node for _, r in g.output_refs() if not r.is_function_arg],
                           lambda n: [t.node for t in g.data_inputs(n)])
     forward_reads = _forward_read_args(g, forward | vnode_nodes)
@@ -432,7 +439,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     cut.sort(key=lambda c: (order.get(c.variable, 1 << 30) if c.variable else 1 << 30,
                             min((order.get(w, 1 << 30) for w in c.writes), default=1 << 30), str(c.ref)))
 
-    _check_conditions(g, sig, cut, [w for w in sinks if w in fed_by], vnode_nodes)
+    _check_conditions(g, sig, cut, [w for w in sinks if w in functional], vnode_nodes)
     counts = reduction.BatchCounts(g, dep, sig.batch_args, shapes)
     summed = _loss_reduction(g, sig, counts, vnode_nodes, cut, shapes) == "sum"
     for c in cut:
@@ -465,14 +472,12 @@ def _plan_outputs(g: FunctionGraph, sig: SignatureInfo, counts: "reduction.Batch
     return outputs
 
 
-def _variable_writes(g: FunctionGraph,
-                     sig: SignatureInfo) -> Tuple[Dict[str, List[str]], Dict[str, Dict[int, List[str]]]]:
-    """The nodes that write each resource argument (in the signature's order), and for each
-    functional op among them (an ``If`` whose branches apply the update: a loss-scale
-    optimizer's, Keras' gradient accumulation) which resource arguments the value at each of
-    its inputs reaches a write of (:mod:`vfgraph.analysis.calls`)."""
+def _variable_writes(g: FunctionGraph, sig: SignatureInfo) -> Tuple[Dict[str, List[str]], List[str], calls.Calls]:
+    """The nodes that write each resource argument (in the signature's order); the functional
+    ops among them (an ``If`` whose branches apply the update: a loss-scale optimizer's, Keras'
+    gradient accumulation), and what their functions write (:mod:`vfgraph.analysis.calls`)."""
     found: Dict[str, List[str]] = {}
-    fed_by: Dict[str, Dict[int, List[str]]] = {}
+    functional: List[str] = []
     writing = {op: is_write(op) for op in g.present_ops()}
     summaries = calls.Calls(g.library, is_write, resource_root)
 
@@ -487,17 +492,15 @@ def _variable_writes(g: FunctionGraph,
         if writing[op] and g.inputs(name):
             found.setdefault(root(name, op, g.data_inputs(name)[0]), []).append(name)
         elif calls.is_functional(op):
-            summary = summaries.of_node(g, name)
-            if summary is None:
-                continue
             inputs = g.data_inputs(name)
-            for w in sorted(summary.written):
+            written = sorted(summaries.written(g, name))
+            functional.extend([name] if written else [])
+            for w in written:
                 ws = found.setdefault(root(name, op, inputs[w]), [])
                 if name not in ws:
                     ws.append(name)
-            fed_by[name] = {k: sorted({root(name, op, inputs[w]) for w in ws}) for k, ws in summary.feeds.items()}
     order = {r: i for i, r in enumerate(sig.resource_args)}
-    return {r: found[r] for r in sorted(found, key=lambda r: (order.get(r, 1 << 30), r))}, fed_by
+    return {r: found[r] for r in sorted(found, key=lambda r: (order.get(r, 1 << 30), r))}, functional, summaries
 
 
 def _check_conditions(g: FunctionGraph, sig: SignatureInfo, cut: List[CutTensor], conditional: List[str],
@@ -505,21 +508,22 @@ def _check_conditions(g: FunctionGraph, sig: SignatureInfo, cut: List[CutTensor]
     """Refuse an update under a condition (or branch index) computed from a cut tensor that is
     not a gradient: the update runs once, on the virtual nodes' average of that value, which is
     the batch's own only for gradients (a loss-scale optimizer's finite check of the gradients
-    is; a condition on the batch's largest value is not)."""
-    role = {c.ref: c.role for c in cut}
+    is; a condition on the batch's largest value is not). A sparse gradient's rows and indices
+    are a gradient's too."""
+    gradient = {c.ref: c.role != "statistic" or c.combine != "mean" for c in cut}
     for name in conditional:
         op = g.nodes[name].op
         stack = list(g.data_inputs(name)[:calls.leading_inputs(op)])
         seen = set(stack)
         while stack:
             t = stack.pop()
-            if role.get(t, "gradient") != "gradient":
+            if not gradient.get(t, True):
                 raise DetectionError(
                     f"signature {sig.key!r}: the update {name!r} ({op}) runs under a condition computed from {t}, "
                     "a value of the batch that is not a gradient; vfgraph would decide it on the virtual nodes' "
                     "average of that value, not on the batch's: compute the condition from the gradients, or "
                     "apply the update unconditionally")
-            if t in role or t.is_function_arg or t.node in vnode_nodes:
+            if t in gradient or t.is_function_arg or t.node in vnode_nodes:
                 continue
             for i in g.data_inputs(t.node):
                 if i not in seen:
@@ -940,13 +944,13 @@ def _same_shape(a: Optional[List[int]], b: Optional[List[int]]) -> bool:
 
 
 def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, List[str]],
-                 vnode_nodes: Set[str], fed_by: Optional[Dict[str, Dict[int, List[str]]]] = None
-                 ) -> Dict[TensorRef, List[str]]:
+                 vnode_nodes: Set[str], summaries: Optional[calls.Calls] = None,
+                 functional: Sequence[str] = ()) -> Dict[TensorRef, List[str]]:
     """For each cut tensor, the resource args whose updates it is the nearest cut tensor to
-    (``fed_by``: of a functional op that writes variables, the resource args each of its inputs
-    reaches a write of)."""
-    fed_by = fed_by or {}
-    write_res = {w: r for r, ws in writes.items() for w in ws if w not in fed_by}
+    (of ``functional`` ops, which write variables inside the functions they call, a variable
+    goes to the cut tensor nearest to a write of it, counting the ops outside and inside)."""
+    arrivals: Dict[str, Dict[int, Tuple[int, TensorRef]]] = {n: {} for n in functional}
+    write_res = {w: r for r, ws in writes.items() for w in ws if w not in arrivals}
     reads_after: Dict[str, List[TensorRef]] = {}
     for name in g.nodes_of("ReadVariableOp"):
         if name not in vnode_nodes:
@@ -957,6 +961,7 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
     # label of the nearest cut tensor, and each variable is claimed by the first label that
     # reaches one of its writes (linear in the size of the update, not quadratic).
     label: Dict[TensorRef, TensorRef] = {ref: ref for ref in cut_refs}
+    depth: Dict[TensorRef, int] = dict.fromkeys(cut_refs, 0)
     out: Dict[TensorRef, List[str]] = {ref: [] for ref in cut_refs}
     claimed: Set[str] = set()
     frontier = deque(cut_refs)
@@ -968,24 +973,35 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
                 # Every path out of the per-virtual-node part leaves through a cut tensor, which
                 # is labelled already (distance 0): walking it changes no claim.
                 continue
+            if consumer in arrivals:  # (breadth first: the first arrival at an input is the nearest)
+                arrivals[consumer].setdefault(slot, (depth[t], src))
             res = write_res.get(consumer)
-            for res in [res] if res is not None else fed_by.get(consumer, {}).get(slot, []):
-                if res in claimed:
-                    continue
+            if res is not None and res not in claimed:
                 claimed.add(res)
                 out[src].append(res)
                 # Optimizers write a slot, then read it back for the parameter update.
                 for r in reads_after.get(res, []):
                     if r not in label:
-                        label[r] = src
+                        label[r], depth[r] = src, depth[t] + 1
                         frontier.append(r)
             outs = g.outputs(consumer)
             if g.op_types()[consumer] == "IdentityN":  # output k forwards input k only
                 outs = [outs[slot]]
             for o in outs:
                 if o not in label:
-                    label[o] = src
+                    label[o], depth[o] = src, depth[t] + 1
                     frontier.append(o)
+    inside: Dict[str, Tuple[int, TensorRef]] = {}  # resource -> (fewest ops to a write of it, cut tensor)
+    for name, seeds in sorted(arrivals.items()):
+        inputs = g.data_inputs(name)
+        for slot, (d, src) in sorted(summaries.nearest(g, name, seeds).items()):
+            res = resource_root(g, inputs[slot])
+            if d < inside.get(res, (1 << 30,))[0]:
+                inside[res] = (d, src)
+    for res, (_, src) in sorted(inside.items(), key=lambda kv: (kv[1][0], kv[0])):
+        if res not in claimed:
+            claimed.add(res)
+            out[src].append(res)
     return out
 
 
