@@ -15,11 +15,12 @@ from vfgraph.testing.compare import compare_models
 from test_training_semantics import assert_same_training, data, export
 
 
-def export_loss_scaled(path, policy="float32", inner="sgd", embedding=False):
+def export_loss_scaled(path, policy="float32", inner="sgd", embedding=False, loss="mean"):
     """The small MLP trained through Keras' LossScaleOptimizer under ``policy``, wrapping SGD
     (``inner="sgd"``) or Adam with a global-norm clip (``"adam_clipped"``: every gradient reaches
     every variable's update); its scale doubles after every 2 finite steps. ``embedding``: the
-    features are 8 token ids, embedded and averaged (a sparse gradient, applied in the branch)."""
+    features are 8 token ids, embedded and averaged (a sparse gradient, applied in the branch).
+    ``loss``: the examples' losses reduced by their "mean" or "sum"."""
     import keras
     import tensorflow as tf
 
@@ -47,8 +48,8 @@ def export_loss_scaled(path, policy="float32", inner="sgd", embedding=False):
         def train(self, batch):
             with tf.GradientTape() as tape:
                 logits = self.model(batch["x"], training=True)
-                value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["y"], logits,
-                                                                                    from_logits=True))
+                value = (tf.reduce_sum if loss == "sum" else tf.reduce_mean)(
+                    keras.losses.sparse_categorical_crossentropy(batch["y"], logits, from_logits=True))
                 scaled = self.opt.scale_loss(value)
             grads = tape.gradient(scaled, self.model.trainable_variables)
             self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
@@ -140,11 +141,13 @@ def test_loss_scale_optimizer_trains_with_one_scale_update_per_step(inner, tmp_p
     assert_same_training(original, tmp_path, inner)
 
 
-def test_loss_scale_optimizer_with_an_embedding(tmp_path):
+@pytest.mark.parametrize("loss", ["mean", "sum"])
+def test_loss_scale_optimizer_with_an_embedding(loss, tmp_path):
     """The embedding's rows and indices go into the conditional apply: they are cut as a sparse
-    gradient (rows concatenated over virtual nodes) and the finite check reads them."""
-    _same_training_on_random_batches(export_loss_scaled(tmp_path / "embedded", embedding=True), tmp_path,
-                                     "embedded")
+    gradient (rows concatenated over virtual nodes, scaled by 1 / V for a mean loss only) and
+    the finite check reads them."""
+    original = export_loss_scaled(tmp_path / f"embedded_{loss}", embedding=True, loss=loss)
+    _same_training_on_random_batches(original, tmp_path, f"embedded_{loss}")
 
 
 def test_loss_scale_optimizer_under_mixed_float16(tmp_path):

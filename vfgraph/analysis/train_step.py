@@ -442,8 +442,8 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     _check_conditions(g, sig, cut, [w for w in sinks if w in functional], vnode_nodes)
     counts = reduction.BatchCounts(g, dep, sig.batch_args, shapes)
     summed = _loss_reduction(g, sig, counts, vnode_nodes, cut, shapes) == "sum"
-    for c in cut:
-        c.averaged = not (summed and c.role in ("gradient", "indices"))
+    for c in cut:  # (a sparse gradient's rows are a gradient whatever variable they are matched to)
+        c.averaged = not (summed and (c.role in ("gradient", "indices") or c.combine == "concat_scaled"))
     outputs = _plan_outputs(g, sig, counts, dep, vnode_nodes)
     return TrainStep(signature=sig, function=g.name, cut=cut, vnode_nodes=vnode_nodes, writes=writes,
                      outputs=outputs, batch_dependent=dep, loss_reduction="sum" if summed else "mean")
