@@ -177,10 +177,3 @@ def export_two_updates(path, dependent: bool):
 
 def test_two_independent_updates_are_one_step(tmp_path):
     assert_same_training(export_two_updates(tmp_path / "two", dependent=False), tmp_path, "two")
-
-
-def test_steps_the_rewrite_cannot_split_are_refused_naming_the_construct(tmp_path):
-    """An update under a condition (Keras' gradient accumulation) is refused, saying which."""
-    accumulating = export(tmp_path / "accumulating", gradient_accumulation_steps=2)
-    with pytest.raises(VfgraphError, match=r"variable updates run inside .*\(If\).*gradient_accumulation_steps"):
-        vfgraph.rewrite(accumulating, vnodes=4, allreduce="none")

@@ -1,8 +1,10 @@
 """What a training function means: where the per-example work ends and the update begins.
 
 The cut is derived from dataflow, not from names. Every variable write whose value depends
-on the batch is a sink; the batch arguments are the sources; a tensor may be cut only if its
-shape does not depend on the batch (a fully known static shape) and it is floating point.
+on the batch is a sink (a functional op whose functions write variables, an ``If`` applying
+the update under a condition, is a write of those: :mod:`vfgraph.analysis.calls`); the batch
+arguments are the sources; a tensor may be cut only if its shape does not depend on the
+batch (a fully known static shape) and it is floating point.
 The minimum cut closest to the batch is the set of per-step quantities that sum over
 examples: the gradients, and the batch statistics that feed moving-average updates; whatever
 the step then does with them (clipping, scaling, EMA) runs once, on the batch's value.
@@ -14,12 +16,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import networkx as nx
 from tensorflow.core.framework import types_pb2
 
-from vfgraph.analysis import reduction
+from vfgraph.analysis import calls, reduction
 from vfgraph.errors import DetectionError
 from vfgraph.ir.graph import FunctionGraph, TensorRef
 from vfgraph.item import GraphItem, SignatureInfo
@@ -120,9 +122,12 @@ class _Cuttable:
     """Which tensors may be cut: floating point with a batch-free static shape, plus the
     values and indices of sparse (row-indexed) gradients, which are concatenated over virtual
     nodes instead of averaged. Nothing downstream of a sparse gradient's densification or
-    scatter may be cut (that is optimizer math on the whole step's gradient)."""
+    scatter may be cut (that is optimizer math on the whole step's gradient). ``called``: the
+    (node, values input, indices input) of functional ops whose functions apply sparse updates
+    from those inputs (a loss-scale optimizer's conditional apply of an embedding's rows)."""
 
-    def __init__(self, g: FunctionGraph, dep: Set[str], shapes: Dict[TensorRef, List[int]]):
+    def __init__(self, g: FunctionGraph, dep: Set[str], shapes: Dict[TensorRef, List[int]],
+                 called: Sequence[Tuple[str, int, int]] = ()):
         self.g = g
         self.dep = dep
         self.shapes = shapes
@@ -131,15 +136,18 @@ class _Cuttable:
         self.blocked: Set[TensorRef] = set()
         self._flags: Dict[str, List[bool]] = {}
         roots = []
-        candidates = sorted(n for op in g.present_ops() if _is_sparse_op(op) for n in g.nodes_of(op) if n in dep)
+        candidates = sorted(n for op in g.present_ops() if _is_sparse_op(op) for n in g.nodes_of(op)
+                            if n in dep and not _batch_sized(g, n, dep))
         sparse_ops = set(candidates)
+        rows = []  # (sparse op, its values, its indices)
         for name in candidates:
             roles = _sparse_roles(g, name)
-            if roles is None or _added_to_dense(g, name, dep, sparse_ops):
-                continue
-            inputs = g.data_inputs(name)
-            vals = _walk_back(g, inputs[roles[0]], _ROWWISE, dep)
-            idx = _walk_back(g, inputs[roles[1]], _INDEX_PASS, dep)
+            if roles is not None and not _added_to_dense(g, name, dep, sparse_ops):
+                rows.append((name, g.data_inputs(name)[roles[0]], g.data_inputs(name)[roles[1]]))
+        rows.extend((name, g.data_inputs(name)[v], g.data_inputs(name)[i]) for name, v, i in called)
+        for name, values, indices in rows:
+            vals = _walk_back(g, values, _ROWWISE, dep)
+            idx = _walk_back(g, indices, _INDEX_PASS, dep)
             if not (_batch_shaped(g, vals) and g.dtype(vals) in FLOAT_TYPES and _batch_shaped(g, idx)):
                 continue
             self.sparse[vals] = "concat_scaled"
@@ -346,6 +354,20 @@ def _sparse_roles(g: FunctionGraph, name: str) -> Optional[Tuple[int, int]]:
 _SUMS = {"AddN", "AddV2", "Add"}
 
 
+def _batch_sized(g: FunctionGraph, name: str, dep: Set[str]) -> bool:
+    """Whether sparse op ``name`` sums rows into a tensor whose size is computed from the batch
+    (its segment count read from a batch-dependent shape): the gradient of a gather from an
+    activation (DeBERTa's relative-position attention), which is per-example work, not a
+    variable's gradient, so nothing marks its rows as cut or blocks what follows it."""
+    if g.nodes[name].op not in _SPARSE_DENSIFY:
+        return False
+    from tensorflow.python.framework import op_def_registry
+
+    names = [a.name for a in op_def_registry.get(g.nodes[name].op).input_arg]
+    size = g.data_inputs(name)[names.index("num_segments")]
+    return not size.is_function_arg and size.node in dep
+
+
 def _added_to_dense(g: FunctionGraph, name: str, dep: Set[str], sparse_ops: Set[str]) -> bool:
     """Whether the rows sparse op ``name`` sums into a dense tensor are then added to a dense,
     batch-dependent gradient: a variable used both as a lookup table and as a weight (a token
@@ -413,34 +435,19 @@ def check_batch_inputs(g: FunctionGraph, sig: SignatureInfo) -> None:
 def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     """Find the cut of ``g`` (the training signature's function)."""
     check_batch_inputs(g, sig)
-    found: Dict[str, List[str]] = {}
-    writing = {op: is_write(op) for op in g.present_ops()}
-    for name, op in g.op_types().items():
-        if writing[op] and g.inputs(name):
-            res = resource_root(g, g.data_inputs(name)[0])
-            if res is None:
-                raise DetectionError(
-                    f"signature {sig.key!r}: variable write {name!r} ({op}) does not write a captured "
-                    "variable; vfgraph cannot tell which variable it updates")
-            found.setdefault(res, []).append(name)
+    writes, functional, summaries = _variable_writes(g, sig)
     order = {r: i for i, r in enumerate(sig.resource_args)}
-    writes = {r: found[r] for r in sorted(found, key=lambda r: (order.get(r, 1 << 30), r))}
     dep = batch_dependent_nodes(g, sig.batch_args)
-    sinks = [w for ws in writes.values() for w in ws if w in dep]
+    sinks = list(dict.fromkeys(w for ws in writes.values() for w in ws if w in dep))
     if not sinks:
-        conditional = _conditional_update(g, dep)
-        if conditional:
-            raise DetectionError(
-                f"signature {sig.key!r}: its variable updates run inside {conditional}, a conditional or a call "
-                "that depends on the batch (Keras' LossScaleOptimizer and gradient_accumulation_steps put the "
-                "update under one); vfgraph cannot yet move the gradients out of it: train without that option, "
-                "or accumulate with vfgraph's virtual nodes instead")
         raise DetectionError(
             f"signature {sig.key!r}: no variable update depends on the batch, so {g.name!r} is not a "
             "training step; pass --train-signature to name the training signature")
 
     shapes = refine_shapes(g, sig, writes)
-    cuttable = _Cuttable(g, dep, shapes)
+    called = [(n, v, i) for n in functional if n in dep
+              for v, i in summaries.sparse_inputs(g, n, _sparse_roles, _ROWWISE, _INDEX_PASS)]
+    cuttable = _Cuttable(g, dep, shapes, called)
     flow = _FlowGraph(g, sig, dep, cuttable, sinks)
     earliest = flow.gradient_cut()
     if earliest is None:
@@ -452,7 +459,7 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
         raise DetectionError(f"signature {sig.key!r}: could not separate the update {reached[0]!r} from the "
                              "per-example computation")
     _check_one_phase(g, sig, writes, set(sinks), vnode_nodes)
-    reach = _write_reach(g, cut_refs, writes, vnode_nodes)
+    reach = _write_reach(g, cut_refs, writes, vnode_nodes, summaries, functional)
     forward = g.reachable([r.node for _, r in g.output_refs() if not r.is_function_arg],
                           lambda n: [t.node for t in g.data_inputs(n)])
     forward_reads = _forward_read_args(g, forward | vnode_nodes)
@@ -478,17 +485,14 @@ def analyze_train_step(g: FunctionGraph, sig: SignatureInfo) -> TrainStep:
     cut.sort(key=lambda c: (order.get(c.variable, 1 << 30) if c.variable else 1 << 30,
                             min((order.get(w, 1 << 30) for w in c.writes), default=1 << 30), str(c.ref)))
 
+    _check_conditions(g, sig, cut, [w for w in sinks if w in functional], vnode_nodes)
     counts = reduction.BatchCounts(g, dep, sig.batch_args, shapes)
     summed = _loss_reduction(g, sig, counts, vnode_nodes, cut, shapes) == "sum"
-    for c in cut:
-        c.averaged = not (summed and c.role in ("gradient", "indices"))
+    for c in cut:  # (a sparse gradient's rows are a gradient whatever variable they are matched to)
+        c.averaged = not (summed and (c.role in ("gradient", "indices") or c.combine == "concat_scaled"))
     outputs = _plan_outputs(g, sig, counts, dep, vnode_nodes)
     return TrainStep(signature=sig, function=g.name, cut=cut, vnode_nodes=vnode_nodes, writes=writes,
                      outputs=outputs, batch_dependent=dep, loss_reduction="sum" if summed else "mean")
-
-
-_CONDITIONAL = ("If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile", "PartitionedCall",
-                "StatefulPartitionedCall")
 
 
 def _plan_outputs(g: FunctionGraph, sig: SignatureInfo, counts: "reduction.BatchCounts", dep: Set[str],
@@ -514,20 +518,63 @@ def _plan_outputs(g: FunctionGraph, sig: SignatureInfo, counts: "reduction.Batch
     return outputs
 
 
-def _conditional_update(g: FunctionGraph, dep: Set[str]) -> str:
-    """The batch-dependent functional op (``If``, ``Case``, a call) whose functions write a
-    variable, named with its op; empty when there is none."""
-    from vfgraph.ir.functions import function_dependencies, iter_func_attrs
+def _variable_writes(g: FunctionGraph, sig: SignatureInfo) -> Tuple[Dict[str, List[str]], List[str], calls.Calls]:
+    """The nodes that write each resource argument (in the signature's order); the functional
+    ops among them (an ``If`` whose branches apply the update: a loss-scale optimizer's, Keras'
+    gradient accumulation), and what their functions write (:mod:`vfgraph.analysis.calls`)."""
+    found: Dict[str, List[str]] = {}
+    functional: List[str] = []
+    writing = {op: is_write(op) for op in g.present_ops()}
+    summaries = calls.Calls(g.library, is_write, resource_root)
 
-    lib = g.library
-    for name in sorted(n for n in dep if n in g.nodes and g.nodes[n].op.startswith(_CONDITIONAL)):
-        node = g.nodes[name]
-        called = [a.name for a in iter_func_attrs(node, None)]
-        for f in called:
-            for dep_fn in function_dependencies(f, lib):
-                if any(is_write(n.op) for n in lib[dep_fn].node_def):
-                    return f"{name!r} ({node.op})"
-    return ""
+    def root(name: str, op: str, ref: TensorRef) -> str:
+        res = resource_root(g, ref)
+        if res is None:
+            raise DetectionError(f"signature {sig.key!r}: variable write {name!r} ({op}) does not write a captured "
+                                 "variable; vfgraph cannot tell which variable it updates")
+        return res
+
+    for name, op in g.op_types().items():
+        if writing[op] and g.inputs(name):
+            found.setdefault(root(name, op, g.data_inputs(name)[0]), []).append(name)
+        elif calls.is_functional(op):
+            inputs = g.data_inputs(name)
+            written = sorted(summaries.written(g, name))
+            functional.extend([name] if written else [])
+            for w in written:
+                ws = found.setdefault(root(name, op, inputs[w]), [])
+                if name not in ws:
+                    ws.append(name)
+    order = {r: i for i, r in enumerate(sig.resource_args)}
+    return {r: found[r] for r in sorted(found, key=lambda r: (order.get(r, 1 << 30), r))}, functional, summaries
+
+
+def _check_conditions(g: FunctionGraph, sig: SignatureInfo, cut: List[CutTensor], conditional: List[str],
+                      vnode_nodes: Set[str]) -> None:
+    """Refuse an update under a condition (or branch index) computed from a cut tensor that is
+    not a gradient: the update runs once, on the virtual nodes' average of that value, which is
+    the batch's own only for gradients (a loss-scale optimizer's finite check of the gradients
+    is; a condition on the batch's largest value is not). A sparse gradient's rows and indices
+    are a gradient's too."""
+    gradient = {c.ref: c.role != "statistic" or c.combine != "mean" for c in cut}
+    for name in conditional:
+        op = g.nodes[name].op
+        stack = list(g.data_inputs(name)[:calls.leading_inputs(op)])
+        seen = set(stack)
+        while stack:
+            t = stack.pop()
+            if not gradient.get(t, True):
+                raise DetectionError(
+                    f"signature {sig.key!r}: the update {name!r} ({op}) runs under a condition computed from {t}, "
+                    "a value of the batch that is not a gradient; vfgraph would decide it on the virtual nodes' "
+                    "average of that value, not on the batch's: compute the condition from the gradients, or "
+                    "apply the update unconditionally")
+            if t in gradient or t.is_function_arg or t.node in vnode_nodes:
+                continue
+            for i in g.data_inputs(t.node):
+                if i not in seen:
+                    seen.add(i)
+                    stack.append(i)
 
 
 class DependentUpdates(DetectionError):
@@ -614,10 +661,11 @@ _SHAPE_ONLY = {"Identity", "Snapshot", "Reshape", "Squeeze", "ExpandDims"}
 
 def _through_shape_ops(g: FunctionGraph, cuttable: "_Cuttable", cut: List[TensorRef]) -> List[TensorRef]:
     """Each cut tensor moved down through the ops that only reshape or rename it (its one
-    consumer; an average commutes with them), so that a gradient is cut in its variable's
-    shape where the step reshapes it on the way, and the gradients an ``IdentityN`` passes on
-    together (Keras' optimizer step) are cut where it passes them, so that the update reads
-    each variable's gradient on its own (pipeline stages split the update by variable)."""
+    consumer; an average commutes with them) or widen its floating-point type, so that a
+    gradient is cut in its variable's shape where the step reshapes it on the way, and the
+    gradients an ``IdentityN`` passes on together (Keras' optimizer step) are cut where it
+    passes them, so that the update reads each variable's gradient on its own (pipeline stages
+    split the update by variable)."""
     out = []
     for ref in _through_identity_n(g, cuttable, cut):
         while not ref.is_function_arg and ref not in cuttable.sparse:
@@ -625,7 +673,7 @@ def _through_shape_ops(g: FunctionGraph, cuttable: "_Cuttable", cut: List[Tensor
             if len(consumers) != 1:
                 break
             node = consumers[0][0]
-            if g.nodes[node].op not in _SHAPE_ONLY or g.data_inputs(node)[0] != ref:
+            if not (g.nodes[node].op in _SHAPE_ONLY or _widening(g, node)) or g.data_inputs(node)[0] != ref:
                 break
             nxt = g.outputs(node)[0]
             if not cuttable(nxt):
@@ -633,6 +681,19 @@ def _through_shape_ops(g: FunctionGraph, cuttable: "_Cuttable", cut: List[Tensor
             ref = nxt
         out.append(ref)
     return sorted(set(out))
+
+
+_FLOAT_BITS = {types_pb2.DT_HALF: 16, types_pb2.DT_BFLOAT16: 16, types_pb2.DT_FLOAT: 32, types_pb2.DT_DOUBLE: 64}
+
+
+def _widening(g: FunctionGraph, node: str) -> bool:
+    """Whether ``node`` casts a floating-point tensor to a wider floating-point type (a mixed
+    precision gradient to its variable's float32): its average is then taken in the wider type."""
+    n = g.nodes[node]
+    if n.op != "Cast":
+        return False
+    src, dst = _FLOAT_BITS.get(n.attr["SrcT"].type, 0), _FLOAT_BITS.get(n.attr["DstT"].type, 0)
+    return 0 < src < dst
 
 
 def _through_identity_n(g: FunctionGraph, cuttable: "_Cuttable", cut: List[TensorRef]) -> List[TensorRef]:
@@ -954,9 +1015,13 @@ def _same_shape(a: Optional[List[int]], b: Optional[List[int]]) -> bool:
 
 
 def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, List[str]],
-                 vnode_nodes: Set[str]) -> Dict[TensorRef, List[str]]:
-    """For each cut tensor, the resource args whose updates it is the nearest cut tensor to."""
-    write_res = {w: r for r, ws in writes.items() for w in ws}
+                 vnode_nodes: Set[str], summaries: Optional[calls.Calls] = None,
+                 functional: Sequence[str] = ()) -> Dict[TensorRef, List[str]]:
+    """For each cut tensor, the resource args whose updates it is the nearest cut tensor to
+    (of ``functional`` ops, which write variables inside the functions they call, a variable
+    goes to the cut tensor nearest to a write of it, counting the ops outside and inside)."""
+    arrivals: Dict[str, Dict[int, Tuple[int, TensorRef]]] = {n: {} for n in functional}
+    write_res = {w: r for r, ws in writes.items() for w in ws if w not in arrivals}
     reads_after: Dict[str, List[TensorRef]] = {}
     for name in g.nodes_of("ReadVariableOp"):
         if name not in vnode_nodes:
@@ -967,6 +1032,7 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
     # label of the nearest cut tensor, and each variable is claimed by the first label that
     # reaches one of its writes (linear in the size of the update, not quadratic).
     label: Dict[TensorRef, TensorRef] = {ref: ref for ref in cut_refs}
+    depth: Dict[TensorRef, int] = dict.fromkeys(cut_refs, 0)
     out: Dict[TensorRef, List[str]] = {ref: [] for ref in cut_refs}
     claimed: Set[str] = set()
     frontier = deque(cut_refs)
@@ -978,6 +1044,8 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
                 # Every path out of the per-virtual-node part leaves through a cut tensor, which
                 # is labelled already (distance 0): walking it changes no claim.
                 continue
+            if consumer in arrivals:  # (breadth first: the first arrival at an input is the nearest)
+                arrivals[consumer].setdefault(slot, (depth[t], src))
             res = write_res.get(consumer)
             if res is not None and res not in claimed:
                 claimed.add(res)
@@ -985,15 +1053,26 @@ def _write_reach(g: FunctionGraph, cut_refs: List[TensorRef], writes: Dict[str, 
                 # Optimizers write a slot, then read it back for the parameter update.
                 for r in reads_after.get(res, []):
                     if r not in label:
-                        label[r] = src
+                        label[r], depth[r] = src, depth[t] + 1
                         frontier.append(r)
             outs = g.outputs(consumer)
             if g.op_types()[consumer] == "IdentityN":  # output k forwards input k only
                 outs = [outs[slot]]
             for o in outs:
                 if o not in label:
-                    label[o] = src
+                    label[o], depth[o] = src, depth[t] + 1
                     frontier.append(o)
+    inside: Dict[str, Tuple[int, TensorRef]] = {}  # resource -> (fewest ops to a write of it, cut tensor)
+    for name, seeds in sorted(arrivals.items()):
+        inputs = g.data_inputs(name)
+        for slot, (d, src) in sorted(summaries.nearest(g, name, seeds).items()):
+            res = resource_root(g, inputs[slot])
+            if d < inside.get(res, (1 << 30,))[0]:
+                inside[res] = (d, src)
+    for res, (_, src) in sorted(inside.items(), key=lambda kv: (kv[1][0], kv[0])):
+        if res not in claimed:
+            claimed.add(res)
+            out[src].append(res)
     return out
 
 
@@ -1019,6 +1098,12 @@ def _unbounded_message(g, sig, flow, sinks) -> str:
         return f"signature {sig.key!r}: the gradients of {g.name!r} could not be separated from the update"
     w, p = path
     tensors = [str(n[1]) for n in p if isinstance(n, tuple) and n[0] == "in"]
+    op = g.nodes[w].op
+    if calls.is_functional(op):
+        return (f"signature {sig.key!r}: the update {w!r} ({op}) runs on values of the batch that cannot be "
+                f"averaged over virtual nodes ({', '.join(tensors[-3:])}: not floating point, or shaped by the "
+                "batch), so its condition or inputs come from per-example values, not from the gradients; "
+                "compute the condition from the gradients, or apply the update unconditionally")
     return (f"signature {sig.key!r}: the update {w!r} depends on the batch through tensors whose shape "
             f"depends on the batch ({', '.join(tensors[-3:])}); vfgraph cannot match its gradient to a "
             "variable (sparse or per-example gradients are not supported for this update)")
