@@ -1,0 +1,266 @@
+"""Random ops of a training step's per-virtual-node part, keyed by the global virtual-node index.
+
+Run as V virtual nodes, a step draws its random numbers (dropout masks, noise, augmentation)
+once per virtual node. For the training to be the same on any layout of the virtual nodes over
+processes (1x8, 2x4, 5+3, an elastic resize), what virtual node ``k`` draws must depend on its
+seed, the step and ``k`` only, never on how many virtual nodes its process ran before it.
+
+The kinds are told apart by op type and dataflow, not by names:
+
+- ``seed variable``: a stateless random op (``StatelessRandom*``) whose seed is read from an
+  integer variable (Keras' ``SeedGenerator`` state, which the step's update advances once).
+  Each virtual node reads the state of the start of the step; its seed becomes a stateless
+  hash of that state and its global index (index 0 keeps the state itself, so one virtual node
+  draws what the original step draws).
+- ``generator``: ``RngReadAndSkip`` (``tf.random.Generator``): the state it reads is keyed
+  the same way, and only a process's last virtual node of the step skips the state, by the
+  amount one virtual node draws: every process advances it once per step by the same amount.
+- ``fixed seed``: a stateless op whose seed comes from neither (constants, the batch): its
+  draws are the same on every layout already.
+- Anything else that draws (a stateful op with ``seed``/``seed2`` attributes such as
+  ``RandomUniform``, whose stream advances per call in each process; ``RngSkip``; a random
+  op inside a called function; an unregistered op that looks random) cannot be keyed: the
+  deterministic mode refuses it, the default mode reports it.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from tensorflow.core.framework import function_pb2, types_pb2
+
+from vfgraph.errors import PipelineError
+from vfgraph.ir.attrs import func_attr, shapes_attr, type_attr, types_attr
+from vfgraph.ir.graph import FunctionGraph, TensorRef
+from vfgraph.records import RandomOp
+
+VNODE_INDEX = "vnode_index"  # int64 argument of the virtual-node function: its global index
+VNODE_LAST = "vnode_last"    # bool argument: the process's last virtual node of the step
+I32, I64 = types_pb2.DT_INT32, types_pb2.DT_INT64
+
+_STATELESS = ("StatelessRandom", "StatelessTruncatedNormal", "StatelessMultinomial",
+              "StatelessParameterizedTruncatedNormal", "StatelessSampleDistortedBoundingBox")
+_SEED_ONLY = ("StatelessRandomGetKeyCounter", "StatelessRandomGetAlg", "StatelessRandomGetKeyCounterAlg")
+_GENERATOR = "RngReadAndSkip"
+_LOOKS_RANDOM = ("Random", "Rng", "Shuffle", "Multinomial", "Dropout", "NonDeterministic")
+_CALLS = ("StatefulPartitionedCall", "PartitionedCall")
+
+SEED_VARIABLE, GENERATOR, FIXED = "seed variable", "generator", "fixed seed"
+
+
+def is_stateless(op: str) -> bool:
+    """A stateless random op that draws (not one that only derives a key from a seed)."""
+    return op.startswith(_STATELESS) and op not in _SEED_ONLY
+
+
+def _unkeyable(op: str, library) -> Optional[str]:
+    """Why ``op`` draws from a stream vfgraph cannot key (None: it does not draw, or is keyable)."""
+    from tensorflow.python.framework import op_def_registry
+
+    if is_stateless(op) or op in _SEED_ONLY or op == _GENERATOR or op in library or op in _CALLS:
+        return None
+    op_def = op_def_registry.get(op)
+    if op_def is None:
+        return "an unregistered op that looks random" if any(w in op for w in _LOOKS_RANDOM) else None
+    attrs = {a.name for a in op_def.attr}
+    if op_def.is_stateful and {"seed", "seed2"} <= attrs:
+        return "a stateful random op: its stream advances per call in each process"
+    if op_def.is_stateful and any(w in op for w in _LOOKS_RANDOM):
+        return "a stateful random op vfgraph does not know"
+    return None
+
+
+def _called_random(fdef, library, seen=None) -> Optional[Tuple[str, str]]:
+    """The first (node, op) that draws in ``fdef`` or a function it calls, else None."""
+    seen = set() if seen is None else seen
+    for node in fdef.node_def:
+        fn = node.attr["f"].func.name if node.op in _CALLS else node.op if node.op in library else ""
+        if fn:
+            if fn not in seen and fn in library:
+                seen.add(fn)
+                if _called_random(library[fn], library, seen):
+                    return node.name, fn
+        elif is_stateless(node.op) or node.op == _GENERATOR or _unkeyable(node.op, library):
+            return node.name, node.op
+    return None
+
+
+def find(fdef, library, ordered: bool = True) -> Tuple[List[RandomOp], List[str], List[str]]:
+    """The random ops of virtual-node function ``fdef``: (every drawing op as a record, the
+    integer variable reads and ``RngReadAndSkip`` nodes to key). ``ordered``: the virtual
+    nodes of a process run one after another (a generator's skip can wait for the last)."""
+    g = FunctionGraph.over(fdef, library)
+    ops = g.op_types()
+    consumers = lambda n: (c for t in g.outputs(n) for c, _ in g.consumers(t))  # noqa: E731
+    ints = (I64, I32)
+    drawing = {n for n, op in ops.items() if is_stateless(op)}
+    reads, keyed_by = [], {}
+    for name in sorted(n for n, op in ops.items() if op == "ReadVariableOp"):
+        if g.nodes[name].attr["dtype"].type not in ints:
+            continue
+        hit = drawing & g.reachable([name], consumers)
+        if hit and _words(g, name):
+            reads.append(name)
+            keyed_by.update({d: SEED_VARIABLE for d in hit})
+    generators = []
+    found: List[RandomOp] = []
+    for name in sorted(n for n, op in ops.items() if op == _GENERATOR):
+        if not ordered or not _words(g, name):
+            why = ("its virtual nodes may run at the same time (pipeline stages in flight)" if not ordered
+                   else "its state has no static size")
+            found.append(RandomOp(name, _GENERATOR, "", why))
+            continue
+        generators.append(name)
+        keyed_by.update({d: GENERATOR for d in drawing & g.reachable([name], consumers)})
+    for name in sorted(drawing):
+        found.append(RandomOp(name, ops[name], keyed_by.get(name, FIXED)))
+    for name in sorted(ops):
+        op = ops[name]
+        why = _unkeyable(op, library)
+        if why is None and (op in _CALLS or op in library):
+            fn = g.nodes[name].attr["f"].func.name if op in _CALLS else op
+            inner = _called_random(library[fn], library) if fn in library else None
+            if inner:
+                why = f"it draws inside function {fn!r} ({inner[0]!r}), which vfgraph does not key"
+        if why:
+            found.append(RandomOp(name, op, "", why))
+    return found, reads, generators
+
+
+def _words(g: FunctionGraph, name: str) -> int:
+    """The number of words of the state a seed read or generator read gives (0: unknown)."""
+    shape = g.shape(g.outputs(name)[0])
+    return shape[0] if shape is not None and len(shape) == 1 and shape[0] > 0 else 0
+
+
+def check(found: List[RandomOp], key: str, deterministic: bool) -> List[str]:
+    """Refuse (deterministic mode) or report (default mode) the random ops that cannot be keyed."""
+    bad = [r for r in found if not r.keyed]
+    if not bad:
+        return []
+    first = bad[0]
+    what = (f"signature {key!r}: random op {first.node!r} ({first.op}) cannot be keyed by virtual node: "
+            f"{first.reason}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+    if deterministic:
+        raise PipelineError(f"{what}; its draws would depend on the layout of the virtual nodes over processes, so "
+                            "deterministic mode cannot hold: draw from a tf.random.Generator, a Keras SeedGenerator "
+                            "or a stateless op seeded from a variable, or rewrite without --deterministic")
+    return [f"{what}; its draws depend on the layout of the virtual nodes over processes"]
+
+
+def key(fdef, reads: List[str], generators: List[str], library) -> None:
+    """Key the seed reads and generator reads of ``fdef`` (in place) by its new
+    ``vnode_index`` argument (and skip each generator only when ``vnode_last`` is true)."""
+    g = FunctionGraph(fdef, library)
+    index = g.arg(VNODE_INDEX, I64, [])
+    last = g.arg(VNODE_LAST, types_pb2.DT_BOOL, []) if generators else None
+    for name in reads + generators:
+        _fold(g, name, index)
+    for name in generators:
+        base = f"vf/random/{name}"
+        node = g.nodes[name]
+        delta = g.data_inputs(name)[2]
+        t = g.dtype(delta)
+        skip = g.op("SelectV2", [last, delta, g.const(0, t, f"{base}/none")[0]], name=f"{base}/skip", T=type_attr(t))
+        node.input[2] = str(skip[0])
+        g.replace_uses({})  # (the edited input: caches dropped)
+    fdef.CopyFrom(g.finish())
+
+
+def _fold(g: FunctionGraph, name: str, index: TensorRef) -> None:
+    """Replace the state node ``name`` gives (n integer words) by a stateless hash of it and
+    ``index`` (Philox via ``StatelessRandomUniformFullInt``), except at index 0."""
+    value = g.outputs(name)[0]
+    dtype = g.dtype(value)
+    n = _words(g, name)
+    base = f"vf/random/{name}"
+    g.replace_all_uses_with(value, TensorRef(f"{base}/keyed", "output", 0))
+    words = value if dtype == I64 else g.op("Cast", [value], name=f"{base}/words", SrcT=type_attr(dtype),
+                                              DstT=type_attr(I64), Truncate=False)[0]
+
+    def part(k: int, size: int) -> TensorRef:
+        return g.op("Slice", [words, g.const([k], I32, f"{base}/at")[0], g.const([size], I32, f"{base}/size")[0]],
+                    name=f"{base}/word", T=type_attr(I64), Index=type_attr(I32))[0]
+
+    def draw(seed: TensorRef, size: int) -> TensorRef:
+        return g.op("StatelessRandomUniformFullInt", [g.const([size], I32, f"{base}/shape")[0], seed],
+                    name=f"{base}/hash", dtype=type_attr(I64), T=type_attr(I32), Tseed=type_attr(I64))[0]
+
+    zero = g.const([0], I64, f"{base}/zero")[0]
+    axis = g.const(0, I32, f"{base}/axis")[0]
+
+    def mix(h: TensorRef, word: TensorRef, slot: int) -> TensorRef:
+        pair = [word, zero] if slot == 0 else [zero, word]
+        other = g.op("ConcatV2", pair + [axis], name=f"{base}/pair", N=2, T=type_attr(I64), Tidx=type_attr(I32))[0]
+        return g.op("BitwiseXor", [h, other], name=f"{base}/mix", T=type_attr(I64))[0]
+
+    h = draw(part(0, 2) if n >= 2 else mix(g.const([0, 0], I64, f"{base}/zeros")[0], words, 0), 2)
+    for k in range(2, n):
+        h = draw(mix(h, part(k, 1), 0), 2)
+    flat = g.op("Reshape", [index, g.const([1], I32, f"{base}/one")[0]], name=f"{base}/index", T=type_attr(I64),
+                Tshape=type_attr(I32))[0]
+    out = draw(mix(h, flat, 1), n)
+    if dtype != I64:
+        out = g.op("Cast", [out], name=f"{base}/narrow", SrcT=type_attr(I64), DstT=type_attr(dtype),
+                   Truncate=False)[0]
+    first = g.op("Equal", [index, g.const(0, I64, f"{base}/first")[0]], name=f"{base}/is_first", T=type_attr(I64))
+    g.op("SelectV2", [first[0], value, out], name=f"{base}/keyed", T=type_attr(dtype))
+
+
+# --------------------------------------------------------------------------- the global index
+def offset_function(name: str) -> function_pb2.FunctionDef:
+    """The function a step calls once, before its virtual-node loop, for the global index of
+    its first virtual node, given its number of virtual nodes: 0 on one process.
+    ``insert-allreduce`` gives it a body over MPI ranks (:func:`mpi_offset_functions`)."""
+    g = FunctionGraph.new(name)
+    g.arg("vnodes", I32, [])
+    g.ret("offset", g.const(0, I64, "zero")[0], I64)
+    return g.finish()
+
+
+def mpi_offset_functions(name: str, library) -> List[function_pb2.FunctionDef]:
+    """The offset function's body over MPI ranks: the virtual nodes of the lower ranks (which
+    feed the rows of the global batch before this rank's), gathered in rank order; 0 on one
+    process, with no collective. Returns the new body and its multi-process branch."""
+    multi = FunctionGraph.new(f"{name}_all", library)
+    nv = multi.arg("vnodes", I32, [])
+    each = multi.op("VfAllgather", [multi.op("Reshape", [nv, multi.const([1], I32, "one")[0]], name="mine",
+                                             T=type_attr(I32), Tshape=type_attr(I32))[0]],
+                    name="allgather", T=type_attr(I32), shapes=[[-1]])
+    rank = multi.op("VfRank", name="rank")
+    rank1 = multi.op("Reshape", [rank[0], multi.const([1], I32, "one")[0]], name="rank_1", T=type_attr(I32),
+                     Tshape=type_attr(I32))
+    lower = multi.op("Slice", [each[0], multi.const([0], I32, "begin")[0], rank1[0]], name="lower",
+                     T=type_attr(I32), Index=type_attr(I32))
+    total = multi.op("Sum", [lower[0], multi.const(0, I32, "axis")[0]], name="before", T=type_attr(I32),
+                     Tidx=type_attr(I32), keep_dims=False)
+    multi.ret("offset", multi.op("Cast", [total[0]], name="offset", SrcT=type_attr(I32), DstT=type_attr(I64),
+                                 Truncate=False)[0], I64)
+    multi_def = multi.finish()
+    one = offset_function(f"{name}_one")
+    lib = dict(library)
+    lib.update({multi_def.signature.name: multi_def, one.signature.name: one})
+    m = FunctionGraph.new(name, lib)
+    nv = m.arg("vnodes", I32, [])
+    size = m.op("VfSize", name="size")
+    cond = m.op("Greater", [size[0], m.const(1, I32, "one")[0]], name="multi", T=type_attr(I32))
+    branch = m.op("If", [cond[0], nv], name="offset", Tcond=type_attr(types_pb2.DT_BOOL), Tin=types_attr([I32]),
+                  Tout=types_attr([I64]), then_branch=func_attr(multi_def.signature.name),
+                  else_branch=func_attr(one.signature.name), output_shapes=shapes_attr([[]]),
+                  _lower_using_switch_merge=True, shapes=[[]])
+    m.ret("offset", branch[0], I64)
+    return [m.finish(), multi_def, one]
+
+
+def describe(found) -> List[str]:
+    """One line per random op for ``vfgraph inspect``."""
+    how = {SEED_VARIABLE: "keyed: seed read from a variable at the step's start, hashed with the global virtual "
+                          "node index",
+           GENERATOR: "keyed: generator state of the step's start hashed with the global virtual node index; "
+                      "skipped once per step",
+           FIXED: "fixed seed (constants or the batch): the same draws on any layout"}
+    return [f"{r.node!r} ({r.op}): " + (how.get(r.keyed, r.keyed) if r.keyed else f"NOT keyed: {r.reason}")
+            for r in found]
+
+
+__all__ = ["VNODE_INDEX", "VNODE_LAST", "find", "check", "key", "offset_function", "mpi_offset_functions",
+           "describe"]
