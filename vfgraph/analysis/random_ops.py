@@ -15,8 +15,8 @@ The kinds are told apart by op type and dataflow, not by names:
 - ``generator``: ``RngReadAndSkip`` (``tf.random.Generator``): the state it reads is keyed
   the same way, and only a process's last virtual node of the step skips the state, by the
   amount one virtual node draws: every process advances it once per step by the same amount.
-- ``fixed seed``: a stateless op whose seed comes from neither (constants, the batch): its
-  draws are the same on every layout already.
+- ``fixed seed``: a stateless op whose seed comes from neither (constants, the batch, a scalar
+  step counter): its draws are the same on every layout already.
 - Anything else that draws (a stateful op with ``seed``/``seed2`` attributes such as
   ``RandomUniform``, whose stream advances per call in each process; ``RngSkip``; a random
   op inside a called function; an unregistered op that looks random) cannot be keyed: the
@@ -89,6 +89,11 @@ def find(fdef, library, ordered: bool = True) -> Tuple[List[RandomOp], List[str]
     integer variable reads and ``RngReadAndSkip`` nodes to key). ``ordered``: the virtual
     nodes of a process run one after another (a generator's skip can wait for the last)."""
     g = FunctionGraph.over(fdef, library)
+    kinds = g.present_ops()  # (each op type looked at once: a large model has few)
+    odd = {op: why for op in kinds if (why := _unkeyable(op, library))}
+    calls = [op for op in kinds if op in _CALLS or op in library]
+    if not odd and not calls and not any(is_stateless(op) or op == _GENERATOR for op in kinds):
+        return [], [], []
     ops = g.op_types()
     consumers = lambda n: (c for t in g.outputs(n) for c, _ in g.consumers(t))  # noqa: E731
     ints = (I64, I32)
@@ -113,10 +118,10 @@ def find(fdef, library, ordered: bool = True) -> Tuple[List[RandomOp], List[str]
         keyed_by.update({d: GENERATOR for d in drawing & g.reachable([name], consumers)})
     for name in sorted(drawing):
         found.append(RandomOp(name, ops[name], keyed_by.get(name, FIXED)))
-    for name in sorted(ops):
+    for name in sorted(n for op in list(odd) + calls for n in g.nodes_of(op)):
         op = ops[name]
-        why = _unkeyable(op, library)
-        if why is None and (op in _CALLS or op in library):
+        why = odd.get(op)
+        if why is None:
             fn = g.nodes[name].attr["f"].func.name if op in _CALLS else op
             inner = _called_random(library[fn], library) if fn in library else None
             if inner:
@@ -257,7 +262,8 @@ def describe(found) -> List[str]:
                           "node index",
            GENERATOR: "keyed: generator state of the step's start hashed with the global virtual node index; "
                       "skipped once per step",
-           FIXED: "fixed seed (constants or the batch): the same draws on any layout"}
+           FIXED: "fixed seed (constants, the batch, or a value every virtual node reads alike): the same draws "
+                  "on any layout"}
     return [f"{r.node!r} ({r.op}): " + (how.get(r.keyed, r.keyed) if r.keyed else f"NOT keyed: {r.reason}")
             for r in found]
 
