@@ -1,8 +1,8 @@
 """Random ops keyed by virtual node: a Keras ``Dropout`` (a seed-state variable read by stateless
-ops) and a ``tf.random.Generator`` draw what a virtual node draws whatever the layout of the
-V=8 virtual nodes over ranks (1x8, 2x4, 5+3, an elastic 1 -> 2 -> 1 run, a resumed run); a
-stateful ``tf.random.uniform`` augmentation, which draws from a per-process stream, is refused
-in deterministic mode and reported in the default mode."""
+ops), a keras-hub transformer's dropouts and a ``tf.random.Generator`` draw what a virtual node
+draws whatever the layout of the V=8 virtual nodes over ranks (1x8, 2x4, 5+3, an elastic
+1 -> 2 -> 1 run, a resumed run); a stateful ``tf.random.uniform`` augmentation, which draws from
+a per-process stream, is refused in deterministic mode and reported in the default mode."""
 import numpy as np
 import pytest
 
@@ -50,14 +50,23 @@ def _trainer(model, noise: str):
 
 
 def export_model(path, kind: str) -> str:
-    """"dropout" (Keras Dropout), "generator" or "stateful" (see :func:`_trainer`)."""
+    """"dropout" (Keras Dropout), "transformer" (a keras-hub TransformerEncoder with dropout 0.1
+    over the image's rows), "generator" or "stateful" (see :func:`_trainer`)."""
     import keras
     import tensorflow as tf
 
     keras.utils.set_random_seed(0)
-    layers = [keras.Input((64,)), keras.layers.Dense(16, activation="relu")]
-    layers += [keras.layers.Dropout(0.5)] if kind == "dropout" else []
-    m = _trainer(keras.Sequential(layers + [keras.layers.Dense(10)]), "" if kind == "dropout" else kind)
+    if kind == "transformer":
+        import keras_hub
+
+        layers = [keras.Input((64,)), keras.layers.Reshape((8, 8)), keras.layers.Dense(16),
+                  keras_hub.layers.TransformerEncoder(intermediate_dim=32, num_heads=2, dropout=0.1),
+                  keras.layers.GlobalAveragePooling1D()]
+    else:
+        layers = [keras.Input((64,)), keras.layers.Dense(16, activation="relu")]
+        layers += [keras.layers.Dropout(0.5)] if kind == "dropout" else []
+    noise = kind if kind in ("generator", "stateful") else ""
+    m = _trainer(keras.Sequential(layers + [keras.layers.Dense(10)]), noise)
     tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
     return str(path)
 
@@ -161,8 +170,10 @@ def test_one_virtual_node_draws_what_the_original_step_draws(made, tmp_path):
     assert np.array_equal(state(original), state(eight)) and state(eight)[0] > 0
 
 
-@pytest.mark.parametrize("kind, layouts", [("dropout", ["2x4", "5+3"]), ("generator", ["5+3"])])
+@pytest.mark.parametrize("kind, layouts", [("dropout", ["5+3"]), ("transformer", ["2x4"]), ("generator", ["5+3"])])
 def test_any_layout_draws_the_same_and_trains_bit_identical(made, reference, digits, tmp_path, kind, layouts):
+    """(Few layouts each, to keep the file short: the dropout model also runs 2x4 in the
+    elastic test.)"""
     runs = {"2x4": (2, ()), "5+3": (2, ("--vnodes-per-rank", "5,3"))}
     for label in layouts:
         out = str(tmp_path / label.replace("+", "_"))
