@@ -95,28 +95,24 @@ def find(fdef, library, ordered: bool = True) -> Tuple[List[RandomOp], List[str]
     if not odd and not calls and not any(is_stateless(op) or op == _GENERATOR for op in kinds):
         return [], [], []
     ops = g.op_types()
-    consumers = lambda n: (c for t in g.outputs(n) for c, _ in g.consumers(t))  # noqa: E731
-    ints = (I64, I32)
-    drawing = {n for n, op in ops.items() if is_stateless(op)}
-    reads, keyed_by = [], {}
-    for name in sorted(n for n, op in ops.items() if op == "ReadVariableOp"):
-        if g.nodes[name].attr["dtype"].type not in ints:
-            continue
-        hit = drawing & g.reachable([name], consumers)
-        if hit and _words(g, name):
-            reads.append(name)
-            keyed_by.update({d: SEED_VARIABLE for d in hit})
-    generators = []
-    found: List[RandomOp] = []
-    for name in sorted(n for n, op in ops.items() if op == _GENERATOR):
-        if not ordered or not _words(g, name):
-            why = ("its virtual nodes may run at the same time (pipeline stages in flight)" if not ordered
-                   else "its state has no static size")
-            found.append(RandomOp(name, _GENERATOR, "", why))
-            continue
-        generators.append(name)
-        keyed_by.update({d: GENERATOR for d in drawing & g.reachable([name], consumers)})
-    for name in sorted(drawing):
+    drawing = sorted(n for n, op in ops.items() if is_stateless(op))
+    reads, generators, keyed_by, found = [], [], {}, []
+    for name in drawing:
+        for source in sorted(_seed_sources(g, name)):
+            kind, words = ops[source], _words(g, source)
+            if kind == _GENERATOR and (not ordered or not words):
+                if any(r.node == source for r in found):
+                    continue
+                why = ("its virtual nodes may run at the same time (pipeline stages in flight)" if not ordered
+                       else "its state has no static size")
+                found.append(RandomOp(source, _GENERATOR, "", why))
+            elif kind == _GENERATOR:
+                generators += [source] * (source not in generators)
+                keyed_by.setdefault(name, GENERATOR)
+            elif words and g.nodes[source].attr["dtype"].type in (I64, I32):
+                reads += [source] * (source not in reads)
+                keyed_by.setdefault(name, SEED_VARIABLE)
+    for name in drawing:
         found.append(RandomOp(name, ops[name], keyed_by.get(name, FIXED)))
     for name in sorted(n for op in list(odd) + calls for n in g.nodes_of(op)):
         op = ops[name]
@@ -129,6 +125,18 @@ def find(fdef, library, ordered: bool = True) -> Tuple[List[RandomOp], List[str]
         if why:
             found.append(RandomOp(name, op, "", why))
     return found, reads, generators
+
+
+def _seed_sources(g: FunctionGraph, name: str) -> set:
+    """The variable reads and generator reads the seed (or key and counter) of random op
+    ``name`` is computed from (not its shape or other inputs)."""
+    from tensorflow.python.framework import op_def_registry
+
+    args = [a.name for a in op_def_registry.get(g.op_types()[name]).input_arg]
+    roots = [t.node for t, a in zip(g.data_inputs(name), args) if a in ("seed", "key", "counter")
+             and not t.is_function_arg]
+    up = g.reachable(roots, lambda n: [t.node for t in g.data_inputs(n) if not t.is_function_arg])
+    return {n for n in up if g.op_types()[n] in ("ReadVariableOp", _GENERATOR)}
 
 
 def _words(g: FunctionGraph, name: str) -> int:
