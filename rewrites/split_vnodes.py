@@ -87,7 +87,7 @@ class SplitVnodesPass(Pass):
                          into=item.new_function(vnode_fn))
         stages = records.get(item, Stages).get(sig.key)
         in_flight = 1 if stages is None else stages.in_flight(self.vnodes)
-        randoms, seeded, index_fn, random_notes = _key_random_ops(item, sig, vdef, self.deterministic, in_flight)
+        randoms, seeded, index_fn, random_notes = _key_random_ops(item, g, step, vdef, self.deterministic, in_flight)
         udef = g.outline(update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
                          new_args=cut_args, keep_args=sig.invariant_args,
                          drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))
@@ -143,15 +143,18 @@ class SplitVnodesPass(Pass):
 MESSAGE_BASE = "vf_message_base"  # argument of a stage's virtual-node function: its first message tag
 
 
-def _key_random_ops(item: GraphItem, sig, vdef, deterministic: bool, in_flight: int):
-    """Key the random ops of virtual-node function ``vdef`` by the global virtual node index
-    (:mod:`vfgraph.analysis.random_ops`): returns (the random ops found, the seed reads keyed,
-    the index function added ("" when nothing is keyed), notes)."""
-    found, reads, generators = random_ops.find(vdef, item.library, ordered=in_flight == 1)
+def _key_random_ops(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, deterministic: bool, in_flight: int):
+    """Key the random ops of virtual-node function ``vdef`` of step ``g`` by the global virtual
+    node index (:mod:`vfgraph.analysis.random_ops`): returns (the random ops found, the seed
+    reads keyed, the index function added ("" when nothing is keyed), notes)."""
+    sig = step.signature
+    counter = random_ops.step_counter(g, step.vnode_nodes, sig.variables)
+    found, reads, generators, converts = random_ops.find(vdef, item.library, ordered=in_flight == 1,
+                                                         counter=counter and counter[0])
     notes = random_ops.check(found, sig.key, deterministic)
-    if not reads and not generators:
+    if not reads and not generators and not converts:
         return found, [], "", notes
-    random_ops.key(vdef, reads, generators, item.library)
+    random_ops.key(vdef, reads, generators, item.library, converts, counter)
     index_fn = function_name(sig.function, "vnode_offset")
     item.set_function(random_ops.offset_function(index_fn))
     return found, reads, index_fn, notes

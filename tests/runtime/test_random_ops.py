@@ -2,7 +2,9 @@
 ops), a keras-hub transformer's dropouts and a ``tf.random.Generator`` draw what a virtual node
 draws whatever the layout of the V=8 virtual nodes over ranks (1x8, 2x4, 5+3, an elastic
 1 -> 2 -> 1 run, a resumed run); a stateful ``tf.random.uniform`` augmentation, which draws from
-a per-process stream, is refused in deterministic mode and reported in the default mode."""
+a per-process stream, is made stateless and keyed by the optimizer's step counter; a
+``tf.random.gamma``, which has no stateless twin here, is refused in deterministic mode and
+reported in the default mode."""
 import numpy as np
 import pytest
 
@@ -14,8 +16,9 @@ pytestmark = pytest.mark.mpi
 
 def _trainer(model, noise: str):
     """A tf.Module training ``model`` on the digits, its inputs first perturbed by ``noise``:
-    "" (none), "generator" (a tf.random.Generator's normal noise) or "stateful" (a seeded
-    ``tf.random.uniform`` scale)."""
+    "" (none), "generator" (a tf.random.Generator's normal noise), "stateful" (a seeded
+    ``tf.random.uniform`` scale: made stateless, keyed by the optimizer's step counter) or
+    "gamma" (``tf.random.gamma``, a stateful op vfgraph has no stateless twin for)."""
     import tensorflow as tf
 
     import export
@@ -37,6 +40,8 @@ def _trainer(model, noise: str):
                 x = x + 0.3 * self.gen.normal(tf.shape(x))
             elif noise == "stateful":
                 x = x * tf.random.uniform(tf.shape(x), 0.5, 1.5, seed=3)
+            elif noise == "gamma":
+                x = x * tf.random.gamma(tf.shape(x), 4.0, 4.0, seed=3)
             with tf.GradientTape() as tape:
                 loss = export.sparse_ce(batch["y"], self.model(x, training=True))
             self.opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
@@ -51,7 +56,7 @@ def _trainer(model, noise: str):
 
 def export_model(path, kind: str) -> str:
     """"dropout" (Keras Dropout), "transformer" (a keras-hub TransformerEncoder with dropout 0.1
-    over the image's rows), "generator" or "stateful" (see :func:`_trainer`)."""
+    over the image's rows), "generator", "stateful" or "gamma" (see :func:`_trainer`)."""
     import keras
     import tensorflow as tf
 
@@ -65,7 +70,7 @@ def export_model(path, kind: str) -> str:
     else:
         layers = [keras.Input((64,)), keras.layers.Dense(16, activation="relu")]
         layers += [keras.layers.Dropout(0.5)] if kind == "dropout" else []
-    noise = kind if kind in ("generator", "stateful") else ""
+    noise = kind if kind in ("generator", "stateful", "gamma") else ""
     m = _trainer(keras.Sequential(layers + [keras.layers.Dense(10)]), noise)
     tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
     return str(path)
@@ -127,6 +132,8 @@ def test_the_random_ops_are_found_keyed_and_listed(made, capsys):
              for kind in ("dropout", "generator")}
     assert [(r.op, r.keyed) for r in keyed["dropout"]] == [("StatelessRandomUniformV2", "seed variable")]
     assert [(r.op, r.keyed) for r in keyed["generator"]] == [("StatelessRandomNormalV2", "generator")]
+    converted = records.read(made("stateful", True), VirtualNodes)["train"].random_ops
+    assert [(r.op, r.keyed) for r in converted] == [("RandomUniform", "step counter")]
     from vfgraph import cli
 
     capsys.readouterr()
@@ -136,14 +143,14 @@ def test_the_random_ops_are_found_keyed_and_listed(made, capsys):
 
 
 def test_a_random_op_it_cannot_key_is_refused_or_reported(made, capsys, tmp_path):
-    """A stateful op (seed attributes, a stream per process): an error naming it in deterministic
-    mode (nothing written), a note in the default mode."""
-    code, err = run_in_process(capsys, "rewrite", made("stateful"), "--vnodes", 8, "--deterministic", "-o",
+    """A stateful op with no stateless twin (seed attributes, a stream per process): an error
+    naming it in deterministic mode (nothing written), a note in the default mode."""
+    code, err = run_in_process(capsys, "rewrite", made("gamma"), "--vnodes", 8, "--deterministic", "-o",
                                tmp_path / "exact")
-    one_error(code, err, "'random_uniform/RandomUniform' (RandomUniform) cannot be keyed", "--deterministic")
+    one_error(code, err, "(RandomGamma) cannot be keyed", "--deterministic")
     assert not (tmp_path / "exact").exists()
-    code, err = run_in_process(capsys, "rewrite", made("stateful"), "--vnodes", 8, "-o", tmp_path / "default")
-    assert code == 0 and any("RandomUniform" in line and line.startswith("note:") for line in err), err
+    code, err = run_in_process(capsys, "rewrite", made("gamma"), "--vnodes", 8, "-o", tmp_path / "default")
+    assert code == 0 and any("RandomGamma" in line and line.startswith("note:") for line in err), err
 
 
 def test_one_virtual_node_draws_what_the_original_step_draws(made, tmp_path):
@@ -170,7 +177,8 @@ def test_one_virtual_node_draws_what_the_original_step_draws(made, tmp_path):
     assert np.array_equal(state(original), state(eight)) and state(eight)[0] > 0
 
 
-@pytest.mark.parametrize("kind, layouts", [("dropout", ["5+3"]), ("transformer", ["2x4"]), ("generator", ["5+3"])])
+@pytest.mark.parametrize("kind, layouts", [("dropout", ["5+3"]), ("transformer", ["2x4"]), ("generator", ["5+3"]),
+                                           ("stateful", ["5+3"])])
 def test_any_layout_draws_the_same_and_trains_bit_identical(made, reference, digits, tmp_path, kind, layouts):
     """(Few layouts each, to keep the file short: the dropout model also runs 2x4 in the
     elastic test.)"""
@@ -184,7 +192,7 @@ def test_any_layout_draws_the_same_and_trains_bit_identical(made, reference, dig
 def test_default_mode_trains_alike_on_any_layout(made, digits, tmp_path):
     from test_mpi_train import assert_same_params
 
-    model = made("dropout", False)
+    model = made("stateful", False)
     run_train(0, model, digits["train"], str(tmp_path / "1x8"), 3)
     run_train(2, model, digits["train"], str(tmp_path / "5_3"), 3, "--vnodes-per-rank", "5,3")
     assert_same_params(str(tmp_path / "1x8"), str(tmp_path / "5_3"), 1e-6)

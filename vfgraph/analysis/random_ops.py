@@ -17,10 +17,14 @@ The kinds are told apart by op type and dataflow, not by names:
   amount one virtual node draws: every process advances it once per step by the same amount.
 - ``fixed seed``: a stateless op whose seed comes from neither (constants, the batch, a scalar
   step counter): its draws are the same on every layout already.
-- Anything else that draws (a stateful op with ``seed``/``seed2`` attributes such as
-  ``RandomUniform``, whose stream advances per call in each process; ``RngSkip``; a random
-  op inside a called function; an unregistered op that looks random) cannot be keyed: the
-  deterministic mode refuses it, the default mode reports it.
+- ``step counter``: a stateful ``RandomUniform``, ``RandomUniformInt``, ``RandomStandardNormal``
+  or ``TruncatedNormal`` (its stream advances per call in each process) becomes its stateless
+  twin, seeded from a hash of its seed attributes, the step counter (:func:`step_counter`) read
+  at the start of the step and the global index.
+- Anything else that draws (another stateful op with ``seed``/``seed2`` attributes, those
+  above in a step without a step counter, ``RngSkip``, a random op inside a called function,
+  an unregistered op that looks random) cannot be keyed: the deterministic mode refuses it,
+  the default mode reports it.
 """
 from __future__ import annotations
 
@@ -44,7 +48,11 @@ _GENERATOR = "RngReadAndSkip"
 _LOOKS_RANDOM = ("Random", "Rng", "Shuffle", "Multinomial", "Dropout", "NonDeterministic")
 _CALLS = ("StatefulPartitionedCall", "PartitionedCall")
 
-SEED_VARIABLE, GENERATOR, FIXED = "seed variable", "generator", "fixed seed"
+SEED_VARIABLE, GENERATOR, FIXED, STEP = "seed variable", "generator", "fixed seed", "step counter"
+# stateful random ops with seed/seed2 attributes made stateless: their op, the seed's input slot
+_STATELESS_OF = {"RandomUniform": ("StatelessRandomUniform", 1), "RandomStandardNormal": ("StatelessRandomNormal", 1),
+                 "TruncatedNormal": ("StatelessTruncatedNormal", 1),
+                 "RandomUniformInt": ("StatelessRandomUniformInt", 1)}
 
 
 def is_stateless(op: str) -> bool:
@@ -84,16 +92,19 @@ def _called_random(fdef, library, seen=None) -> Optional[Tuple[str, str]]:
     return None
 
 
-def find(fdef, library, ordered: bool = True) -> Tuple[List[RandomOp], List[str], List[str]]:
+def find(fdef, library, ordered: bool = True,
+         counter: Optional[str] = None) -> Tuple[List[RandomOp], List[str], List[str], List[str]]:
     """The random ops of virtual-node function ``fdef``: (every drawing op as a record, the
-    integer variable reads and ``RngReadAndSkip`` nodes to key). ``ordered``: the virtual
-    nodes of a process run one after another (a generator's skip can wait for the last)."""
+    integer variable reads and ``RngReadAndSkip`` nodes to key, the stateful ops to make
+    stateless). ``ordered``: the virtual nodes of a process run one after another (a
+    generator's skip can wait for the last); ``counter``: the step's step counter (see
+    :func:`step_counter`), which stateful ops are keyed by."""
     g = FunctionGraph.over(fdef, library)
     kinds = g.present_ops()  # (each op type looked at once: a large model has few)
     odd = {op: why for op in kinds if (why := _unkeyable(op, library))}
     calls = [op for op in kinds if op in _CALLS or op in library]
     if not odd and not calls and not any(is_stateless(op) or op == _GENERATOR for op in kinds):
-        return [], [], []
+        return [], [], [], []
     ops = g.op_types()
     drawing = sorted(n for n, op in ops.items() if is_stateless(op))
     reads, generators, keyed_by, found = [], [], {}, []
@@ -114,9 +125,16 @@ def find(fdef, library, ordered: bool = True) -> Tuple[List[RandomOp], List[str]
                 keyed_by.setdefault(name, SEED_VARIABLE)
     for name in drawing:
         found.append(RandomOp(name, ops[name], keyed_by.get(name, FIXED)))
+    converts = []
     for name in sorted(n for op in list(odd) + calls for n in g.nodes_of(op)):
         op = ops[name]
         why = odd.get(op)
+        if why and op in _STATELESS_OF and counter:
+            converts.append(name)
+            found.append(RandomOp(name, op, STEP))
+            continue
+        if why and op in _STATELESS_OF:
+            why += ", and the step has no step counter (an integer variable its update adds a constant to) to key it by"
         if why is None:
             fn = g.nodes[name].attr["f"].func.name if op in _CALLS else op
             inner = _called_random(library[fn], library) if fn in library else None
@@ -124,7 +142,7 @@ def find(fdef, library, ordered: bool = True) -> Tuple[List[RandomOp], List[str]
                 why = f"it draws inside function {fn!r} ({inner[0]!r}), which vfgraph does not key"
         if why:
             found.append(RandomOp(name, op, "", why))
-    return found, reads, generators
+    return found, reads, generators, converts
 
 
 def _seed_sources(g: FunctionGraph, name: str) -> set:
@@ -160,11 +178,24 @@ def check(found: List[RandomOp], key: str, deterministic: bool) -> List[str]:
     return [f"{what}; its draws depend on the layout of the virtual nodes over processes"]
 
 
-def key(fdef, reads: List[str], generators: List[str], library) -> None:
+def key(fdef, reads: List[str], generators: List[str], library, converts: List[str] = (),
+        counter: Optional[Tuple[str, int]] = None) -> None:
     """Key the seed reads and generator reads of ``fdef`` (in place) by its new
-    ``vnode_index`` argument (and skip each generator only when ``vnode_last`` is true)."""
+    ``vnode_index`` argument (and skip each generator only when ``vnode_last`` is true); make
+    the stateful ops ``converts`` stateless, seeded from their seeds, the step counter
+    ``counter`` (resource argument, dtype) and the index."""
     g = FunctionGraph(fdef, library)
     index = g.arg(VNODE_INDEX, I64, [])
+    seeds = {}
+    if converts:
+        res, dtype = counter
+        handle = TensorRef(res) if res in g.arg_names else g.arg(res, types_pb2.DT_RESOURCE, [])
+        step = g.op("ReadVariableOp", [handle], name="vf/random/step", dtype=type_attr(dtype))[0]
+        if dtype != I64:
+            step = g.op("Cast", [step], name="vf/random/step", SrcT=type_attr(dtype), DstT=type_attr(I64),
+                        Truncate=False)[0]
+        for name in converts:
+            seeds[name] = _stateful_seed(g, name, step, index)
     last = g.arg(VNODE_LAST, types_pb2.DT_BOOL, []) if generators else None
     for name in reads + generators:
         _fold(g, name, index)
@@ -177,6 +208,83 @@ def key(fdef, reads: List[str], generators: List[str], library) -> None:
         node.input[2] = str(skip[0])
         g.replace_uses({})  # (the edited input: caches dropped)
     fdef.CopyFrom(g.finish())
+    for node in fdef.node_def:  # each stateful op becomes its stateless twin, in place
+        if node.name in seeds:
+            op, slot = _STATELESS_OF[node.op]
+            node.op = op
+            node.input.insert(slot, seeds[node.name])
+            for a in ("seed", "seed2"):
+                del node.attr[a]
+            if op == "StatelessRandomUniformInt":
+                node.attr["dtype"].CopyFrom(node.attr["Tout"])
+                del node.attr["Tout"]
+            node.attr["Tseed"].type = I64
+    if seeds:
+        from vfgraph.ir.graph import verify_function_def
+
+        verify_function_def(fdef, library)
+
+
+def _stateful_seed(g: FunctionGraph, name: str, step: TensorRef, index: TensorRef) -> str:
+    """The seed stateful op ``name`` draws with as a stateless op: a stateless hash of its
+    ``seed`` and ``seed2`` attributes, the step and the global virtual node index."""
+    base = f"vf/random/{name}"
+    attrs = g.nodes[name].attr
+    fixed = g.const([attrs["seed"].i, attrs["seed2"].i], I64, f"{base}/seeds")[0]
+    h = _draw(g, fixed, 2, base)
+    one = g.const([1], I32, f"{base}/one")[0]
+    for k, word in enumerate((step, index)):
+        flat = g.op("Reshape", [word, one], name=f"{base}/word", T=type_attr(I64), Tshape=type_attr(I32))[0]
+        h = _draw(g, _mix(g, h, flat, k, base), 2, base)
+    return str(h)
+
+
+def _draw(g: FunctionGraph, seed: TensorRef, size: int, base: str) -> TensorRef:
+    """``size`` int64 words drawn statelessly from ``seed`` (a hash of it)."""
+    return g.op("StatelessRandomUniformFullInt", [g.const([size], I32, f"{base}/shape")[0], seed],
+                name=f"{base}/hash", dtype=type_attr(I64), T=type_attr(I32), Tseed=type_attr(I64))[0]
+
+
+def _mix(g: FunctionGraph, h: TensorRef, word: TensorRef, slot: int, base: str) -> TensorRef:
+    """``h`` (2 words) with ``word`` (1 word) xor-ed into its word ``slot``."""
+    zero = g.const([0], I64, f"{base}/zero")[0]
+    pair = [word, zero] if slot == 0 else [zero, word]
+    other = g.op("ConcatV2", pair + [g.const(0, I32, f"{base}/axis")[0]], name=f"{base}/pair", N=2,
+                 T=type_attr(I64), Tidx=type_attr(I32))[0]
+    return g.op("BitwiseXor", [h, other], name=f"{base}/mix", T=type_attr(I64))[0]
+
+
+def _constant(g: FunctionGraph, ref: TensorRef) -> bool:
+    """Whether ``ref`` is a constant (through Identity and Cast ops)."""
+    while not ref.is_function_arg and g.op_types()[ref.node] in ("Identity", "Cast"):
+        ref = g.data_inputs(ref.node)[0]
+    return not ref.is_function_arg and g.op_types()[ref.node] == "Const"
+
+
+def step_counter(g: FunctionGraph, vnode_nodes, variables) -> Optional[Tuple[str, int]]:
+    """The step's step counter, from dataflow: an integer scalar variable (resource argument)
+    that the update (outside ``vnode_nodes``) adds a constant to, once (an optimizer's
+    iterations: ``AssignAddVariableOp(v, c)`` or ``AssignVariableOp(v, read(v) + c)``); its
+    (resource argument, dtype), or None. ``variables``: the step's, by resource argument."""
+    ops = g.op_types()
+    found = {}
+    for name, op in ops.items():
+        if name in vnode_nodes or op not in ("AssignAddVariableOp", "AssignVariableOp"):
+            continue
+        dtype = g.nodes[name].attr["dtype"].type
+        handle, value = g.data_inputs(name)[:2]
+        if dtype not in (I32, I64) or not handle.is_function_arg or value.is_function_arg:
+            continue
+        terms = [value] if op == "AssignAddVariableOp" else (
+            g.data_inputs(value.node) if ops[value.node] in ("AddV2", "Add") else [])
+        consts = [t for t in terms if _constant(g, t)]
+        reads_self = [t for t in terms if not t.is_function_arg and ops[t.node] == "ReadVariableOp"
+                      and g.data_inputs(t.node)[0] == handle]
+        if len(consts) == 1 and len(terms) == 1 + len(reads_self) <= 2:
+            found.setdefault(handle.node, []).append(dtype)
+    once = sorted((res, ds[0]) for res, ds in found.items() if len(ds) == 1 and res in variables
+                  and variables[res].shape is not None and len(variables[res].shape) == 0)
+    return once[0] if once else None
 
 
 def _fold(g: FunctionGraph, name: str, index: TensorRef) -> None:
@@ -194,24 +302,13 @@ def _fold(g: FunctionGraph, name: str, index: TensorRef) -> None:
         return g.op("Slice", [words, g.const([k], I32, f"{base}/at")[0], g.const([size], I32, f"{base}/size")[0]],
                     name=f"{base}/word", T=type_attr(I64), Index=type_attr(I32))[0]
 
-    def draw(seed: TensorRef, size: int) -> TensorRef:
-        return g.op("StatelessRandomUniformFullInt", [g.const([size], I32, f"{base}/shape")[0], seed],
-                    name=f"{base}/hash", dtype=type_attr(I64), T=type_attr(I32), Tseed=type_attr(I64))[0]
-
-    zero = g.const([0], I64, f"{base}/zero")[0]
-    axis = g.const(0, I32, f"{base}/axis")[0]
-
-    def mix(h: TensorRef, word: TensorRef, slot: int) -> TensorRef:
-        pair = [word, zero] if slot == 0 else [zero, word]
-        other = g.op("ConcatV2", pair + [axis], name=f"{base}/pair", N=2, T=type_attr(I64), Tidx=type_attr(I32))[0]
-        return g.op("BitwiseXor", [h, other], name=f"{base}/mix", T=type_attr(I64))[0]
-
-    h = draw(part(0, 2) if n >= 2 else mix(g.const([0, 0], I64, f"{base}/zeros")[0], words, 0), 2)
+    h = _draw(g, part(0, 2) if n >= 2 else _mix(g, g.const([0, 0], I64, f"{base}/zeros")[0], words, 0, base), 2,
+              base)
     for k in range(2, n):
-        h = draw(mix(h, part(k, 1), 0), 2)
+        h = _draw(g, _mix(g, h, part(k, 1), 0, base), 2, base)
     flat = g.op("Reshape", [index, g.const([1], I32, f"{base}/one")[0]], name=f"{base}/index", T=type_attr(I64),
                 Tshape=type_attr(I32))[0]
-    out = draw(mix(h, flat, 1), n)
+    out = _draw(g, _mix(g, h, flat, 1, base), n, base)
     if dtype != I64:
         out = g.op("Cast", [out], name=f"{base}/narrow", SrcT=type_attr(I64), DstT=type_attr(dtype),
                    Truncate=False)[0]
@@ -270,6 +367,8 @@ def describe(found) -> List[str]:
                           "node index",
            GENERATOR: "keyed: generator state of the step's start hashed with the global virtual node index; "
                       "skipped once per step",
+           STEP: "keyed: made stateless, seeded from its seed attributes, the step counter read at the step's "
+                 "start and the global virtual node index",
            FIXED: "fixed seed (constants, the batch, or a value every virtual node reads alike): the same draws "
                   "on any layout"}
     return [f"{r.node!r} ({r.op}): " + (how.get(r.keyed, r.keyed) if r.keyed else f"NOT keyed: {r.reason}")
