@@ -148,9 +148,13 @@ def _key_random_ops(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, de
     node index (:mod:`vfgraph.analysis.random_ops`): returns (the random ops found, the seed
     reads keyed, the index function added ("" when nothing is keyed), notes)."""
     sig = step.signature
-    counter = random_ops.step_counter(g, step.vnode_nodes, sig.variables)
-    found, reads, generators, converts = random_ops.find(vdef, item.library, ordered=in_flight == 1,
-                                                         counter=counter and counter[0])
+    found, reads, generators, converts = random_ops.find(vdef, item.library, ordered=in_flight == 1)
+    counter = None
+    if any(not r.keyed and r.op in random_ops.CONVERTIBLE for r in found):  # keyed by the step counter, if any
+        counter = random_ops.step_counter(g, step.vnode_nodes, sig.variables)
+        if counter:
+            found, reads, generators, converts = random_ops.find(vdef, item.library, ordered=in_flight == 1,
+                                                                 counter=counter[0])
     notes = random_ops.check(found, sig.key, deterministic)
     if not reads and not generators and not converts:
         return found, [], "", notes

@@ -53,6 +53,7 @@ SEED_VARIABLE, GENERATOR, FIXED, STEP = "seed variable", "generator", "fixed see
 _STATELESS_OF = {"RandomUniform": ("StatelessRandomUniform", 1), "RandomStandardNormal": ("StatelessRandomNormal", 1),
                  "TruncatedNormal": ("StatelessTruncatedNormal", 1),
                  "RandomUniformInt": ("StatelessRandomUniformInt", 1)}
+CONVERTIBLE = frozenset(_STATELESS_OF)
 
 
 def is_stateless(op: str) -> bool:
