@@ -106,7 +106,7 @@ class SplitVnodesPass(Pass):
         verify_function_def(stepped, item.library)
         stepwise, notes = False, list(random_notes)
         if self.stepwise and self.deterministic:
-            notes = ["step-wise signatures: not added (deterministic sums are made in the loop)"]
+            notes.append("step-wise signatures: not added (deterministic sums are made in the loop)")
         elif self.stepwise:
             stepwise, added = add_stepwise(item, g, step, loop, udef, reduce_fn)
             notes += added
