@@ -23,6 +23,7 @@ import numpy as np
 from tensorflow.core.framework import function_pb2, types_pb2
 
 from vfgraph import records
+from vfgraph.analysis import random_ops
 from vfgraph.errors import PipelineError
 from vfgraph.io.signatures import add_signature, entry_header, signature_wrapper
 from vfgraph.ir.attrs import func_attr, shapes_attr, type_attr, types_attr
@@ -86,6 +87,9 @@ class InsertAllreducePass(Pass):
                     item.set_function(f)
                 verify_function_def(item.function(fn), item.library)
                 buffers.append(groups)
+            if split[key].index_function:  # random ops keyed by the global virtual node index
+                for f in random_ops.mpi_offset_functions(split[key].index_function, item.library):
+                    item.set_function(f)
             fingerprint = graph_fingerprint(item)
             bcast, left_out = _add_broadcast(item, key, fingerprint)
             if bcast is None:

@@ -41,7 +41,8 @@ def split_phased(options, item: GraphItem, sig, g: FunctionGraph, b: int, depend
 
         ops.load()
     phases = split_phases(g, sig, dependent)
-    built, seeded, reducers, gradients = [], [], [], []
+    built, seeded, reducers, gradients, randoms, notes = [], [], [], [], [], []
+    index_fns = set()  # (one function, named after the step: the same for every phase)
     for k, phase in enumerate(phases, 1):
         gk, step = phase.graph, phase.step
         tag = f"phase{k}"
@@ -52,15 +53,18 @@ def split_phased(options, item: GraphItem, sig, g: FunctionGraph, b: int, depend
         cut_args = [(f"grad_{i}", c.ref) for i, c in enumerate(step.cut)]
         vdef = gk.outline(vnode_fn, [(f"out_{o.name}", o.ref) for o in vnode_outputs] + cut_args,
                           into=item.new_function(vnode_fn))
-        if any(op.startswith(sv._STATELESS_RANDOM) for op in gk.present_ops()):
-            seeded += sv._distinct_seeds(vdef, item.library)
+        found, keyed, index_fn, random_notes = sv._key_random_ops(item, gk, step, vdef, options.deterministic, 1)
+        randoms += found
+        seeded += keyed
+        index_fns.add(index_fn)
+        notes += random_notes
         udef = gk.outline(update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
                           new_args=cut_args, keep_args=sig.invariant_args,
                           drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))
         reduce_fn = function_name(sig.function, tag, "reduce")
         item.set_function(sv.reduce_function(reduce_fn, sv._reduce_specs(gk, step, options.deterministic)))
         loop = sv._Loop(gk, step, vdef, options.vnodes, b, item.library, item.new_function, 1, tag,
-                        exact=options.deterministic)
+                        exact=options.deterministic, index_fn=index_fn)
         built.append((gk, step, loop, udef, reduce_fn))
         reducers.append(reduce_fn)
         gradients += [Gradient(str(c.ref), sig.variables[c.variable].name if c.variable else None, c.role,
@@ -75,8 +79,9 @@ def split_phased(options, item: GraphItem, sig, g: FunctionGraph, b: int, depend
     records.put(item, sig.key, VirtualNodes(
         function=sig.function, vnodes=options.vnodes, vnode_batch=b, vnode_function=first[2].vdef.signature.name,
         update_function=first[3].signature.name, per_vnode_seeds=tuple(seeded), stepwise=False,
-        reduce_functions=tuple(reducers), gradients=tuple(gradients), deterministic=options.deterministic))
-    notes = [f"{len(phases)} phases (dependent updates): each runs over all virtual nodes before the next"]
+        reduce_functions=tuple(reducers), gradients=tuple(gradients), deterministic=options.deterministic,
+        random_ops=tuple(randoms), index_function=max(index_fns)))
+    notes.insert(0, f"{len(phases)} phases (dependent updates): each runs over all virtual nodes before the next")
     if options.stepwise and not options.deterministic:
         notes.append("step-wise signatures: not added (a step with dependent updates runs each phase over the "
                      "whole batch)")

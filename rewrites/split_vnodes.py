@@ -18,12 +18,14 @@ import numpy as np
 from tensorflow.core.framework import types_pb2
 
 from vfgraph import records
+from vfgraph.analysis import random_ops
+from vfgraph.analysis.random_ops import VNODE_INDEX, VNODE_LAST
 from vfgraph.analysis.train_step import (DependentUpdates, TrainStep, analyze_train_step, check_batch_inputs,
                                          static_batch, training_signature, with_dynamic_batch)
 from vfgraph.errors import DetectionError, PipelineError, VerifyError
 from vfgraph.io.signatures import (add_graph_signature, add_graph_variables, add_object_variables, add_signature,
                                    entry_header, has_object_graph, signature_wrapper)
-from vfgraph.ir.attrs import func_attr, tensor_attr, type_attr, types_attr
+from vfgraph.ir.attrs import func_attr, type_attr, types_attr
 from vfgraph.ir.blocks import EXACT_MAX_TERMS, I32, I64, check, exact_add, from_exact, list_concat, zeros
 from vfgraph.ir.graph import FunctionGraph, Node, TensorRef, verify_function_def
 from vfgraph.ir.loops import LoopLayout, append, condition, next_index, reserve, same_batch, slice_reader, while_loop
@@ -88,9 +90,9 @@ class SplitVnodesPass(Pass):
         cut_args = [(f"grad_{k}", c.ref) for k, c in enumerate(step.cut)]
         vdef = g.outline(vnode_fn, [(f"out_{o.name}", o.ref) for o in vnode_outputs] + cut_args,
                          into=item.new_function(vnode_fn))
-        # (the virtual-node function's ops are some of the step's: no stateless random op, no seed)
-        has_random = any(op.startswith(_STATELESS_RANDOM) for op in g.present_ops())
-        seeded = _distinct_seeds(vdef, item.library) if has_random else []
+        stages = records.get(item, Stages).get(sig.key)
+        in_flight = 1 if stages is None else stages.in_flight(self.vnodes)
+        randoms, seeded, index_fn, random_notes = _key_random_ops(item, g, step, vdef, self.deterministic, in_flight)
         udef = g.outline(update_fn, [(f"out_{o.name}", o.ref) for o in update_outputs],
                          new_args=cut_args, keep_args=sig.invariant_args,
                          drop=frozenset(step.vnode_nodes), side_effects=True, into=item.new_function(update_fn))
@@ -103,17 +105,16 @@ class SplitVnodesPass(Pass):
             ops.load()  # VfExactAdd: a clear error when the op library cannot be built
         reduce_fn = function_name(sig.function, "reduce")
         item.set_function(reduce_function(reduce_fn, _reduce_specs(g, step, self.deterministic)))
-        stages = records.get(item, Stages).get(sig.key)
-        in_flight = 1 if stages is None else stages.in_flight(self.vnodes)
         loop = _Loop(g, step, vdef, self.vnodes, b, item.library, item.new_function, in_flight,
-                     exact=self.deterministic)
+                     exact=self.deterministic, index_fn=index_fn)
         stepped = _step_function(item, g, step, loop, udef, reduce_fn)
         verify_function_def(stepped, item.library)
-        stepwise, notes = False, []
+        stepwise, notes = False, list(random_notes)
         if self.stepwise and self.deterministic:
-            notes = ["step-wise signatures: not added (deterministic sums are made in the loop)"]
+            notes.append("step-wise signatures: not added (deterministic sums are made in the loop)")
         elif self.stepwise:
-            stepwise, notes = add_stepwise(item, g, step, loop, udef, reduce_fn)
+            stepwise, added = add_stepwise(item, g, step, loop, udef, reduce_fn)
+            notes += added
         item.set_function(stepped)
         item.preserve.add(sig.function)
         reduce_fns = (reduce_fn,)
@@ -127,7 +128,8 @@ class SplitVnodesPass(Pass):
         records.put(item, sig.key, VirtualNodes(
             function=sig.function, vnodes=self.vnodes, vnode_batch=b, vnode_function=vnode_fn,
             update_function=update_fn, per_vnode_seeds=tuple(seeded), stepwise=stepwise,
-            reduce_functions=reduce_fns, gradients=gradients, deterministic=self.deterministic))
+            reduce_functions=reduce_fns, gradients=gradients, deterministic=self.deterministic,
+            random_ops=tuple(randoms), index_function=index_fn))
         return PassResult(item, True, notes)
 
     def _vnode_batch(self, g: FunctionGraph, sig) -> int:
@@ -144,46 +146,27 @@ class SplitVnodesPass(Pass):
 
 
 MESSAGE_BASE = "vf_message_base"  # argument of a stage's virtual-node function: its first message tag
-_STATELESS_RANDOM = ("StatelessRandom", "StatelessTruncatedNormal", "StatelessMultinomial",
-                     "StatelessParameterizedTruncatedNormal")
-VNODE_INDEX = "vnode_index"
 
 
-def _distinct_seeds(fdef, library) -> List[str]:
-    """Give each virtual node its own random stream.
-
-    Keras draws dropout masks with stateless random ops seeded from a seed-state variable
-    that the step advances once. Read once per step, every virtual node would reuse one mask
-    pattern; instead the seed each virtual node reads is offset by ``[0, index << 32]``
-    (index 0 keeps the original seed, so one virtual node reproduces the original step).
-    Returns the seed reads changed; adds the ``vnode_index`` argument when there are any.
-    """
-    g = FunctionGraph.over(fdef, library)  # read only until a seed read is found
-    ints = (types_pb2.DT_INT64, types_pb2.DT_INT32)
-    candidates = {n for n, node in g.nodes.items() if node.op == "ReadVariableOp" and node.attr["dtype"].type in ints}
-    reads = []
-    consumers = lambda n: (c for t in g.outputs(n) for c, _ in g.consumers(t))  # noqa: E731
-    for name in g.topological_order() if candidates else ():
-        if name in candidates and any(g.nodes[n].op.startswith(_STATELESS_RANDOM)
-                                      for n in g.reachable([name], consumers)):
-            reads.append(name)
-    if not reads:
-        return []
-    g = FunctionGraph(fdef, library)
-    index = g.arg(VNODE_INDEX, types_pb2.DT_INT64)
-    for name in reads:
-        dtype = g.nodes[name].attr["dtype"].type
-        t = type_attr(dtype)
-        value = g.outputs(name)[0]
-        shift = 32 if dtype == types_pb2.DT_INT64 else 16
-        base = f"vf/split-vnodes/{name}"
-        stride = g.op("Const", name=f"{base}/stride", dtype=t, value=tensor_attr([0, 1 << shift], dtype))
-        cast = g.op("Cast", [index], name=f"{base}/index", SrcT=type_attr(types_pb2.DT_INT64), DstT=t, Truncate=False)
-        offset = g.op("Mul", [stride[0], cast[0]], name=f"{base}/offset", T=t)
-        g.replace_all_uses_with(value, TensorRef(f"{base}/seed", "z", 0))
-        g.op("AddV2", [value, offset[0]], name=f"{base}/seed", T=t)
-    fdef.CopyFrom(g.finish())
-    return reads
+def _key_random_ops(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, deterministic: bool, in_flight: int):
+    """Key the random ops of virtual-node function ``vdef`` of step ``g`` by the global virtual
+    node index (:mod:`vfgraph.analysis.random_ops`): returns (the random ops found, the seed
+    reads keyed, the index function added ("" when nothing is keyed), notes)."""
+    sig = step.signature
+    found, reads, generators, converts = random_ops.find(vdef, item.library, ordered=in_flight == 1)
+    counter = None
+    if any(not r.keyed and r.op in random_ops.CONVERTIBLE for r in found):  # keyed by the step counter, if any
+        counter = random_ops.step_counter(g, step.vnode_nodes, sig.variables)
+        if counter:
+            found, reads, generators, converts = random_ops.find(vdef, item.library, ordered=in_flight == 1,
+                                                                 counter=counter[0])
+    notes = random_ops.check(found, sig.key, deterministic)
+    if not reads and not generators and not converts:
+        return found, [], "", notes
+    random_ops.key(vdef, reads, generators, item.library, converts, counter)
+    index_fn = function_name(sig.function, "vnode_offset")
+    item.set_function(random_ops.offset_function(index_fn))
+    return found, reads, index_fn, notes
 
 
 F32 = types_pb2.DT_FLOAT
@@ -219,8 +202,9 @@ class _Loop:
 
     def __init__(self, g: FunctionGraph, step: TrainStep, vdef, vnodes: int, b: int, library, new_function,
                  in_flight: int = 1, tag: str = "", messages: int = 0, exact: bool = False, lag: int = 0,
-                 parts: Optional["ForwardBackward"] = None):
+                 parts: Optional["ForwardBackward"] = None, index_fn: str = ""):
         self.g, self.step, self.vdef, self.vnodes, self.b = g, step, vdef, vnodes, b
+        self.index_fn = index_fn  # (random ops keyed) the global index of the first virtual node
         self.in_flight, self.messages, self.lag, self.parts = in_flight, messages, lag, parts
         # the last virtual nodes' "finished" tokens the loop carries (see _body), and with
         # ``parts`` the last forward's
@@ -248,7 +232,8 @@ class _Loop:
             [(I64, [2 * sum(sizes) + 1]) for _, _, sizes in self.groups] + [(I32, [])] * (self.tokens + self.chained),
             [(I32, [])] + [(t, g.arg_shape(a)) for a, t in zip(sig.batch_args, self.batch_types)] +
             [(g.dtype(TensorRef(a)), []) for a in sig.resource_args] +
-            [(g.dtype(TensorRef(a)), g.arg_shape(a)) for a in sig.captured_args])
+            [(g.dtype(TensorRef(a)), g.arg_shape(a)) for a in sig.captured_args] +
+            [(I64, [])] * bool(index_fn))
         lib = dict(library)
         for f in [vdef] + ([parts.forward, parts.backward] if parts is not None else []):
             lib[f.signature.name] = f
@@ -263,18 +248,22 @@ class _Loop:
         n_batch = len(self.batch_types)
         carried_names = [f"carried_{k}" for k in range(len(self.layout.carried_types))]
         args = self.layout.args(fb, ["i"] + carried_names + ["nv", "per"] + [f"batch_{k}" for k in range(n_batch)] +
-                                [f"resource_{k}" for k in range(len(sig.invariant_args))])
+                                [f"resource_{k}" for k in range(len(sig.invariant_args))] +
+                                ["vnode_offset"] * bool(self.index_fn))
         i, carried, nv, fixed = self.layout.split(args)
         sums = len(carried) - self.tokens - self.chained  # the carried values before the tokens
         carried, done, chain = carried[:sums], carried[sums:sums + self.tokens], carried[sums + self.tokens:]
-        per, batch, res = fixed[0], fixed[1:1 + n_batch], fixed[1 + n_batch:]
+        per, batch, res = fixed[0], fixed[1:1 + n_batch], fixed[1 + n_batch:1 + n_batch + len(sig.invariant_args)]
         rows = slice_reader(fb, i, per)
         by_name = {a: rows(x, t) for a, x, t in zip(sig.batch_args, batch, self.batch_types)}
         by_name.update(zip(sig.invariant_args, res))
         v_args = [a.name for a in self.vdef.signature.input_arg]
-        if VNODE_INDEX in v_args:
-            by_name[VNODE_INDEX] = fb.op("Cast", [i], name="index", SrcT=type_attr(I32),
-                                         DstT=type_attr(types_pb2.DT_INT64), Truncate=False)[0]
+        if VNODE_INDEX in v_args:  # the virtual node's global index: after the lower ranks' virtual nodes
+            index = fb.op("Cast", [i], name="index", SrcT=type_attr(I32), DstT=type_attr(I64), Truncate=False)[0]
+            by_name[VNODE_INDEX] = fb.op("AddV2", [fixed[-1], index], name="global_index",
+                                         T=type_attr(I64))[0] if self.index_fn else index
+        if VNODE_LAST in v_args:  # this process's last virtual node of the step
+            by_name[VNODE_LAST] = fb.op("Equal", [next_index(fb, i), nv], name="last", T=type_attr(I32))[0]
         if MESSAGE_BASE in v_args:  # the first tag of this virtual node's messages between stages
             # (with a lag L, after virtual node i - L has finished)
             after = [fb.op("Identity", [done[self.lag - 1]], name="after", T=type_attr(I32))] if self.lag else []
@@ -312,10 +301,11 @@ class _Loop:
             fb.ret(f"out_{k}", ref, t)
         return fb.finish()
 
-    def emit(self, fb: FunctionGraph, batch: List[TensorRef], res: List[TensorRef]):
+    def emit(self, fb: FunctionGraph, batch: List[TensorRef], res: List[TensorRef], local: bool = False):
         """Run every virtual node of the fed batch; returns (per-output results, gradient sums
         or tensor lists (None where summed exactly), the exact groups' word vectors, number of
-        virtual nodes, the While node)."""
+        virtual nodes, the While node). ``local``: the first virtual node's global index is 0
+        (a call that runs no collective: the step-wise accumulate)."""
         b, vnodes = self.b, self.vnodes
         i32 = type_attr(I32)
         n, checks = same_batch(fb, batch, self.batch_types, self.keys, "training inputs")
@@ -347,7 +337,13 @@ class _Loop:
         inits += [zeros(fb, [2 * sum(sizes) + 1], I64, shapes=[[2 * sum(sizes) + 1]]) for _, _, sizes in self.groups]
         if self.tokens + self.chained:
             inits += [fb.const(-1, I32, "none_finished")[0]] * (self.tokens + self.chained)
-        loop = while_loop(fb, self.layout, inits, nv, [per] + batch + res, self.cond_name, self.body_name,
+        offset = []
+        if self.index_fn and local:
+            offset = [fb.const(0, I64, "vnode_offset")[0]]
+        elif self.index_fn:  # once per step (a collective over ranks): the global index of the first virtual node
+            offset = fb.op("StatefulPartitionedCall", [nv], name="vnode_offset", Tin=types_attr([I32]),
+                           Tout=types_attr([I64]), f=func_attr(self.index_fn)).outputs()
+        loop = while_loop(fb, self.layout, inits, nv, [per] + batch + res + offset, self.cond_name, self.body_name,
                           "vnodes_loop", lower=True, parallel_iterations=self.in_flight)
         _, carried, _, _ = self.layout.split(loop.outputs())
         carried = carried[:len(carried) - self.tokens - self.chained]
@@ -580,7 +576,8 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
 
     fb, args = FunctionGraph.like(acc_header, lib, into=item.new_function(acc_fn))
     by = dict(zip(inner + acc_args, args))
-    outs, sums, _, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.invariant_args])
+    outs, sums, _, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.invariant_args],
+                                     local=True)
     count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
     adds = [_accumulate(fb, by[a], v, c) for a, v, c in zip(acc_args, sums, step.cut)]
     adds.append(fb.op("AssignAddVariableOp", [by["vf_count"], count], name="accumulate", dtype=type_attr(F32)))

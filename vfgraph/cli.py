@@ -631,6 +631,12 @@ def cmd_inspect(args) -> int:
                   + ("; deterministic (exact) sums" if rw.deterministic else ""))
             if rw.stepwise:
                 print(f"  step-wise: signatures {key + '_accumulate'!r} (repeat) and {key + '_apply'!r}")
+            if rw.random_ops:
+                from vfgraph.analysis.random_ops import describe
+
+                print(f"  random ops per virtual node: {len(rw.random_ops)}")
+                for line in describe(rw.random_ops):
+                    print(f"    {line}")
         st = partitioned.get(key)
         if st:
             print(f"  pipeline stages: {st.count} ({st.schedule}: at most "

@@ -48,6 +48,28 @@ class Gradient:
 
 
 @dataclass(frozen=True)
+class RandomOp:
+    """A random op of a step's per-virtual-node part: ``keyed`` says how its draws are fixed
+    by (seed, step, global virtual node index) ("seed variable", "generator", "fixed seed"),
+    or is empty when they cannot be, ``reason`` saying why."""
+
+    node: str
+    op: str
+    keyed: str
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        d = {"node": self.node, "op": self.op, "keyed": self.keyed}
+        if self.reason:
+            d["reason"] = self.reason
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "RandomOp":
+        return cls(d["node"], d["op"], d.get("keyed", ""), d.get("reason", ""))
+
+
+@dataclass(frozen=True)
 class VirtualNodes:
     """split-vnodes: training signature ``function`` runs ``vnodes`` virtual nodes of
     ``vnode_batch`` examples each (0: the fed batch / V) in a loop over
@@ -55,7 +77,9 @@ class VirtualNodes:
     ``update_function`` once. ``stepwise``: the ``<key>_accumulate`` / ``<key>_apply``
     signatures were added; ``per_vnode_seeds``: the seed reads offset per virtual node;
     ``deterministic``: floating-point sums are exact (fixed point), the same for any layout of
-    the virtual nodes over ranks."""
+    the virtual nodes over ranks; ``random_ops``: the random ops of the virtual-node function
+    and how each is keyed; ``index_function``: the function giving the global index of a
+    process's first virtual node (called when random ops are keyed)."""
 
     PASS: ClassVar[str] = "split-vnodes"
     function: str
@@ -68,6 +92,8 @@ class VirtualNodes:
     reduce_functions: Tuple[str, ...] = ()
     gradients: Tuple[Gradient, ...] = ()
     deterministic: bool = False
+    random_ops: Tuple[RandomOp, ...] = ()
+    index_function: str = ""
 
     def to_json(self) -> dict:
         d = {"function": self.function, "vnodes": self.vnodes, "vnode_batch": self.vnode_batch,
@@ -76,6 +102,10 @@ class VirtualNodes:
              "reduce_functions": list(self.reduce_functions), "gradients": [g.to_json() for g in self.gradients]}
         if self.deterministic:
             d["deterministic"] = True
+        if self.random_ops:
+            d["random_ops"] = [r.to_json() for r in self.random_ops]
+        if self.index_function:
+            d["index_function"] = self.index_function
         return d
 
     @classmethod
@@ -83,7 +113,8 @@ class VirtualNodes:
         return cls(d["function"], d.get("vnodes", 1), d.get("vnode_batch", 0), d.get("vnode_function", ""),
                    d.get("update_function", ""), tuple(d.get("per_vnode_seeds", ())), d.get("stepwise", False),
                    tuple(d.get("reduce_functions", ())), tuple(Gradient.from_json(g) for g in d.get("gradients", ())),
-                   bool(d.get("deterministic", False)))
+                   bool(d.get("deterministic", False)),
+                   tuple(RandomOp.from_json(r) for r in d.get("random_ops", ())), d.get("index_function", ""))
 
 
 @dataclass(frozen=True)
