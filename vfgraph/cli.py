@@ -585,20 +585,7 @@ def cmd_inspect(args) -> int:
         if train is not None and key == train.key and key not in split:
             steps = train_steps(g, sig, stages=stages is not None)  # one per phase of dependent updates
             step = steps[0]
-            name = lambda r: sig.variables[r].name  # noqa: E731
-            entry["training"] = {
-                "gradients": [{"variable": name(c.variable) if c.variable else None, "tensor": str(c.ref),
-                               "shape": c.shape, "role": c.role} for s in steps for c in s.cut],
-                "trainable": [name(r) for s in steps for r in s.trainable],
-                "batch_dependent_updates": [name(r) for s in steps for r in s.batch_updated],
-                "optimizer_state": [name(r) for s in steps for r in s.optimizer_state],
-                "per_vnode_nodes": sum(len(s.vnode_nodes) for s in steps),
-                "loss_reduction": [s.loss_reduction for s in steps],
-                "outputs_over_vnodes": {o.name: ("mean" if o.averaged else "sum") if o.combine == "mean" else o.combine
-                                        for s in steps for o in s.outputs if o.side == "vnode"},
-            }
-            if len(steps) > 1:
-                entry["training"]["phases"] = len(steps)
+            entry["training"] = _training_entry(sig, steps)
             if stages is not None:
                 from vfgraph.analysis.stages import plan_stages
 
@@ -663,6 +650,27 @@ def cmd_inspect(args) -> int:
     if plan is not None:
         _print_stages(plan, report.get("stages_by_estimate"))
     return 0
+
+
+def _training_entry(sig, steps) -> dict:
+    """inspect's JSON of a training step's analysis (``steps``: one per phase)."""
+    def name(r: str) -> str:
+        return sig.variables[r].name
+
+    entry = {
+        "gradients": [{"variable": name(c.variable) if c.variable else None, "tensor": str(c.ref),
+                       "shape": c.shape, "role": c.role} for s in steps for c in s.cut],
+        "trainable": [name(r) for s in steps for r in s.trainable],
+        "batch_dependent_updates": [name(r) for s in steps for r in s.batch_updated],
+        "optimizer_state": [name(r) for s in steps for r in s.optimizer_state],
+        "per_vnode_nodes": sum(len(s.vnode_nodes) for s in steps),
+        "loss_reduction": [s.loss_reduction for s in steps],
+        "outputs_over_vnodes": {o.name: ("mean" if o.averaged else "sum") if o.combine == "mean" else o.combine
+                                for s in steps for o in s.outputs if o.side == "vnode"},
+    }
+    if len(steps) > 1:
+        entry["phases"] = len(steps)
+    return entry
 
 
 def _print_training(t: dict) -> None:
