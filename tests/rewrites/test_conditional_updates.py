@@ -11,6 +11,7 @@ import pytest
 import vfgraph
 from vfgraph.errors import VfgraphError
 from vfgraph.testing.compare import compare_models
+from vfgraph.testing.steps import save_step
 
 from test_training_semantics import assert_same_training, data, export
 
@@ -39,29 +40,18 @@ def export_loss_scaled(path, policy="float32", inner="sgd", embedding=False, los
     specs = {"x": tf.TensorSpec([None, 8], tf.int32 if embedding else tf.float32),
              "y": tf.TensorSpec([None], tf.int32)}
 
-    class Trainer(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.model, self.opt, self.model_variables = model, opt, list(model.variables) + list(opt.variables)
+    def train(batch):
+        with tf.GradientTape() as tape:
+            logits = model(batch["x"], training=True)
+            value = (tf.reduce_sum if loss == "sum" else tf.reduce_mean)(
+                keras.losses.sparse_categorical_crossentropy(batch["y"], logits, from_logits=True))
+            scaled = opt.scale_loss(value)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return {"loss": value}
 
-        @tf.function(input_signature=[specs])
-        def train(self, batch):
-            with tf.GradientTape() as tape:
-                logits = self.model(batch["x"], training=True)
-                value = (tf.reduce_sum if loss == "sum" else tf.reduce_mean)(
-                    keras.losses.sparse_categorical_crossentropy(batch["y"], logits, from_logits=True))
-                scaled = self.opt.scale_loss(value)
-            grads = tape.gradient(scaled, self.model.trainable_variables)
-            self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
-            return {"loss": value}
-
-        @tf.function(input_signature=[specs["x"]])
-        def serve(self, x):
-            return {"logits": self.model(x, training=False)}
-
-    m = Trainer()
-    tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
-    return str(path)
+    return save_step(path, train, specs, list(model.variables) + list(opt.variables), (model, opt),
+                     lambda x: {"logits": model(x, training=False)}, specs["x"])
 
 
 def export_conditional_sgd(path, condition):
@@ -75,41 +65,30 @@ def export_conditional_sgd(path, condition):
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(10)])
     specs = {"x": tf.TensorSpec([None, 8], tf.float32), "y": tf.TensorSpec([None], tf.int32)}
 
-    class Trainer(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.model, self.model_variables = model, list(model.variables)
+    def train(batch):
+        params = model.trainable_variables
+        with tf.GradientTape() as tape:
+            logits = model(batch["x"], training=True)
+            value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["y"], logits,
+                                                                                from_logits=True))
+        grads = tape.gradient(value, params)
+        if condition == "gradient_norm":  # on data()'s batches: steps 1 and 3 apply, step 2 does not
+            ok = tf.linalg.global_norm(grads) < 0.789
+        elif condition == "batch_max":
+            ok = tf.reduce_max(batch["x"]) < 2.5
+        else:  # "batch_any"
+            ok = tf.reduce_any(batch["x"] > 2.5)
 
-        @tf.function(input_signature=[specs])
-        def train(self, batch):
-            params = self.model.trainable_variables
-            with tf.GradientTape() as tape:
-                logits = self.model(batch["x"], training=True)
-                value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["y"], logits,
-                                                                                    from_logits=True))
-            grads = tape.gradient(value, params)
-            if condition == "gradient_norm":  # on data()'s batches: steps 1 and 3 apply, step 2 does not
-                ok = tf.linalg.global_norm(grads) < 0.789
-            elif condition == "batch_max":
-                ok = tf.reduce_max(batch["x"]) < 2.5
-            else:  # "batch_any"
-                ok = tf.reduce_any(batch["x"] > 2.5)
+        def apply():
+            for p, g in zip(params, grads):
+                p.assign_sub(0.3 * g)
+            return tf.constant(1.0)
 
-            def apply():
-                for p, g in zip(params, grads):
-                    p.assign_sub(0.3 * g)
-                return tf.constant(1.0)
+        applied = tf.cond(ok, apply, lambda: tf.constant(0.0))
+        return {"loss": value, "applied": applied}
 
-            applied = tf.cond(ok, apply, lambda: tf.constant(0.0))
-            return {"loss": value, "applied": applied}
-
-        @tf.function(input_signature=[specs["x"]])
-        def serve(self, x):
-            return {"logits": self.model(x, training=False)}
-
-    m = Trainer()
-    tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
-    return str(path)
+    return save_step(path, train, specs, model.variables, (model,),
+                     lambda x: {"logits": model(x, training=False)}, specs["x"])
 
 
 def _trained(path, steps, batch=16):
@@ -238,23 +217,14 @@ def export_gathering(path, construct):
             h = h + pooled[:, None, :] / 8.0
         return head(tf.reduce_mean(dense(h), axis=1))
 
-    class Trainer(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers, self.opt = layers, opt
-            self.model_variables = [v for layer in layers for v in layer.variables]
+    def train(batch):
+        with tf.GradientTape() as tape:
+            value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                batch["y"], forward(batch["x"]), from_logits=True))
+        opt.apply_gradients(zip(tape.gradient(value, params), params))
+        return {"loss": value}
 
-        @tf.function(input_signature=[specs])
-        def train(self, batch):
-            with tf.GradientTape() as tape:
-                value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-                    batch["y"], forward(batch["x"]), from_logits=True))
-            self.opt.apply_gradients(zip(tape.gradient(value, params), params))
-            return {"loss": value}
-
-    m = Trainer()
-    tf.saved_model.save(m, str(path), signatures={"train": m.train})
-    return str(path)
+    return save_step(path, train, specs, [v for layer in layers for v in layer.variables], (*layers, opt))
 
 
 def export_deberta(path):
@@ -277,24 +247,15 @@ def export_deberta(path):
     opt = keras.optimizers.SGD(0.1)
     opt.build(params)
 
-    class Trainer(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.backbone, self.head, self.opt = backbone, head, opt
-            self.model_variables = list(backbone.variables) + list(head.variables)
+    def train(batch):
+        with tf.GradientTape() as tape:
+            logits = head(backbone(inputs(batch), training=True)[:, 0])
+            value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["label"], logits,
+                                                                                from_logits=True))
+        opt.apply_gradients(zip(tape.gradient(value, params), params))
+        return {"loss": value}
 
-        @tf.function(input_signature=[specs])
-        def train(self, batch):
-            with tf.GradientTape() as tape:
-                logits = self.head(self.backbone(inputs(batch), training=True)[:, 0])
-                value = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["label"], logits,
-                                                                                    from_logits=True))
-            self.opt.apply_gradients(zip(tape.gradient(value, params), params))
-            return {"loss": value}
-
-    m = Trainer()
-    tf.saved_model.save(m, str(path), signatures={"train": m.train})
-    return str(path)
+    return save_step(path, train, specs, list(backbone.variables) + list(head.variables), (backbone, head, opt))
 
 
 @pytest.mark.parametrize("construct", ["gather_batch_dims", "take_along_axis", "segment_sum"])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from test_training_semantics import assert_same_training
+from vfgraph.testing.steps import save_step
 
 SEQ, VOCAB = 6, 20
 
@@ -37,27 +38,16 @@ def export(path, loss: str, **options):
     opt.build(model.trainable_variables)
     reduce = tf.reduce_sum if loss == "sum" else tf.reduce_mean
 
-    class Trainer(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.model, self.opt, self.model_variables = model, opt, list(model.variables)
+    def train(batch):
+        with tf.GradientTape() as tape:
+            value = reduce(keras.losses.sparse_categorical_crossentropy(
+                batch["y"], model(batch["x"], training=True), from_logits=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return {"loss": value}
 
-        @tf.function(input_signature=[specs])
-        def train(self, batch):
-            with tf.GradientTape() as tape:
-                value = reduce(keras.losses.sparse_categorical_crossentropy(
-                    batch["y"], self.model(batch["x"], training=True), from_logits=True))
-            grads = tape.gradient(value, self.model.trainable_variables)
-            self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
-            return {"loss": value}
-
-        @tf.function(input_signature=[specs["x"]])
-        def serve(self, x):
-            return {"logits": self.model(x, training=False)}
-
-    m = Trainer()
-    tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
-    return str(path)
+    return save_step(path, train, specs, model.variables, (model, opt),
+                     lambda x: {"logits": model(x, training=False)}, specs["x"])
 
 
 def data(n):

@@ -23,6 +23,8 @@ def export_three_phases(path):
     import keras
     import tensorflow as tf
 
+    from vfgraph.testing.steps import save_step
+
     keras.utils.set_random_seed(0)
     first = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
     second = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(8)])
@@ -34,34 +36,22 @@ def export_three_phases(path):
     for opt, model in zip(opts, (first, second, first)):
         opt.build(model.trainable_variables)
 
-    class Trainer(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.first, self.second, self.opts = first, second, opts
-            self.model_variables = list(first.variables) + list(second.variables)
+    def train(batch):
+        x = batch["x"]
 
-        @tf.function(input_signature=[specs])
-        def train(self, batch):
-            x = batch["x"]
+        def step(opt, model, loss):
+            with tf.GradientTape() as tape:
+                value = loss()
+            opt.apply_gradients(zip(tape.gradient(value, model.trainable_variables), model.trainable_variables))
+            return value
 
-            def step(opt, model, loss):
-                with tf.GradientTape() as tape:
-                    value = loss()
-                opt.apply_gradients(zip(tape.gradient(value, model.trainable_variables), model.trainable_variables))
-                return value
+        a = step(opts[0], first, lambda: tf.reduce_mean(tf.square(first(x) - 0.5)))
+        b = step(opts[1], second, lambda: tf.reduce_mean(tf.nn.softplus(-first(second(x)))))
+        c = step(opts[2], first, lambda: tf.reduce_mean(tf.square(first(second(x)) - 1.0)))
+        return {"loss": a + b - c}
 
-            a = step(self.opts[0], self.first, lambda: tf.reduce_mean(tf.square(self.first(x) - 0.5)))
-            b = step(self.opts[1], self.second, lambda: tf.reduce_mean(tf.nn.softplus(-self.first(self.second(x)))))
-            c = step(self.opts[2], self.first, lambda: tf.reduce_mean(tf.square(self.first(self.second(x)) - 1.0)))
-            return {"loss": a + b - c}
-
-        @tf.function(input_signature=[specs["x"]])
-        def serve(self, x):
-            return {"made": self.second(x)}
-
-    m = Trainer()
-    tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
-    return str(path)
+    return save_step(path, train, specs, list(first.variables) + list(second.variables), (first, second, *opts),
+                     lambda x: {"made": second(x)}, specs["x"])
 
 
 def test_a_gan_step_trains_as_the_original_at_any_v(tmp_path):

@@ -10,6 +10,7 @@ import vfgraph
 from vfgraph.errors import VfgraphError
 from vfgraph import cli
 from vfgraph.testing.compare import compare_models
+from vfgraph.testing.steps import save_step
 
 LOSSES = {
     "mean": lambda tf, keras, y, logits, w: tf.reduce_mean(
@@ -46,29 +47,18 @@ def export(path, loss="mean", optimizer="sgd", **options):
     opt.build(model.trainable_variables)
     loss_fn = LOSSES[loss]
 
-    class Trainer(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.model, self.opt, self.model_variables = model, opt, list(model.variables)
+    def train(batch):
+        with tf.GradientTape() as tape:
+            logits = model(batch["x"], training=True)
+            if sequence:
+                logits = logits[:, None, :] * tf.ones([1, 3, 1])
+            value = loss_fn(tf, keras, batch["y"], logits, batch.get("w"))
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return {"loss": value}
 
-        @tf.function(input_signature=[specs])
-        def train(self, batch):
-            with tf.GradientTape() as tape:
-                logits = self.model(batch["x"], training=True)
-                if sequence:
-                    logits = logits[:, None, :] * tf.ones([1, 3, 1])
-                value = loss_fn(tf, keras, batch["y"], logits, batch.get("w"))
-            grads = tape.gradient(value, self.model.trainable_variables)
-            self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
-            return {"loss": value}
-
-        @tf.function(input_signature=[specs["x"]])
-        def serve(self, x):
-            return {"logits": self.model(x, training=False)}
-
-    m = Trainer()
-    tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
-    return str(path)
+    return save_step(path, train, specs, model.variables, (model, opt),
+                     lambda x: {"logits": model(x, training=False)}, specs["x"])
 
 
 def data(n=32):
@@ -144,35 +134,21 @@ def export_two_updates(path, dependent: bool):
     opts[0].build(first.trainable_variables)
     opts[1].build(second.trainable_variables)
 
-    class Trainer(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.first, self.second, self.opts = first, second, opts
-            self.model_variables = list(first.variables) + list(second.variables)
+    def train(batch):
+        x = batch["x"]
+        with tf.GradientTape() as tape:
+            made = second(x, training=True)
+            d = tf.reduce_mean(tf.nn.softplus(-first(x)) + tf.nn.softplus(first(made)))
+        opts[0].apply_gradients(zip(tape.gradient(d, first.trainable_variables), first.trainable_variables))
+        with tf.GradientTape() as tape:
+            made = second(x, training=True)
+            g = (tf.reduce_mean(tf.nn.softplus(-first(made))) if dependent
+                 else tf.reduce_mean(tf.square(made - x)))
+        opts[1].apply_gradients(zip(tape.gradient(g, second.trainable_variables), second.trainable_variables))
+        return {"loss": d + g}
 
-        @tf.function(input_signature=[specs])
-        def train(self, batch):
-            x = batch["x"]
-            with tf.GradientTape() as tape:
-                made = self.second(x, training=True)
-                d = tf.reduce_mean(tf.nn.softplus(-self.first(x)) + tf.nn.softplus(self.first(made)))
-            self.opts[0].apply_gradients(zip(tape.gradient(d, self.first.trainable_variables),
-                                             self.first.trainable_variables))
-            with tf.GradientTape() as tape:
-                made = self.second(x, training=True)
-                g = (tf.reduce_mean(tf.nn.softplus(-self.first(made))) if dependent
-                     else tf.reduce_mean(tf.square(made - x)))
-            self.opts[1].apply_gradients(zip(tape.gradient(g, self.second.trainable_variables),
-                                             self.second.trainable_variables))
-            return {"loss": d + g}
-
-        @tf.function(input_signature=[specs["x"]])
-        def serve(self, x):
-            return {"made": self.second(x)}
-
-    m = Trainer()
-    tf.saved_model.save(m, str(path), signatures={"train": m.train, "serving_default": m.serve})
-    return str(path)
+    return save_step(path, train, specs, list(first.variables) + list(second.variables), (first, second, *opts),
+                     lambda x: {"made": second(x)}, specs["x"])
 
 
 def test_two_independent_updates_are_one_step(tmp_path):
