@@ -217,3 +217,23 @@ def test_an_elastic_run_draws_what_one_rank_draws(made, reference, digits, tmp_p
     assert "resized 1 -> 2 ranks at step 3" in res.stderr and "resized 2 -> 1 ranks at step 6" in res.stderr, \
         res.stderr[-3000:]
     assert_identical(reference("dropout"), str(tmp_path / "elastic"), "elastic 1 -> 2 -> 1")
+
+
+def test_pipeline_replicas_of_a_keyed_step_are_refused(made, digits, tmp_path):
+    """A stage numbers the virtual nodes of its own replica: two replicas would draw the same
+    masks, so 2 stages x 2 replicas of a model with dropout exit 2 naming a random op (one
+    replica, mpiexec -n 2, trains)."""
+    import subprocess
+
+    import vfgraph
+    from test_mpi_train import ENV, train_cmd
+
+    staged = str(tmp_path / "staged")
+    vfgraph.save(vfgraph.rewrite(made("dropout"), vnodes=8, vnode_batch=B, stages=2), staged)
+    out = tmp_path / "out"
+    res = subprocess.run(train_cmd(4, staged, digits["train"], str(out), 1), capture_output=True, text=True,
+                         env=ENV, timeout=300)
+    one_error(res.returncode, res.stderr.splitlines(), "2 replicas of its pipeline stages would draw the same "
+              "random values", "dropout")
+    assert not out.exists()
+    run_train(2, staged, digits["train"], str(tmp_path / "one_replica"), 1)
