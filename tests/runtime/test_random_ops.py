@@ -222,11 +222,11 @@ def test_an_elastic_run_draws_what_one_rank_draws(made, reference, digits, tmp_p
 def test_pipeline_replicas_of_a_keyed_step_are_refused(made, digits, tmp_path):
     """A stage numbers the virtual nodes of its own replica: two replicas would draw the same
     masks, so 2 stages x 2 replicas of a model with dropout exit 2 naming a random op (one
-    replica, mpiexec -n 2, trains)."""
+    replica, mpiexec -n 2, trains as the unstaged step does)."""
     import subprocess
 
     import vfgraph
-    from test_mpi_train import ENV, train_cmd
+    from test_mpi_train import ENV, assert_same_params, train_cmd
 
     staged = str(tmp_path / "staged")
     vfgraph.save(vfgraph.rewrite(made("dropout"), vnodes=8, vnode_batch=B, stages=2), staged)
@@ -236,4 +236,6 @@ def test_pipeline_replicas_of_a_keyed_step_are_refused(made, digits, tmp_path):
     one_error(res.returncode, res.stderr.splitlines(), "2 replicas of its pipeline stages would draw the same "
               "random values", "dropout")
     assert not out.exists()
-    run_train(2, staged, digits["train"], str(tmp_path / "one_replica"), 1)
+    run_train(2, staged, digits["train"], str(tmp_path / "one_replica"), 2)
+    run_train(0, made("dropout", False), digits["train"], str(tmp_path / "unstaged"), 2)
+    assert_same_params(str(tmp_path / "one_replica"), str(tmp_path / "unstaged"), 1e-5)  # the same masks
