@@ -262,7 +262,8 @@ def _tf1_options(p: argparse.ArgumentParser) -> None:
 
 def _keras_options(p: argparse.ArgumentParser, fine_tune: bool = False) -> None:
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help=".keras input: a module to import before loading it (custom layers, losses; repeatable)")
+                   help=".keras input: a module to import before loading it (custom layers, losses; repeatable; "
+                        "default: none)")
     if not fine_tune:
         return
     p.add_argument("--keras-loss", default="", metavar="NAME",

@@ -257,8 +257,7 @@ def test_the_worked_example_pass_runs_in_a_pipeline_and_in_tensorflow(models, tm
     try:
         assert registered()["check-outputs"] is check_outputs.CheckOutputsPass
         out = vfgraph.rewrite(models("mlp:sgd"), pipeline="check-outputs{message=bad logits},"
-                                                         "split-vnodes{vnodes=2},microbatch-inference{vnode-batch=4}",
-                              allreduce="none")
+                                                         "split-vnodes{vnodes=2},microbatch-inference{vnode-batch=4}")
         path = vfgraph.export(out, str(tmp_path / "serve"))
         serve = tf.saved_model.load(path).signatures["serving_default"]
         key = next(iter(serve.structured_input_signature[1]))

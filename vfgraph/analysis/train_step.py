@@ -666,8 +666,15 @@ def _through_shape_ops(g: FunctionGraph, cuttable: "_Cuttable", cut: List[Tensor
     gradients an ``IdentityN`` passes on together (Keras' optimizer step) are cut where it
     passes them, so that the update reads each variable's gradient on its own (pipeline stages
     split the update by variable)."""
+    # (down to an IdentityN's inputs, through it, and on from its outputs)
+    return _descend(g, cuttable, _through_identity_n(g, cuttable, _descend(g, cuttable, cut)))
+
+
+def _descend(g: FunctionGraph, cuttable: "_Cuttable", cut: List[TensorRef]) -> List[TensorRef]:
+    """Each of ``cut`` moved down through its one consumer while that only reshapes, renames or
+    widens it."""
     out = []
-    for ref in _through_identity_n(g, cuttable, cut):
+    for ref in cut:
         while not ref.is_function_arg and ref not in cuttable.sparse:
             consumers = g.consumers(ref)
             if len(consumers) != 1:
