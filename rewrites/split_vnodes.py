@@ -111,6 +111,9 @@ class SplitVnodesPass(Pass):
         stepwise, notes = False, list(random_notes)
         if self.stepwise and self.deterministic:
             notes.append("step-wise signatures: not added (deterministic sums are made in the loop)")
+        elif self.stepwise and any(r.keyed for r in randoms):
+            notes.append("step-wise signatures: not added (random ops keyed by the virtual node's index in the step "
+                         "would repeat their draws in each call of a step)")
         elif self.stepwise:
             stepwise, added = add_stepwise(item, g, step, loop, udef, reduce_fn)
             notes += added
