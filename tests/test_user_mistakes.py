@@ -199,3 +199,12 @@ def test_permission_denied_is_named_for_every_input(models, tmp_path):
     finally:
         subprocess.run(["chmod", "-R", "u+rwX", root])
         shutil.rmtree(root)
+
+
+def test_inspect_stages_need_a_training_step_not_yet_rewritten(models, tmp_path, capsys):
+    code, err = run_in_process(capsys, "inspect", models("keras-export"), "--split-at", "Relu")
+    assert code == 2 and "--split-at: " in error_line(err) and "has no training signature 'train'" in error_line(err)
+    out = tmp_path / "m2"
+    vfgraph.save(vfgraph.rewrite(models("mlp:sgd"), vnodes=2, allreduce="none"), str(out))
+    code, err = run_in_process(capsys, "inspect", out, "--stages", 2)
+    assert code == 2 and "was rewritten with virtual nodes already" in error_line(err), err

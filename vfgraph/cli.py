@@ -564,14 +564,7 @@ def cmd_inspect(args) -> int:
     partitioned = records.get(item, Stages)
     train = item.training_signature(args.train_signature or None)
     if stages is not None:
-        option = "--stages" if args.stages is not None else "--split-at"
-        if train is None:
-            raise InputError(f"{option}: {item.source} has no training signature "
-                             f"{args.train_signature or 'train'!r} to cut into stages (signatures: "
-                             f"{', '.join(sorted(item.signatures)) or 'none'}); pass --train-signature NAME")
-        if train.key in split:
-            raise InputError(f"{option}: signature {train.key!r} was rewritten with virtual nodes already; plan the "
-                             "stages of the model before the rewrite")
+        _check_stage_target(args, item, train, split)
     plan = None
     for key, sig in sorted(item.signatures.items()):
         g = FunctionGraph(lib[sig.function], lib)
@@ -651,6 +644,18 @@ def cmd_inspect(args) -> int:
     if plan is not None:
         _print_stages(plan, report.get("stages_by_estimate"))
     return 0
+
+
+def _check_stage_target(args, item, train, split) -> None:
+    """inspect --stages/--split-at: the model has a training signature not yet rewritten."""
+    option = "--stages" if args.stages is not None else "--split-at"
+    if train is None:
+        raise InputError(f"{option}: {item.source} has no training signature "
+                         f"{args.train_signature or 'train'!r} to cut into stages (signatures: "
+                         f"{', '.join(sorted(item.signatures)) or 'none'}); pass --train-signature NAME")
+    if train.key in split:
+        raise InputError(f"{option}: signature {train.key!r} was rewritten with virtual nodes already; plan the "
+                         "stages of the model before the rewrite")
 
 
 def _training_entry(sig, steps) -> dict:
