@@ -87,8 +87,13 @@ class InsertAllreducePass(Pass):
                     item.set_function(f)
                 verify_function_def(item.function(fn), item.library)
                 buffers.append(groups)
-            if split[key].index_function:  # random ops keyed by the global virtual node index
-                for f in random_ops.mpi_offset_functions(split[key].index_function, item.library):
+            index_fn = split[key].index_function
+            if index_fn:  # random ops keyed by the global virtual node index
+                for f in random_ops.mpi_offset_functions(index_fn, item.library):
+                    item.set_function(f)
+            if index_fn and staged is not None and random_ops.stage_offset_name(index_fn) in item.library:
+                for f in random_ops.mpi_offset_functions(random_ops.stage_offset_name(index_fn), item.library,
+                                                         stages=staged.count):
                     item.set_function(f)
             fingerprint = graph_fingerprint(item)
             bcast, left_out = _add_broadcast(item, key, fingerprint)

@@ -122,7 +122,7 @@ class SplitVnodesPass(Pass):
         reduce_fns = (reduce_fn,)
         if stages is not None and stages.on_ranks and stages.count > 1:
             keys, stage_reduce = add_stage_steps(item, g, step, vdef, udef, self.vnodes, b, stages,
-                                                 self.deterministic)
+                                                 self.deterministic, index_fn)
             records.put(item, sig.key, replace(stages, signatures=keys, reduce_functions=stage_reduce))
             reduce_fns += stage_reduce
         gradients = tuple(Gradient(str(c.ref), sig.variables[c.variable].name if c.variable else None, c.role,
@@ -646,7 +646,7 @@ def _accumulate(fb: FunctionGraph, acc: TensorRef, value: TensorRef, c) -> Node:
 
 # --------------------------------------------------------------------------- stages on MPI ranks
 def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, udef, vnodes: int, b: int,
-                    stages: Stages, exact: bool = False) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+                    stages: Stages, exact: bool = False, index_fn: str = "") -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
     """Add ``<train>_stage_1`` .. ``<train>_stage_K``: the training step of each pipeline stage
     partition-stages marked for MPI ranks (rank k runs stage k+1). Each runs the virtual-node
     loop over its stage's part of the virtual-node function, whose tensors from other stages
@@ -656,8 +656,11 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
     :func:`_forward_backward`); then its reduce function (identity until ``insert-allreduce``
     sums it over the replicas of the stage: ranks r and r + K of ``mpiexec -n K*D``); then its
     part of the update, once, on its own gradients' means; then it returns the step's outputs,
-    broadcast from the stage that computes them. Returns the signature keys and the reduce
-    functions."""
+    broadcast from the stage that computes them. ``index_fn`` (random ops keyed by the global
+    virtual node index): each stage numbers a replica's virtual nodes after those of the lower
+    replicas (:func:`random_ops.stage_offset_name`, identity until ``insert-allreduce``), so
+    the replicas draw what the virtual nodes of the unstaged step draw. Returns the signature
+    keys and the reduce functions."""
     from vfgraph import ops as mpi_ops
 
     sig = step.signature
@@ -696,6 +699,9 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
     owners = [owner(k, r) for k, (_, r) in enumerate(rets)]
     needed, messages = _stage_parts(gv, where, rets, owners, k_count)
     names, reducers = [], []
+    stage_index_fn = random_ops.stage_offset_name(index_fn) if index_fn else ""
+    if stage_index_fn:
+        item.set_function(random_ops.offset_function(stage_index_fn))
     for s in range(k_count):
         tag = f"stage{s + 1}"
         vdef_s = _stage_vnode_function(item, gv, where, rets, owners, needed[s], messages, s, k_count, tag)
@@ -707,7 +713,8 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         if parts is None:
             item.set_function(vdef_s)
         loop = _Loop(g, view, vdef_s, vnodes, b, lib, item.new_function, stages.in_flight(vnodes), tag,
-                     len(messages), exact, lag=k_count - s if s and stages.schedule == "1f1b" else 0, parts=parts)
+                     len(messages), exact, lag=k_count - s if s and stages.schedule == "1f1b" else 0, parts=parts,
+                     index_fn=stage_index_fn)
         udef_s = _stage_update_function(item, udef, sig, step, [k - n_out for k in mine if k >= n_out], s, tag)
         reduce_s = function_name(sig.function, tag, "reduce")
         item.set_function(reduce_function(reduce_s, _reduce_specs(g, view, exact)))

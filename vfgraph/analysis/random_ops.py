@@ -328,16 +328,25 @@ def offset_function(name: str) -> function_pb2.FunctionDef:
     return g.finish()
 
 
-def mpi_offset_functions(name: str, library) -> List[function_pb2.FunctionDef]:
+def stage_offset_name(index_function: str) -> str:
+    """The offset function of the pipeline stages' steps of a step whose offset function is
+    ``index_function``: the global index of a replica's first virtual node."""
+    return f"{index_function}_stages"
+
+
+def mpi_offset_functions(name: str, library, stages: int = 0) -> List[function_pb2.FunctionDef]:
     """The offset function's body over MPI ranks: the virtual nodes of the lower ranks (which
     feed the rows of the global batch before this rank's), gathered in rank order; 0 on one
-    process, with no collective. Returns the new body and its multi-process branch."""
+    process, with no collective. ``stages`` > 0: a pipeline stage's offset, over the ranks of
+    its stage (one per replica of the pipeline, in replica order): the virtual nodes of the
+    lower replicas; 0 without replicas. Returns the new body and its multi-process branch."""
+    over = {"stages": stages} if stages else {}
     multi = FunctionGraph.new(f"{name}_all", library)
     nv = multi.arg("vnodes", I32, [])
     each = multi.op("VfAllgather", [multi.op("Reshape", [nv, multi.const([1], I32, "one")[0]], name="mine",
                                              T=type_attr(I32), Tshape=type_attr(I32))[0]],
-                    name="allgather", T=type_attr(I32), shapes=[[-1]])
-    rank = multi.op("VfRank", name="rank")
+                    name="allgather", T=type_attr(I32), shapes=[[-1]], **over)
+    rank = multi.op("VfRank", name="rank", **over)
     rank1 = multi.op("Reshape", [rank[0], multi.const([1], I32, "one")[0]], name="rank_1", T=type_attr(I32),
                      Tshape=type_attr(I32))
     lower = multi.op("Slice", [each[0], multi.const([0], I32, "begin")[0], rank1[0]], name="lower",
@@ -352,7 +361,7 @@ def mpi_offset_functions(name: str, library) -> List[function_pb2.FunctionDef]:
     lib.update({multi_def.signature.name: multi_def, one.signature.name: one})
     m = FunctionGraph.new(name, lib)
     nv = m.arg("vnodes", I32, [])
-    size = m.op("VfSize", name="size")
+    size = m.op("VfSize", name="size", **over)
     cond = m.op("Greater", [size[0], m.const(1, I32, "one")[0]], name="multi", T=type_attr(I32))
     branch = m.op("If", [cond[0], nv], name="offset", Tcond=type_attr(types_pb2.DT_BOOL), Tin=types_attr([I32]),
                   Tout=types_attr([I64]), then_branch=func_attr(multi_def.signature.name),
@@ -376,5 +385,5 @@ def describe(found) -> List[str]:
             for r in found]
 
 
-__all__ = ["VNODE_INDEX", "VNODE_LAST", "find", "check", "key", "offset_function", "mpi_offset_functions",
-           "describe"]
+__all__ = ["VNODE_INDEX", "VNODE_LAST", "find", "check", "key", "offset_function", "stage_offset_name",
+           "mpi_offset_functions", "describe"]

@@ -435,7 +435,6 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             if groups > 1 and not reduces:
                 raise InputError(f"{model}: {groups} replicas of its {k_count} pipeline stages need the all-reduce "
                                  "between them; rewrite it with --allreduce mpi")
-            _check_random_replicas(model, signature, groups)
             _same_model(w, model)
         # a stage on a rank reads only its own variables: the others stay uninitialized, no memory
         loaded = savedmodel.load_to_run(model, variable_devices=in_process > 1, without_values=ranked)
@@ -866,18 +865,6 @@ def _kept(ckpt_dir: str, last: Optional[int], every: int) -> str:
     if last is None:
         return f"; no checkpoint was written before it (one every {every} steps, --checkpoint-every)"
     return f"; the last good checkpoint (step {last}) is kept in {ckpt_dir}, --resume continues from it"
-
-
-def _check_random_replicas(model: str, signature: str, groups: int) -> None:
-    """Refuse replicas of a pipeline whose random ops are keyed: a stage numbers the virtual
-    nodes of its own replica, so every replica would draw the masks of the first."""
-    rec = records.read(model, VirtualNodes).get(signature)
-    keyed = [r.node for r in (rec.random_ops if rec else ()) if r.keyed]
-    if groups > 1 and keyed:
-        raise InputError(f"{model}: {groups} replicas of its pipeline stages would draw the same random values "
-                         f"({keyed[0]!r} and {len(keyed) - 1} more random op(s) are keyed by the virtual node's "
-                         "index within a replica); run one replica (mpiexec -n K, K the stages), or rewrite it "
-                         "without --stages to train data-parallel")
 
 
 def _nonfinite_message(step: int, loss: float, feed: Dict[str, np.ndarray], ckpt_dir: str, last: Optional[int],
