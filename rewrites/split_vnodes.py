@@ -111,12 +111,15 @@ class SplitVnodesPass(Pass):
         stepwise, notes = False, list(random_notes)
         if self.stepwise and self.deterministic:
             notes.append("step-wise signatures: not added (deterministic sums are made in the loop)")
-        elif self.stepwise and any(r.keyed for r in randoms):
-            notes.append("step-wise signatures: not added (random ops keyed by the virtual node's index in the step "
-                         "would repeat their draws in each call of a step)")
+        elif self.stepwise and any(r.keyed == random_ops.GENERATOR for r in randoms):
+            notes.append("step-wise signatures: not added (a tf.random.Generator keyed by virtual node advances once "
+                         "per call of the step's last virtual node, which a call cannot know)")
         elif self.stepwise:
             stepwise, added = add_stepwise(item, g, step, loop, udef, reduce_fn)
             notes += added
+            if stepwise and index_fn:
+                notes.append("step-wise signatures: each process numbers the virtual nodes of its accumulate calls "
+                             "from 0 (a call runs no collective); on several processes their random ops draw alike")
         item.set_function(stepped)
         item.preserve.add(sig.function)
         reduce_fns = (reduce_fn,)
@@ -303,11 +306,13 @@ class _Loop:
             fb.ret(f"out_{k}", ref, t)
         return fb.finish()
 
-    def emit(self, fb: FunctionGraph, batch: List[TensorRef], res: List[TensorRef], local: bool = False):
+    def emit(self, fb: FunctionGraph, batch: List[TensorRef], res: List[TensorRef],
+             first: Optional[TensorRef] = None):
         """Run every virtual node of the fed batch; returns (per-output results, gradient sums
         or tensor lists (None where summed exactly), the exact groups' word vectors, number of
-        virtual nodes, the While node). ``local``: the first virtual node's global index is 0
-        (a call that runs no collective: the step-wise accumulate)."""
+        virtual nodes, the While node). ``first`` (int64): the first virtual node's global index,
+        given (a call that runs no collective: the step-wise accumulate) rather than computed
+        over the processes."""
         b, vnodes = self.b, self.vnodes
         i32 = type_attr(I32)
         n, checks = same_batch(fb, batch, self.batch_types, self.keys, "training inputs")
@@ -340,8 +345,8 @@ class _Loop:
         if self.tokens + self.chained:
             inits += [fb.const(-1, I32, "none_finished")[0]] * (self.tokens + self.chained)
         offset = []
-        if self.index_fn and local:
-            offset = [fb.const(0, I64, "vnode_offset")[0]]
+        if self.index_fn and first is not None:
+            offset = [first]
         elif self.index_fn:  # once per step (a collective over ranks): the global index of the first virtual node
             offset = fb.op("StatefulPartitionedCall", [nv], name="vnode_offset", Tin=types_attr([I32]),
                            Tout=types_attr([I64]), f=func_attr(self.index_fn)).outputs()
@@ -539,6 +544,7 @@ def reduce_function(name: str, specs: List[Tuple[str, int, list]]):
 
 # --------------------------------------------------------------------------- step-wise mode
 ACCUMULATORS = "vf_accumulators"
+VNODES_BEFORE = "vf_vnodes_before"  # (keyed random ops) the virtual nodes the step's accumulate calls ran before
 
 
 def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop, udef,
@@ -546,8 +552,11 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     """Add ``<train>_accumulate`` (run the fed batch's virtual nodes, add their gradient sums
     and count into accumulator variables, return their mean loss) and ``<train>_apply``
     (average the accumulators, apply the original update once, reset them): the step-wise
-    mode for runtimes that feed virtual nodes one call at a time. Returns (whether they were
-    added, notes: why not)."""
+    mode for runtimes that feed virtual nodes one call at a time. With random ops keyed by the
+    global virtual node index, a counter variable numbers each call's virtual nodes after those
+    of the step's calls before it (apply resets it), so accumulate called on the step's slices
+    in order, then apply, draws what the looped step draws on one process. Returns (whether
+    they were added, notes: why not)."""
     sig = step.signature
     tf1 = item.kind == "tf1_saved_model"
     if not tf1 and not has_object_graph(item):
@@ -568,6 +577,10 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
         out_names = list(wrapper.outputs)
     specs = [(f"grad_{k}", c.dtype, c.shape) for k, c in enumerate(step.cut)] + [("count", F32, [])]
     acc_args = [f"vf_accumulator_{k}" for k in range(len(step.cut))] + ["vf_count"]
+    keyed = bool(loop.index_fn)  # random ops keyed by the global index: each call numbers on from the last
+    if keyed:
+        specs.append(("vnodes_before", I64, []))
+        acc_args.append(VNODES_BEFORE)
     # Names of object-graph functions end in an integer (TensorFlow's fingerprinting needs it).
     acc_fn = function_name(sig.function, "accumulate", "0")
     apply_fn = function_name(sig.function, "apply", "0")
@@ -578,11 +591,16 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
 
     fb, args = FunctionGraph.like(acc_header, lib, into=item.new_function(acc_fn))
     by = dict(zip(inner + acc_args, args))
-    outs, sums, _, nv, _ = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.invariant_args],
-                                     local=True)
+    before = fb.op("ReadVariableOp", [by[VNODES_BEFORE]], name="vnodes_before", dtype=type_attr(I64)) if keyed else None
+    outs, sums, _, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.invariant_args],
+                                        first=before[0] if keyed else None)
     count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
     adds = [_accumulate(fb, by[a], v, c) for a, v, c in zip(acc_args, sums, step.cut)]
     adds.append(fb.op("AssignAddVariableOp", [by["vf_count"], count], name="accumulate", dtype=type_attr(F32)))
+    if keyed:  # the next call's first virtual node comes after this call's
+        n64 = fb.op("Cast", [nv], name="vnodes", SrcT=type_attr(I32), DstT=type_attr(I64), Truncate=False)[0]
+        adds.append(fb.op("AssignAddVariableOp", [by[VNODES_BEFORE], n64], name="number_on", deps=[before, done],
+                          dtype=type_attr(I64)))
     for a in adds:
         fb.control_ret(a)
     for o, a, r in zip(step.outputs, acc_header.signature.output_arg, loop.outputs(fb, outs, count, nv)):
@@ -614,6 +632,9 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     reset = fb.op("AssignVariableOp", [by["vf_count"], fb.const(0.0, F32, "zero")[0]], name="reset",
                   deps=[call], dtype=type_attr(F32))
     fb.control_ret(reset)
+    if keyed:  # the next step's virtual nodes are numbered from 0
+        fb.control_ret(fb.op("AssignVariableOp", [by[VNODES_BEFORE], fb.const(0, I64, "first")[0]], name="reset",
+                             deps=[call], dtype=type_attr(I64)))
     for name in counted:
         fb.ret(name, fb.op("Identity", [got[-1]], name="applied", deps=[reset], T=type_attr(F32), shapes=[[]])[0], F32)
     fb.finish()
