@@ -15,6 +15,49 @@ from test_random_ops import STEPS, assert_identical, made, reference  # noqa: F4
 pytestmark = pytest.mark.mpi
 
 
+KINDS = ["dropout", "transformer", "stateful", "generator"]  # the "stateful" model: an in-graph augmentation
+ELASTIC = ("--max-ranks", "2", "--elastic-schedule", "0:1,3:2,6:1")  # steps 3-5 run 2x4
+
+
+def _layout(kind: str, model: str, data: str, out: str, steps: int, *extra: str) -> None:
+    """Train ``model`` ``steps`` steps on 2 ranks: "5+3", or "elastic" (1 -> 2 -> 1 ranks,
+    the 2 ranks 4 virtual nodes each)."""
+    if kind == "5+3":
+        run_train(2, model, data, out, steps, "--threads", "1", "--vnodes-per-rank", "5,3")
+        return
+    res = run_train(1, model, data, out, steps, "--threads", "1", *ELASTIC, timeout=600)
+    assert "resized 1 -> 2 ranks at step 3" in res.stderr and "resized 2 -> 1 ranks at step 6" in res.stderr, \
+        res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_layout_trains_bit_identical(made, reference, digits, tmp_path, kind):
+    """Deterministic mode: 5+3 and an elastic 1 -> 2 -> 1 run (whose middle steps run 2x4)
+    leave the parameters and losses of 1x8 (the reference) bit for bit."""
+    for layout in ("5+3", "elastic"):
+        out = str(tmp_path / layout.replace("+", "_"))
+        _layout(layout, made(kind, True), digits["train"], out, STEPS)
+        assert_identical(reference(kind), out, f"{kind} {layout}")
+
+
+@pytest.mark.parametrize("kind, layout", [("dropout", "elastic"), ("transformer", "5+3"), ("stateful", "5+3"),
+                                          ("generator", "elastic")])
+def test_default_mode_trains_alike_on_any_layout(made, digits, tmp_path, capsys, kind, layout):
+    """Default mode (sums in floating point): within 1e-6 of 1x8, run in this process. (One
+    multi-rank layout per model, each layout for two models: the draws are keyed by the same
+    rewrite as in deterministic mode, tested above on every layout.)"""
+    from test_mpi_train import assert_same_params, losses
+    from vfgraph.testing.cli import run_in_process
+
+    model, steps = made(kind, False), 8
+    code, err = run_in_process(capsys, "train", model, "--data", digits["train"], "--steps", steps, "--batch-size",
+                               8 * B, "--threads", 1, "--no-progress", "-o", tmp_path / "1x8")
+    assert code == 0, err
+    _layout(layout, model, digits["train"], str(tmp_path / "layout"), steps)
+    assert_same_params(str(tmp_path / "1x8"), str(tmp_path / "layout"), 1e-6)
+    np.testing.assert_allclose(losses(str(tmp_path / "layout")), losses(str(tmp_path / "1x8")), rtol=1e-6)
+
+
 def _variables(loaded) -> dict:
     """The training step's variables by name, as arrays."""
     return {v.name: v.numpy() for v in loaded.signatures["train"].variables}

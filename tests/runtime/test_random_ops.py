@@ -1,7 +1,7 @@
 """Random ops keyed by virtual node: a Keras ``Dropout`` (a seed-state variable read by stateless
 ops), a keras-hub transformer's dropouts and a ``tf.random.Generator`` draw what a virtual node
-draws whatever the layout of the V=8 virtual nodes over ranks (1x8, 2x4, 5+3, an elastic
-1 -> 2 -> 1 run, a resumed run); a stateful ``tf.random.uniform`` augmentation, which draws from
+draws whatever the layout of the V=8 virtual nodes over ranks (tested in test_random_layouts)
+and in a resumed run; a stateful ``tf.random.uniform`` augmentation, which draws from
 a per-process stream, is made stateless and keyed by the optimizer's step counter; a
 ``tf.random.gamma``, which has no stateless twin here, is refused in deterministic mode and
 reported in the default mode."""
@@ -181,28 +181,6 @@ def test_one_virtual_node_draws_what_the_original_step_draws(made, tmp_path):
     assert np.array_equal(state(original), state(eight)) and state(eight)[0] > 0
 
 
-@pytest.mark.parametrize("kind, layouts", [("dropout", ["5+3"]), ("transformer", ["2x4"]), ("generator", ["5+3"]),
-                                           ("stateful", ["5+3"])])
-def test_any_layout_draws_the_same_and_trains_bit_identical(made, reference, digits, tmp_path, kind, layouts):
-    """(Few layouts each, to keep the file short: the dropout model also runs 2x4 in the
-    elastic test.)"""
-    runs = {"2x4": (2, ()), "5+3": (2, ("--vnodes-per-rank", "5,3"))}
-    for label in layouts:
-        out = str(tmp_path / label.replace("+", "_"))
-        run_train(runs[label][0], made(kind, True), digits["train"], out, STEPS, "--threads", "1", *runs[label][1])
-        assert_identical(reference(kind), out, label)
-
-
-def test_default_mode_trains_alike_on_any_layout(made, digits, tmp_path):
-    from test_mpi_train import assert_same_params
-
-    model = made("stateful", False)
-    run_train(0, model, digits["train"], str(tmp_path / "1x8"), 3)
-    run_train(2, model, digits["train"], str(tmp_path / "5_3"), 3, "--vnodes-per-rank", "5,3")
-    assert_same_params(str(tmp_path / "1x8"), str(tmp_path / "5_3"), 1e-6)
-    np.testing.assert_allclose(losses(str(tmp_path / "5_3")), losses(str(tmp_path / "1x8")), rtol=1e-6)
-
-
 def test_a_resumed_run_draws_what_an_uninterrupted_one_draws(made, reference, digits, tmp_path, capsys):
     """The seed state and the generator state are variables of the checkpoint."""
     from test_train_safety import interrupted
@@ -213,11 +191,3 @@ def test_a_resumed_run_draws_what_an_uninterrupted_one_draws(made, reference, di
     code, err = run_in_process(capsys, *cmd, "-o", tmp_path / "a", "--resume")
     assert code == 0, err
     assert_identical(reference("generator"), str(tmp_path / "a"), "resumed")
-
-
-def test_an_elastic_run_draws_what_one_rank_draws(made, reference, digits, tmp_path):
-    res = run_train(1, made("dropout", True), digits["train"], str(tmp_path / "elastic"), STEPS, "--threads", "1",
-                    "--max-ranks", "2", "--elastic-schedule", "0:1,3:2,6:1", timeout=600)
-    assert "resized 1 -> 2 ranks at step 3" in res.stderr and "resized 2 -> 1 ranks at step 6" in res.stderr, \
-        res.stderr[-3000:]
-    assert_identical(reference("dropout"), str(tmp_path / "elastic"), "elastic 1 -> 2 -> 1")
