@@ -111,9 +111,6 @@ class SplitVnodesPass(Pass):
         stepwise, notes = False, list(random_notes)
         if self.stepwise and self.deterministic:
             notes.append("step-wise signatures: not added (deterministic sums are made in the loop)")
-        elif self.stepwise and any(r.keyed == random_ops.GENERATOR for r in randoms):
-            notes.append("step-wise signatures: not added (a tf.random.Generator keyed by virtual node advances once "
-                         "per call of the step's last virtual node, which a call cannot know)")
         elif self.stepwise:
             stepwise, added = add_stepwise(item, g, step, loop, udef, reduce_fn)
             notes += added
@@ -545,6 +542,46 @@ def reduce_function(name: str, specs: List[Tuple[str, int, list]]):
 # --------------------------------------------------------------------------- step-wise mode
 ACCUMULATORS = "vf_accumulators"
 VNODES_BEFORE = "vf_vnodes_before"  # (keyed random ops) the virtual nodes the step's accumulate calls ran before
+GENERATOR_START = "vf_generator_start"  # (a keyed tf.random.Generator) its state at the step's start
+
+
+def _generator_states(vdef, sig) -> Optional[List[Tuple[str, int, List[int]]]]:
+    """The state variables of the keyed ``tf.random.Generator`` reads of virtual-node function
+    ``vdef`` as (the step's resource argument, dtype, shape), in order of first read; None when
+    one is not read from an argument of a known shape."""
+    from vfgraph.ir.names import tensor_node
+
+    args = {a.name for a in vdef.signature.input_arg}
+    found: dict = {}
+    for node in vdef.node_def:
+        if node.op == "RngReadAndSkip":
+            arg = tensor_node(node.input[0])
+            info = sig.variables.get(arg) if arg in args else None
+            if info is None or info.shape is None or any(d < 0 for d in info.shape):
+                return None
+            found.setdefault(arg, (arg, info.dtype, list(info.shape)))
+    return list(found.values())
+
+
+def _restart_generators(fb: FunctionGraph, by, before: TensorRef, generators, invariant_args,
+                        res: List[TensorRef]) -> List[TensorRef]:
+    """Start each keyed generator of an accumulate call from its state at the step's start:
+    the step's first call (``before``, the virtual nodes before it, is 0) keeps that state in a
+    variable, the later calls restore it from there. A call's last virtual node skips the
+    state, so after the step's last call it has skipped once, as in the looped step. Returns
+    ``res`` (the step's invariant arguments), the generators' read once restarted."""
+    first = fb.op("Equal", [before, fb.const(0, I64, "none_before")[0]], name="first_call", T=type_attr(I64))[0]
+    writes = []
+    for k, (arg, dtype, _) in enumerate(generators):
+        t = type_attr(dtype)
+        now = fb.op("ReadVariableOp", [by[arg]], name="generator_state", dtype=t)[0]
+        kept = fb.op("ReadVariableOp", [by[f"{GENERATOR_START}_{k}"]], name="generator_start", dtype=t)[0]
+        start = fb.op("SelectV2", [first, now, kept], name="step_start", T=t)[0]
+        writes.append(fb.op("AssignVariableOp", [by[f"{GENERATOR_START}_{k}"], start], name="keep_start", dtype=t))
+        writes.append(fb.op("AssignVariableOp", [by[arg], start], name="restart", dtype=t))
+    restarted = {arg for arg, _, _ in generators}
+    return [fb.op("Identity", [r], name="restarted", deps=writes, T=type_attr(types_pb2.DT_RESOURCE))[0]
+            if a in restarted else r for a, r in zip(invariant_args, res)]
 
 
 def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop, udef,
@@ -578,9 +615,16 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     specs = [(f"grad_{k}", c.dtype, c.shape) for k, c in enumerate(step.cut)] + [("count", F32, [])]
     acc_args = [f"vf_accumulator_{k}" for k in range(len(step.cut))] + ["vf_count"]
     keyed = bool(loop.index_fn)  # random ops keyed by the global index: each call numbers on from the last
+    generators = _generator_states(loop.vdef, sig) if keyed else []
+    if generators is None:
+        return False, ["step-wise signatures: not added (a keyed tf.random.Generator whose state variable vfgraph "
+                       "cannot follow to an argument of the step)"]
     if keyed:
         specs.append(("vnodes_before", I64, []))
         acc_args.append(VNODES_BEFORE)
+    for k, (_, dtype, shape) in enumerate(generators):  # each generator's state at the step's start
+        specs.append((f"generator_start_{k}", dtype, shape))
+        acc_args.append(f"{GENERATOR_START}_{k}")
     # Names of object-graph functions end in an integer (TensorFlow's fingerprinting needs it).
     acc_fn = function_name(sig.function, "accumulate", "0")
     apply_fn = function_name(sig.function, "apply", "0")
@@ -592,8 +636,10 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     fb, args = FunctionGraph.like(acc_header, lib, into=item.new_function(acc_fn))
     by = dict(zip(inner + acc_args, args))
     before = fb.op("ReadVariableOp", [by[VNODES_BEFORE]], name="vnodes_before", dtype=type_attr(I64)) if keyed else None
-    outs, sums, _, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], [by[a] for a in sig.invariant_args],
-                                        first=before[0] if keyed else None)
+    res = [by[a] for a in sig.invariant_args]
+    if generators:
+        res = _restart_generators(fb, by, before[0], generators, sig.invariant_args, res)
+    outs, sums, _, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res, first=before[0] if keyed else None)
     count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
     adds = [_accumulate(fb, by[a], v, c) for a, v, c in zip(acc_args, sums, step.cut)]
     adds.append(fb.op("AssignAddVariableOp", [by["vf_count"], count], name="accumulate", dtype=type_attr(F32)))

@@ -63,30 +63,31 @@ def _variables(loaded) -> dict:
     return {v.name: v.numpy() for v in loaded.signatures["train"].variables}
 
 
-def test_stepwise_calls_draw_what_the_looped_step_draws(made, tmp_path):
+def test_stepwise_calls_draw_what_the_looped_step_draws(made):
     """accumulate called once per virtual node (8 calls), then apply, twice: each call numbers
-    its virtual nodes after the step's calls before it, and apply starts the next step from 0,
-    so the parameters equal those of two looped steps bit for bit. A generator, which only the
-    step's last virtual node may advance, gets no step-wise signatures."""
+    its virtual nodes after the step's calls before it, and apply starts the next step from 0;
+    a generator restarts each call from its state at the step's start and has skipped once
+    after the step. The parameters (and the generator's state) equal those of two looped
+    steps bit for bit."""
     import tensorflow as tf
 
     from vfgraph import records
     from vfgraph.records import VirtualNodes
 
-    model = made("dropout", False)
-    assert records.read(model, VirtualNodes)["train"].stepwise
-    looped, stepwise = tf.saved_model.load(model), tf.saved_model.load(model)
-    rng = np.random.default_rng(1)
-    for _ in range(2):
-        x, y = rng.random((8 * B, 64), np.float32), rng.integers(0, 10, 8 * B).astype(np.int32)
-        looped.signatures["train"](x=x, y=y)
-        for k in range(8):
-            stepwise.signatures["train_accumulate"](x=x[k * B:(k + 1) * B], y=y[k * B:(k + 1) * B])
-        stepwise.signatures["train_apply"]()
-    a, b = _variables(looped), _variables(stepwise)
-    differ = [k for k in a if not np.array_equal(a[k], b[k])]
-    assert not differ, differ[:3]
-    assert records.read(made("generator", False), VirtualNodes)["train"].stepwise is False
+    for kind in ("dropout", "generator"):
+        model = made(kind, False)
+        assert records.read(model, VirtualNodes)["train"].stepwise, kind
+        looped, stepwise = tf.saved_model.load(model), tf.saved_model.load(model)
+        rng = np.random.default_rng(1)
+        for _ in range(2):
+            x, y = rng.random((8 * B, 64), np.float32), rng.integers(0, 10, 8 * B).astype(np.int32)
+            looped.signatures["train"](x=x, y=y)
+            for k in range(8):
+                stepwise.signatures["train_accumulate"](x=x[k * B:(k + 1) * B], y=y[k * B:(k + 1) * B])
+            stepwise.signatures["train_apply"]()
+        a, b = _variables(looped), _variables(stepwise)
+        differ = [k for k in a if not np.array_equal(a[k], b[k])]
+        assert not differ, (kind, differ[:3])
 
 
 def test_pipeline_replicas_draw_what_the_unstaged_step_draws(made, reference, digits, tmp_path):
