@@ -633,26 +633,7 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     apply_header = entry_header(g, apply_fn, inner[n_inputs:], acc_args, counted, [F32] * len(counted))
     lib = item.library
 
-    fb, args = FunctionGraph.like(acc_header, lib, into=item.new_function(acc_fn))
-    by = dict(zip(inner + acc_args, args))
-    before = fb.op("ReadVariableOp", [by[VNODES_BEFORE]], name="vnodes_before", dtype=type_attr(I64)) if keyed else None
-    res = [by[a] for a in sig.invariant_args]
-    if generators:
-        res = _restart_generators(fb, by, before[0], generators, sig.invariant_args, res)
-    outs, sums, _, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res, first=before[0] if keyed else None)
-    count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
-    adds = [_accumulate(fb, by[a], v, c) for a, v, c in zip(acc_args, sums, step.cut)]
-    adds.append(fb.op("AssignAddVariableOp", [by["vf_count"], count], name="accumulate", dtype=type_attr(F32)))
-    if keyed:  # the next call's first virtual node comes after this call's
-        n64 = fb.op("Cast", [nv], name="vnodes", SrcT=type_attr(I32), DstT=type_attr(I64), Truncate=False)[0]
-        adds.append(fb.op("AssignAddVariableOp", [by[VNODES_BEFORE], n64], name="number_on", deps=[before, done],
-                          dtype=type_attr(I64)))
-    for a in adds:
-        fb.control_ret(a)
-    for o, a, r in zip(step.outputs, acc_header.signature.output_arg, loop.outputs(fb, outs, count, nv)):
-        fb.ret(a.name, fb.op("Identity", [r], name="result", deps=adds, T=type_attr(a.type),
-                             shapes=[g.shape(o.ref)])[0], a.type)
-    fb.finish()
+    _accumulate_function(item, g, step, loop, acc_header, inner + acc_args, generators)
 
     fb, args = FunctionGraph.like(apply_header, lib, into=item.new_function(apply_fn))
     by = dict(zip(inner[n_inputs:] + acc_args, args))
@@ -697,6 +678,37 @@ def add_stepwise(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop
     add_signature(item, f"{sig.key}_apply", apply_fn, wrapper, takes_inputs=False, bound=acc_ids,
                   graph_handles=handles)
     return True, []
+
+
+def _accumulate_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: _Loop, header, names,
+                         generators) -> None:
+    """Write ``<train>_accumulate`` (``header``, its arguments ``names``) into the library:
+    the fed batch's virtual nodes, their gradient sums and count added to the accumulators;
+    with keyed random ops, numbered from ``vf_vnodes_before``, which it advances, and each
+    keyed generator of ``generators`` restarted (:func:`_restart_generators`)."""
+    sig = step.signature
+    keyed = bool(loop.index_fn)
+    fb, args = FunctionGraph.like(header, item.library, into=item.new_function(header.signature.name))
+    by = dict(zip(names, args))
+    before = fb.op("ReadVariableOp", [by[VNODES_BEFORE]], name="vnodes_before", dtype=type_attr(I64)) if keyed else None
+    res = [by[a] for a in sig.invariant_args]
+    if generators:
+        res = _restart_generators(fb, by, before[0], generators, sig.invariant_args, res)
+    outs, sums, _, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res, first=before[0] if keyed else None)
+    count = fb.op("Cast", [nv], name="count", SrcT=type_attr(I32), DstT=type_attr(F32), Truncate=False)[0]
+    acc_args = [f"vf_accumulator_{k}" for k in range(len(step.cut))]
+    adds = [_accumulate(fb, by[a], v, c) for a, v, c in zip(acc_args, sums, step.cut)]
+    adds.append(fb.op("AssignAddVariableOp", [by["vf_count"], count], name="accumulate", dtype=type_attr(F32)))
+    if keyed:  # the next call's first virtual node comes after this call's
+        n64 = fb.op("Cast", [nv], name="vnodes", SrcT=type_attr(I32), DstT=type_attr(I64), Truncate=False)[0]
+        adds.append(fb.op("AssignAddVariableOp", [by[VNODES_BEFORE], n64], name="number_on", deps=[before, done],
+                          dtype=type_attr(I64)))
+    for a in adds:
+        fb.control_ret(a)
+    for o, a, r in zip(step.outputs, header.signature.output_arg, loop.outputs(fb, outs, count, nv)):
+        fb.ret(a.name, fb.op("Identity", [r], name="result", deps=adds, T=type_attr(a.type),
+                             shapes=[g.shape(o.ref)])[0], a.type)
+    fb.finish()
 
 
 def _accumulate(fb: FunctionGraph, acc: TensorRef, value: TensorRef, c) -> Node:
