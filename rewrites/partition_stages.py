@@ -109,7 +109,7 @@ class PartitionStagesPass(Pass):
         profile = None
         if self.balance == "profile" and not split_at and self.stages > 1:
             profile = profile_of(item.source, sig, self.profile_batch, self.profile)
-        plan = plan_stages(g, step, self.stages, split_at, profile)
+        plan = plan_stages(g, step, self.stages, split_at, profile, ranks=not devices)
         if not devices and plan.shared:
             raise PipelineError(f"signature {sig.key!r}: variable {plan.shared[0].name!r} is read by stages "
                                 f"{', '.join(map(str, plan.shared[0].stages))}, which MPI ranks cannot share; give "

@@ -777,18 +777,28 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         return k_count - 1
     owners = [owner(k, r) for k, (_, r) in enumerate(rets)]
     needed, messages = _stage_parts(gv, where, rets, owners, k_count)
+    _check_carried(gv, messages, key)
+    vdefs = [_stage_vnode_function(item, gv, where, rets, owners, needed[s], messages, s, k_count, f"stage{s + 1}")
+             for s in range(k_count)]
+    split: List[Optional[ForwardBackward]] = []
+    late: set = set()  # messages a stage sends from its backward: its peer must not wait for them in a forward
+    for s, vdef_s in enumerate(vdefs):
+        split.append(_forward_backward(item, vdef_s, messages, s, late))
+        if split[-1] is not None:
+            late |= {m for m, _, dst in _sends(split[-1].backward)}
+    check_stage_messages([[vdef_s] if parts is None else [parts.forward, parts.backward]
+                          for vdef_s, parts in zip(vdefs, split)], messages, key, lib)
     names, reducers = [], []
     stage_index_fn = random_ops.stage_offset_name(index_fn) if index_fn else ""
     if stage_index_fn:
         item.set_function(random_ops.offset_function(stage_index_fn))
     for s in range(k_count):
         tag = f"stage{s + 1}"
-        vdef_s = _stage_vnode_function(item, gv, where, rets, owners, needed[s], messages, s, k_count, tag)
+        vdef_s, parts = vdefs[s], split[s]
         mine = [k for k, o in enumerate(owners) if o == s]
         view = TrainStep(sig, step.function, [step.cut[k - n_out] for k in mine if k >= n_out], step.vnode_nodes,
                          step.writes, [o for k, o in enumerate(step.outputs) if k in mine], step.batch_dependent)
         # 1F1B: stage s (from 0) starts virtual node i once i - (K - s) has finished
-        parts = _forward_backward(item, vdef_s, messages, s)
         if parts is None:
             item.set_function(vdef_s)
         loop = _Loop(g, view, vdef_s, vnodes, b, lib, item.new_function, stages.in_flight(vnodes), tag,
@@ -857,6 +867,105 @@ def _stage_parts(gv: FunctionGraph, where, rets, owners, k_count: int):
     return needed, sorted(crossing, key=lambda m: (m[1], m[2], str(m[0])))
 
 
+def _check_carried(gv: FunctionGraph, messages, key: str) -> None:
+    """PipelineError for a tensor crossing between stages that VfSend cannot carry (the
+    planner cuts elsewhere; this holds the line for what it could not see)."""
+    from vfgraph.analysis.stages import carried
+
+    for ref, src, dst in messages:
+        if not carried(gv.dtype(ref)):
+            from tensorflow.python.framework import dtypes
+
+            raise PipelineError(f"signature {key!r}: {ref} ({dtypes.as_dtype(gv.dtype(ref)).name}) would go from stage "
+                                f"{src + 1} to stage {dst + 1}, which messages between MPI ranks cannot carry; give "
+                                "--split-at to cut elsewhere, or --devices to run the stages in one process")
+
+
+def _message_ops(fdef, library):
+    """The VfSend and VfRecv nodes of ``fdef``: (node, op, peer stage, message index, dtype),
+    the index that of the message the node was written for (its name: its tag, which the
+    backward of a stage takes from its forward, is known only at run time)."""
+    import re
+
+    g = FunctionGraph(fdef, library)
+    out = []
+    for n, node in g.nodes.items():
+        if node.op in ("VfSend", "VfRecv"):
+            m = re.fullmatch(r"vf/stage/(?:send|recv)_(\d+)", n)
+            out.append((n, node.op, node.attr["stage"].i, int(m.group(1)) if m else -1, node.attr["T"].type))
+    return g, out
+
+
+def check_stage_messages(stages: List[List[object]], messages, key: str, library=None) -> None:
+    """Refuse (PipelineError) stage functions whose messages would hang a virtual node.
+    ``stages[s]``: the functions stage ``s`` calls for a virtual node, in order (each runs to
+    its end before the next starts); ``messages``: (tensor, from stage, to stage) by index.
+    Each VfRecv (peer, index, dtype) needs exactly one VfSend in the peer stage's functions
+    with the same index and dtype, and each send one receive; and no receive may wait, through
+    the functions' dependencies, their order and the messages, on itself (a cycle: every rank
+    in it waits for a message its peer sends only later). The virtual-node loops only make
+    a virtual node wait for earlier ones, so a virtual node that cannot hang by itself
+    cannot hang the step."""
+    from tensorflow.python.framework import dtypes
+
+    ends: dict = {}
+    deps: dict = {}   # node -> the nodes it waits for
+    for s, fns in enumerate(stages):
+        barrier = None
+        for j, fdef in enumerate(fns):
+            g, ops = _message_ops(fdef, library or {})
+            ids = {n: (s, j, n) for n in g.nodes}
+            for n in g.nodes:
+                deps[ids[n]] = [ids[t.node] for t, _ in g.inputs(n) if not t.is_function_arg and t.node in ids]
+                if barrier is not None:
+                    deps[ids[n]].append(barrier)
+            barrier = (s, j, None)
+            deps[barrier] = list(ids.values())  # the call ends when all of it has run
+            for n, op, peer, m, t in ops:
+                src, dst = (s, peer) if op == "VfSend" else (peer, s)
+                ends.setdefault((src, dst, m, t), {"VfSend": [], "VfRecv": []})[op].append(ids[n])
+
+    def what(k) -> str:
+        src, dst, m, t = k
+        ref = messages[m][0] if 0 <= m < len(messages) else "?"
+        return f"message {m} ({ref}, {dtypes.as_dtype(t).name}) from stage {src + 1} to stage {dst + 1}"
+    for k, ops in sorted(ends.items(), key=lambda e: e[0][:3]):
+        if len(ops["VfSend"]) != 1 or len(ops["VfRecv"]) != 1:
+            raise PipelineError(f"signature {key!r}: {what(k)} is sent {len(ops['VfSend'])} time(s) and received "
+                                f"{len(ops['VfRecv'])} time(s); each must be once, or a rank would wait forever for "
+                                "it: this cut cannot run on MPI ranks, give --devices or another --split-at")
+        send, recv = ops["VfSend"][0], ops["VfRecv"][0]
+        # the receive completes once it is posted and the message sent; the send (its call)
+        # once the message is delivered, which a large message is only once the receive is posted
+        posted = ("posted",) + recv
+        deps[posted], deps[recv] = deps[recv], [posted, send]
+        deps[send[:2] + (None,)].append(posted)
+    stuck = _waits_on_itself(deps)
+    if stuck:
+        recv = next((k for k, ops in sorted(ends.items(), key=lambda e: e[0][:3]) if ops["VfRecv"][0] in stuck), None)
+        at = what(recv) if recv else f"node {sorted(stuck, key=str)[0][2]!r}"
+        raise PipelineError(f"signature {key!r}: the stages' messages would deadlock: {at} is sent only after its "
+                            "receiver has waited for it; this cut cannot run on MPI ranks, give --devices or "
+                            "another --split-at")
+
+
+def _waits_on_itself(deps: dict) -> set:
+    """The nodes of the wait graph ``deps`` that never run (on or after a cycle)."""
+    waiting = {n: len(set(d)) for n, d in deps.items()}
+    users: dict = {}
+    for n, d in deps.items():
+        for p in set(d):
+            users.setdefault(p, []).append(n)
+    ready = [n for n, c in waiting.items() if c == 0]
+    while ready:
+        n = ready.pop()
+        for u in users.get(n, ()):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                ready.append(u)
+    return {n for n, c in waiting.items() if c > 0}
+
+
 def _stage_vnode_function(item: GraphItem, gv: FunctionGraph, where, rets, owners, needed: set, messages,
                           s: int, k_count: int, tag: str):
     """Stage ``s``'s part of the virtual-node function: its nodes, ``VfRecv`` for what it
@@ -885,19 +994,37 @@ def _stage_vnode_function(item: GraphItem, gv: FunctionGraph, where, rets, owner
     return gc.outline(function_name(gv.name, tag), outputs, drop=drop, side_effects=True)
 
 
-def _forward_backward(item: GraphItem, vdef, messages, s: int) -> Optional[ForwardBackward]:
+def _sends(fdef):
+    """(message index, node, peer stage) of the VfSend nodes of ``fdef``."""
+    import re
+
+    out = []
+    for node in fdef.node_def:
+        m = re.fullmatch(r"vf/stage/send_(\d+)", node.name)
+        if node.op == "VfSend" and m:
+            out.append((int(m.group(1)), node.name, node.attr["stage"].i))
+    return out
+
+
+def _forward_backward(item: GraphItem, vdef, messages, s: int, late=frozenset()) -> Optional[ForwardBackward]:
     """Stage ``s``'s virtual-node function ``vdef`` cut where the gradients of later stages
     arrive: the backward is every op that waits for one of them (their ``VfRecv`` and all
-    that follows), the forward the rest, which runs and sends its activations without waiting
-    for any gradient. Both go into the library, ``vdef`` not; None for a stage that receives
-    no gradient (the last)."""
+    that follows), or for a message ``late`` (one an earlier stage sends from its own
+    backward, such as a gradient it computes of a variable this stage holds), the forward
+    the rest, which runs and sends its activations without waiting for any gradient (the
+    backward starts once the forward has ended: a forward waiting for a message sent after
+    this stage's gradients would never end). Both go into the library, ``vdef`` not; None for
+    a stage that receives no gradient (the last)."""
     g = FunctionGraph(vdef, item.library)
     recvs = [f"vf/stage/recv_{m}" for m, (_, src, dst) in enumerate(messages) if dst == s and src > s]
+    if not recvs:
+        return None
+    recvs += [f"vf/stage/recv_{m}" for m, (_, src, dst) in enumerate(messages) if dst == s and src < s and m in late]
     kids: dict = {}
     for n in g.nodes:
         for t, _ in g.inputs(n):
             kids.setdefault(t.node, []).append(n)
-    backward = g.reachable(recvs, lambda n: kids.get(n, ()))
+    backward = g.reachable([r for r in recvs if r in g.nodes], lambda n: kids.get(n, ()))
     if not backward:
         return None
     forward = frozenset(g.nodes) - backward

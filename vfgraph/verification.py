@@ -32,3 +32,36 @@ def verify(item: GraphItem, relinked: bool = False) -> None:
             if name not in seen:
                 seen.add(name)
                 verify_function_def(lib[name], lib)
+                _check_attr_values(lib[name], item.source)
+
+
+def _allowed(op: str):
+    """(attr, allowed values) of registered op ``op``'s attributes that restrict their values
+    (a type among a list), as TensorFlow checks a node's when it loads a function."""
+    if op not in _ALLOWED:
+        from tensorflow.python.framework import op_def_registry
+
+        op_def = op_def_registry.get(op)
+        _ALLOWED[op] = () if op_def is None else tuple(
+            (a.name, frozenset(a.allowed_values.list.type)) for a in op_def.attr
+            if a.type in ("type", "list(type)") and a.HasField("allowed_values") and a.allowed_values.list.type)
+    return _ALLOWED[op]
+
+
+_ALLOWED: dict = {}
+
+
+def _check_attr_values(fdef, source: str) -> None:
+    """VerifyError for a node whose type attribute holds a type its op does not take (a
+    variant where only numbers go): TensorFlow's loader refuses the whole model for it."""
+    from tensorflow.python.framework import dtypes
+
+    for node in fdef.node_def:
+        for name, allowed in _allowed(node.op):
+            if name not in node.attr:
+                continue
+            value = node.attr[name]
+            for t in (value.list.type if value.WhichOneof("value") == "list" else [value.type]):
+                if t not in allowed:
+                    raise VerifyError(f"{source}: node {node.name!r} of function {fdef.signature.name!r}: {node.op} "
+                                      f"takes no {dtypes.as_dtype(t).name} (attr {name!r})")

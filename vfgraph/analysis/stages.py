@@ -44,6 +44,11 @@ _MATMUL = {"MatMul": "transpose_a", "BatchMatMul": "adj_x", "BatchMatMulV2": "ad
 _CONTRACTIONS = frozenset({"MatMul", "Conv2D", "Conv3D", "DepthwiseConv2dNative"})
 _FUSED_ACTIVATIONS = frozenset({"Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid"})
 _ACTIVATED = _CONTRACTIONS | {"BiasAdd", "FusedBatchNorm", "FusedBatchNormV3"}  # what an activation fuses into
+# The dtypes a tensor crossing a cut between MPI ranks can have: those VfSend and VfRecv take
+# (their T attribute in vfgraph/ops/mpi_ops.cc). A variant (a TensorList, an optional),
+# a resource handle or a string cannot cross; no cut is placed where one would.
+MESSAGE_DTYPES = ("half", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                  "bool")
 _GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients(_\d+)?)$")
 _GRAD_SUFFIX = "_grad"
 # How a backward op was placed (the keys of StagePlan.placement).
@@ -199,6 +204,17 @@ def dtype_size(dtype: int) -> int:
             size = 0
         _DTYPE_SIZE[dtype] = size
     return size
+
+
+def carried(dtype: int) -> bool:
+    """Whether a tensor of ``dtype`` (a DataType enum) can cross a cut between stages on MPI
+    ranks (MESSAGE_DTYPES)."""
+    from tensorflow.python.framework import dtypes
+
+    try:
+        return dtypes.as_dtype(dtype).name in MESSAGE_DTYPES
+    except (TypeError, ValueError):
+        return False
 
 
 def tensor_bytes(g: FunctionGraph, ref: TensorRef) -> int:
@@ -450,7 +466,7 @@ _MANY = _Many()
 
 
 def plan_stages(g: FunctionGraph, step: TrainStep, stages: int, split_at: Sequence[str] = (),
-                profile: Optional["StepProfile"] = None) -> StagePlan:
+                profile: Optional["StepProfile"] = None, ranks: bool = False) -> StagePlan:
     """Cut the training step ``step`` of function ``g`` into ``stages`` pipeline stages.
 
     Without ``split_at`` the cuts minimise the largest stage's cost (its forward ops and the
@@ -492,6 +508,9 @@ def plan_stages(g: FunctionGraph, step: TrainStep, stages: int, split_at: Sequen
                 raise InputError(f"split at {name!r}: it does not come after {s.order[cuts[-1]]!r} in the forward "
                                  "order; give the split points in order")
             cuts.append(p)
+        if ranks:
+            for p in cuts:
+                _check_carried(s, p, sig.key)
     else:
         if stages > costed:
             what = "a measured time" if measured is not None else "an estimated cost"
@@ -500,7 +519,12 @@ def plan_stages(g: FunctionGraph, step: TrainStep, stages: int, split_at: Sequen
         weight = list(fwd_cost)
         for x, a in s.anchor.items():
             weight[a] += cost[x]
-        cuts = _best_cuts(weight, fwd_cost, _live_bytes(s), stages, _fused_positions(s))
+        blocked = _uncarried_positions(s) if ranks else None
+        cuts = _best_cuts(weight, fwd_cost, _live_bytes(s), stages, _fused_positions(s), blocked)
+        if not cuts and stages > 1:
+            raise InputError(f"{stages} stages on MPI ranks: every cut of signature {sig.key!r} would send a tensor "
+                             "the messages between ranks cannot carry (" + _uncarried_example(s) + "); give --devices "
+                             "to run the stages in one process, or fewer stages")
     chosen = "split-at" if split_at else "balanced" if measured is None else "measured"
     return _build(s, cuts, chosen, measured, profile.batch if profile is not None else 0)
 
@@ -521,6 +545,57 @@ def _fused_positions(s: _Step) -> List[bool]:
             for q in range(s.pos[prev] + 1, p + 1):
                 closed[q] = True
     return closed
+
+
+def _uncarried_intervals(s: _Step):
+    """(first, last position, tensor) of every forward or backward tensor read at another
+    position whose dtype the messages between MPI ranks cannot carry."""
+    g = s.g
+    for name in s.topo:
+        for t in g.outputs(name):
+            if carried(g.dtype(t)):
+                continue
+            a = s.tensor_anchor(t)
+            if a is None:
+                continue
+            where = [x for c, slot in g.consumers(t) for x in [s.reader_anchor(c, slot)] if x is not None]
+            lo, hi = min(where + [a]), max(where + [a])
+            if lo < hi:
+                yield lo, hi, t
+
+
+def _uncarried_positions(s: _Step) -> List[bool]:
+    """For each position of the forward order, whether a stage starting there would send a
+    tensor the messages between MPI ranks cannot carry."""
+    blocked = [False] * len(s.order)
+    for lo, hi, _ in _uncarried_intervals(s):
+        for p in range(lo + 1, hi + 1):
+            blocked[p] = True
+    return blocked
+
+
+def _uncarried_example(s: _Step) -> str:
+    from tensorflow.python.framework import dtypes
+
+    for _, _, t in _uncarried_intervals(s):
+        return f"{t} is a {dtypes.as_dtype(s.g.dtype(t)).name}"
+    return "none found"
+
+
+def _check_carried(s: _Step, p: int, key: str) -> None:
+    """InputError when a stage starting at position ``p`` would receive a tensor the messages
+    between MPI ranks cannot carry."""
+    from tensorflow.python.framework import dtypes
+
+    for lo, hi, t in _uncarried_intervals(s):
+        if lo < p <= hi:
+            free = [q for q, b in enumerate(_uncarried_positions(s)) if q and not b]
+            near = min(free, key=lambda q: (abs(q - p), q), default=None)
+            hint = f" (it can start at {s.order[near]!r}, for one)" if near is not None else ""
+            kind = dtypes.as_dtype(s.g.dtype(t)).name
+            raise InputError(f"split at {s.order[p]!r}: {t} would cross the cut, a {kind} "
+                             f"tensor, which messages between MPI ranks cannot carry; start the stage at another op"
+                             f"{hint}, or give --devices to run the stages in one process (signature {key!r})")
 
 
 def _live_bytes(s: _Step) -> List[int]:
@@ -549,12 +624,14 @@ def _forward_intervals(s: _Step):
 
 
 def _best_cuts(weight: List[int], fwd_cost: List[int], live: List[int], k: int,
-               closed: Optional[List[bool]] = None) -> List[int]:
+               closed: Optional[List[bool]] = None, blocked: Optional[List[bool]] = None) -> List[int]:
     """Positions starting stages 2..k: the smallest largest stage weight, then the fewest live
     bytes summed over the cuts. Every stage holds a forward op with a cost. No stage starts at
-    a ``closed`` position unless the k stages cannot be had otherwise."""
+    a ``closed`` position unless the k stages cannot be had otherwise, never at a ``blocked``
+    one (empty when the k stages cannot be had without)."""
     n = len(weight)
-    shut = [bool(closed and 0 < p < n and closed[p]) for p in range(n + 1)]
+    hard = [bool(blocked and 0 < p < n and blocked[p]) for p in range(n + 1)]
+    shut = [bool(closed and 0 < p < n and closed[p]) or hard[p] for p in range(n + 1)]
     prefix = [0]
     for w in weight:
         prefix.append(prefix[-1] + w)
@@ -587,7 +664,9 @@ def _best_cuts(weight: List[int], fwd_cost: List[int], live: List[int], k: int,
         return ok[n]
 
     if any(shut) and not feasible(prefix[n]):
-        shut = [False] * (n + 1)
+        shut = hard
+        if any(hard) and not feasible(prefix[n]):
+            return []
     lo, hi = max(weight), prefix[n]
     while lo < hi:
         mid = (lo + hi) // 2
