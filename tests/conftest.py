@@ -16,6 +16,27 @@ def pytest_addoption(parser):
     parser.addoption("--update-goldens", action="store_true", help="rewrite tests/goldens/*.after.pbtxt")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist: a test marked ``alone`` or ``mpi`` runs, with its fixtures' setup and
+    teardown, while no other test runs (a timing test would measure the other worker's load, and
+    2-4 MPI ranks busy-polling for their messages already fill the 2 CPUs); the others run side
+    by side. Each holds a lock file of the run, shared, or exclusive when alone; a gate taken on
+    the way in lets a waiting test that runs alone in before the others start new ones."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return (yield)
+    import fcntl
+
+    root = os.path.dirname(os.path.abspath(item.config.option.basetemp))  # the workers' common parent
+    exclusive = any(item.get_closest_marker(m) for m in ("alone", "mpi"))
+    with open(os.path.join(root, "tests.gate"), "a") as gate, open(os.path.join(root, "tests.running"), "a") as running:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(running, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        return (yield)  # (closing the files releases both)
+
+
 @pytest.fixture(scope="session")
 def update_goldens(request):
     return request.config.getoption("--update-goldens")
