@@ -1,4 +1,6 @@
+import json
 import os
+import shutil
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -14,131 +16,183 @@ def pytest_addoption(parser):
     parser.addoption("--update-goldens", action="store_true", help="rewrite tests/goldens/*.after.pbtxt")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under pytest-xdist: a test marked ``alone`` or ``mpi`` runs, with its fixtures' setup and
+    teardown, while no other test runs (a timing test would measure the other worker's load, and
+    2-4 MPI ranks busy-polling for their messages already fill the 2 CPUs); the others run side
+    by side. Each holds a lock file of the run, shared, or exclusive when alone; a gate taken on
+    the way in lets a waiting test that runs alone in before the others start new ones."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return (yield)
+    import fcntl
+
+    root = os.path.dirname(os.path.abspath(item.config.option.basetemp))  # the workers' common parent
+    exclusive = any(item.get_closest_marker(m) for m in ("alone", "mpi"))
+    with open(os.path.join(root, "tests.gate"), "a") as gate, open(os.path.join(root, "tests.running"), "a") as running:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(running, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        return (yield)  # (closing the files releases both)
+
+
 @pytest.fixture(scope="session")
 def update_goldens(request):
     return request.config.getoption("--update-goldens")
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory, exported):
-    """Example models exported once per session, by name (exported lazily on first use); a
-    name of the real-architecture corpus (``corpus.CORPUS``) gives that model, with its own
-    optimizer."""
-    import corpus
-    import export
+def shared(tmp_path_factory):
+    """``get(name, make)``: the file or directory ``make(path)`` leaves at ``path``, made once per
+    test run by whichever pytest process asks first. Under pytest-xdist the workers share it:
+    their temporary directories have one parent, the others wait on a file lock while one makes
+    it, and a ``.done`` file marks it finished (one left half-made by a process that died is made
+    again). ``make`` may return the path to give instead (a file inside ``path``)."""
+    from filelock import FileLock
 
-    root = tmp_path_factory.mktemp("models")
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
     made = {}
 
-    def get(name):
+    def get(name, make):
         if name not in made:
-            kind, _, opt = name.partition(":")
-            if name in corpus.CORPUS:
-                return exported(name)
-            path = str(root / name.replace(":", "_"))
-            if kind == "mlp":
-                export.digits_mlp(path, optimizer=opt or "sgd", lr=0.05, hidden=32)
-            elif kind == "mlp32":  # static batch dimension of 32
-                export.digits_mlp(path, optimizer=opt or "sgd", lr=0.05, hidden=32, batch=32)
-            elif kind == "cnn":
-                export.digits_cnn(path, optimizer=opt or "momentum")
-            elif kind in ("embedding", "lstm", "transformer", "dropout"):
-                getattr(export, f"digits_{kind}")(path, **({"optimizer": opt} if opt else {}))
-            elif kind in ("tf1", "tf1-ref"):  # TF1 SavedModel, resource or reference variables
-                export.tf1_momentum_bn(path, resource=kind == "tf1", **({"optimizer": opt} if opt else {}))
-            elif kind == "tf1-serve-train":  # tags serve+train, loss-only 'train', train op in a collection
-                flags = set(opt.split(",")) if opt else set()  # e.g. "ref,ema" or "sgd"
-                optimizer = next((f for f in flags if f in ("sgd", "momentum", "adam")), "momentum")
-                export.tf1_serve_train(path, optimizer=optimizer, resource="ref" not in flags, ema="ema" in flags)
-            elif kind in ("tf1ckpt", "tf1ckpt-resource"):  # a .meta + checkpoint (returns the .meta)
-                made[name] = export.tf1_checkpoint(path, resource=kind.endswith("resource"),
-                                                   **({"optimizer": opt} if opt else {}))
-                return made[name]
-            elif kind == "keras-export":
-                export.keras_export(path)
-            else:
-                raise KeyError(name)
-            made[name] = path
+            path, done = root / name, root / f"{name}.done"
+            with FileLock(str(root / f"{name}.flock")):  # (vfgraph's own output lock is NAME.lock)
+                if not done.exists():
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    elif path.exists():
+                        path.unlink()
+                    given = make(str(path))
+                    done.write_text(json.dumps(given if isinstance(given, str) else str(path)))
+            made[name] = json.loads(done.read_text())
         return made[name]
 
     return get
 
 
+def fresh_keras():
+    """Start an export from Keras' initial global state, so that its layer and optimizer names
+    ("dense", "adam" rather than "dense_4", "adam_1") do not depend on what the process built
+    before (the exports are shared between processes)."""
+    import keras
+
+    keras.backend.clear_session(free_memory=False)
+
+
+def export_model(name, path):
+    """Export example model ``name`` ("KIND[:OPTIONS]", see ``models``) to ``path``; returns the
+    path to give (the .meta file for a TF1 checkpoint)."""
+    import export
+
+    kind, _, opt = name.partition(":")
+    fresh_keras()
+    if kind == "mlp":
+        export.digits_mlp(path, optimizer=opt or "sgd", lr=0.05, hidden=32)
+    elif kind == "mlp32":  # static batch dimension of 32
+        export.digits_mlp(path, optimizer=opt or "sgd", lr=0.05, hidden=32, batch=32)
+    elif kind == "cnn":
+        export.digits_cnn(path, optimizer=opt or "momentum")
+    elif kind in ("embedding", "lstm", "transformer", "dropout"):
+        getattr(export, f"digits_{kind}")(path, **({"optimizer": opt} if opt else {}))
+    elif kind in ("tf1", "tf1-ref"):  # TF1 SavedModel, resource or reference variables
+        export.tf1_momentum_bn(path, resource=kind == "tf1", **({"optimizer": opt} if opt else {}))
+    elif kind == "tf1-serve-train":  # tags serve+train, loss-only 'train', train op in a collection
+        flags = set(opt.split(",")) if opt else set()  # e.g. "ref,ema" or "sgd"
+        optimizer = next((f for f in flags if f in ("sgd", "momentum", "adam")), "momentum")
+        export.tf1_serve_train(path, optimizer=optimizer, resource="ref" not in flags, ema="ema" in flags)
+    elif kind in ("tf1ckpt", "tf1ckpt-resource"):  # a .meta + checkpoint (returns the .meta)
+        return export.tf1_checkpoint(path, resource=kind.endswith("resource"), **({"optimizer": opt} if opt else {}))
+    elif kind == "keras-export":
+        export.keras_export(path)
+    else:
+        raise KeyError(name)
+    return path
+
+
 @pytest.fixture(scope="session")
-def exported(tmp_path_factory):
-    """Models of the real-architecture corpus (examples/corpus.py), exported once per session:
+def models(shared, exported):
+    """Example models exported once per test run, by name (exported lazily on first use); a
+    name of the real-architecture corpus (``corpus.CORPUS``) gives that model, with its own
+    optimizer."""
+    import corpus
+
+    def get(name):
+        if name in corpus.CORPUS:
+            return exported(name)
+        return shared("model_" + name.replace(":", "_"), lambda path: export_model(name, path))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def exported(shared):
+    """Models of the real-architecture corpus (examples/corpus.py), exported once per test run:
     ``get(name, optimizer=None)`` (its own optimizer unless given)."""
     import corpus
 
-    root = tmp_path_factory.mktemp("corpus")
-    made = {}
+    def make(name, optimizer, path):
+        fresh_keras()
+        return corpus.export(name, path, optimizer)
 
     def get(name, optimizer=None):
-        key = (name, optimizer)
-        if key not in made:
-            made[key] = corpus.export(name, str(root / f"{name}_{optimizer or 'own'}"), optimizer)
-        return made[key]
+        return shared(f"corpus_{name}_{optimizer or 'own'}", lambda path: make(name, optimizer, path))
 
     return get
 
 
 @pytest.fixture(scope="session")
-def corpus_data(exported, tmp_path_factory):
+def corpus_data(exported, shared):
     """``get(name, n)``: an .npz of ``n`` examples for corpus model ``name``'s training signature
     (``corpus.sample``: token ids and labels in range, padding masks with padded tails)."""
-    import numpy as np
 
-    import corpus
+    def make(name, n, path):
+        import numpy as np
+        import tensorflow as tf
 
-    root = tmp_path_factory.mktemp("corpus_data")
-    made = {}
+        import corpus
+
+        signature = tf.saved_model.load(exported(name)).signatures["train"]
+        with open(path, "wb") as f:  # np.savez would add ".npz" to a name without it
+            np.savez(f, **corpus.sample(signature, n, seed=1))
 
     def get(name, n):
-        if (name, n) not in made:
-            import tensorflow as tf
-
-            path = str(root / f"{name}_{n}.npz")
-            np.savez(path, **corpus.sample(tf.saved_model.load(exported(name)).signatures["train"], n, seed=1))
-            made[name, n] = path
-        return made[name, n]
+        return shared(f"corpus_data_{name}_{n}.npz", lambda path: make(name, n, path))
 
     return get
 
 
 @pytest.fixture(scope="session")
-def digits(tmp_path_factory):
+def digits(shared):
     import export
 
-    root = tmp_path_factory.mktemp("data")
-    export.digits_data(str(root))
-    return {"train": str(root / "train.npz"), "test": str(root / "test.npz")}
+    root = shared("data", export.digits_data)
+    return {"train": os.path.join(root, "train.npz"), "test": os.path.join(root, "test.npz")}
 
 
 @pytest.fixture(scope="session")
-def rewritten(tmp_path_factory, models):
-    """Rewritten models, cached per (model, vnodes, vnode_batch)."""
+def rewritten(shared, models):
+    """Rewritten models, made once per test run per (model, vnodes, vnode_batch)."""
     import vfgraph
 
-    root = tmp_path_factory.mktemp("rewritten")
-    made = {}
+    def make(name, vnodes, vnode_batch, out):
+        vfgraph.save(vfgraph.rewrite(models(name), vnodes=vnodes, vnode_batch=vnode_batch), out)
 
     def get(name, vnodes, vnode_batch=0):
-        key = (name, vnodes, vnode_batch)
-        if key not in made:
-            out = str(root / f"{name.replace(':', '_')}_v{vnodes}_b{vnode_batch}")
-            vfgraph.save(vfgraph.rewrite(models(name), vnodes=vnodes, vnode_batch=vnode_batch), out)
-            made[key] = out
-        return made[key]
+        return shared(f"rewritten_{name.replace(':', '_')}_v{vnodes}_b{vnode_batch}",
+                      lambda out: make(name, vnodes, vnode_batch, out))
 
     return get
 
 
 @pytest.fixture(scope="session")
-def c_client(tmp_path_factory):
+def c_client(shared):
     """The C API serving client (vfgraph/testing/serve_c_api.c), built once against the TensorFlow wheel."""
     from vfgraph.testing import c_api
 
     try:
-        return c_api.build_client(str(tmp_path_factory.mktemp("c_api")))
+        return shared("c_api", c_api.build_client)
     except c_api.CApiUnavailable as e:
         pytest.skip(str(e))

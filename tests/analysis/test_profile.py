@@ -6,6 +6,8 @@ import pytest
 
 from vfgraph.errors import InputError
 
+pytestmark = pytest.mark.alone  # the profiles time the step: not beside another test (pytest-xdist)
+
 SINES = 80
 
 

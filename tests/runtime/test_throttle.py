@@ -4,6 +4,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+pytestmark = pytest.mark.alone  # two CPU hogs and a timed command: not beside another test (pytest-xdist)
+
 # 0.4 s of CPU time, measured by the process itself
 BUSY = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4:\n    pass\n")
 
