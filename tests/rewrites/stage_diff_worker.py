@@ -60,8 +60,8 @@ def main() -> None:
             got, losses = run(case["model"], True, case["batch"])
             worst = max(((rel_diff(want[k], got[k]), k) for k in want if k in got and want[k].dtype.kind == "f"),
                         default=(0.0, ""))
-            _say({"name": case["name"], "params": worst[0], "worst": worst[1], "same_names": sorted(want) == sorted(got),
-                  "loss": max(abs(a - b) / max(abs(a), 1e-3) for a, b in zip(want_losses, losses))})
+            _say({"name": case["name"], "params": worst[0], "worst": worst[1],
+                  "same_names": sorted(want) == sorted(got), "loss": max(abs(a - b) / max(abs(a), 1e-3) for a, b in zip(want_losses, losses))})
         except Exception as e:  # reported, and the next case runs
             lines = [ln for ln in str(e).splitlines() if ln.strip()]
             _say({"name": case["name"], "error": f"{type(e).__name__}: {lines[0][:300] if lines else ''}"})
