@@ -5,7 +5,8 @@ finishes (a case that hangs leaves the cases before it reported, and its "start"
     python stage_diff_worker.py CONFIG.json
 
 CONFIG: {"devices": n, "steps": s, "cases": [...]}, each case either {"name", "baseline",
-"model", "batch"}: the model and its baseline trained on the same random batches, reported as
+"model", "batch", "corpus"}: the model and its baseline trained on the same random batches
+(vfgraph.testing.compare.make_inputs, or with "corpus" examples/corpus.py's sample), reported as
 {"name", "params": the largest relative parameter difference after the steps, "worst": the
 variable it is in, "same_names", "loss": the largest relative loss difference}; or {"name",
 "train", "data", "batch", "out"}: the model trained by ``vfgraph train`` on DATA into OUT,
@@ -17,6 +18,8 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "examples"))  # corpus.py: its models' inputs
 
 
 def _say(obj) -> None:
@@ -34,12 +37,13 @@ def main() -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
 
     from vfgraph.io.savedmodel import load_to_run
-    from vfgraph.testing.compare import make_inputs, rel_diff
+    import corpus
+    from vfgraph.testing.compare import _tf_line, make_inputs, rel_diff
 
-    def run(path, placed, batch):
+    def run(path, placed, batch, inputs):
         loaded = load_to_run(path, variable_devices=placed)  # (a signature needs its object alive)
         fn = loaded.signatures["train"]
-        losses = [float(fn(**make_inputs(fn, batch, seed=s))["loss"]) for s in range(config["steps"])]
+        losses = [float(fn(**inputs(fn, batch, seed=s))["loss"]) for s in range(config["steps"])]
         return {v.name: v.numpy() for v in fn.variables}, losses
 
     baselines = {}
@@ -53,18 +57,19 @@ def main() -> None:
                       force=True)
                 _say({"name": case["name"], "trained": case["out"]})
                 continue
+            inputs = corpus.sample if case.get("corpus") else make_inputs
             key = (case["baseline"], case["batch"])
             if key not in baselines:
-                baselines[key] = run(case["baseline"], False, case["batch"])
+                baselines[key] = run(case["baseline"], False, case["batch"], inputs)
             want, want_losses = baselines[key]
-            got, losses = run(case["model"], True, case["batch"])
+            got, losses = run(case["model"], True, case["batch"], inputs)
             worst = max(((rel_diff(want[k], got[k]), k) for k in want if k in got and want[k].dtype.kind == "f"),
                         default=(0.0, ""))
+            loss = max(abs(a - b) / max(abs(a), 1e-3) for a, b in zip(want_losses, losses))
             _say({"name": case["name"], "params": worst[0], "worst": worst[1],
-                  "same_names": sorted(want) == sorted(got), "loss": max(abs(a - b) / max(abs(a), 1e-3) for a, b in zip(want_losses, losses))})
+                  "same_names": sorted(want) == sorted(got), "loss": loss})
         except Exception as e:  # reported, and the next case runs
-            lines = [ln for ln in str(e).splitlines() if ln.strip()]
-            _say({"name": case["name"], "error": f"{type(e).__name__}: {lines[0][:300] if lines else ''}"})
+            _say({"name": case["name"], "error": f"{type(e).__name__}: {_tf_line(str(e))}"})
 
 
 if __name__ == "__main__":
