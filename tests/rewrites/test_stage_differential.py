@@ -223,16 +223,15 @@ def test_a_stage_without_variables(source):
     (what test_stages_on_devices_train_the_unpartitioned_step trains at K=3)."""
     import vfgraph
     from vfgraph import records
+    from vfgraph.analysis.phases import train_steps
+    from vfgraph.analysis.stages import plan_stages
+    from vfgraph.ir.graph import FunctionGraph
     from vfgraph.records import Stages
 
     src = source("stateless-stage")
     item = vfgraph.rewrite(src, vnodes=8, vnode_batch=VNODE_BATCH, allreduce="none", stages=3, devices=_devices(3),
                            split_at=_split_at(src, "stateless-stage", 3))
     assert records.get(item, Stages)["train"].count == 3
-    from vfgraph.analysis.phases import train_steps
-    from vfgraph.analysis.stages import plan_stages
-    from vfgraph.ir.graph import FunctionGraph
-
     loaded = vfgraph.load(src)
     sig = loaded.training_signature()
     g = FunctionGraph(loaded.library[sig.function], loaded.library)
@@ -361,6 +360,7 @@ def _check_on_ranks(source, trained, tmp_path, name):
     a, b = _params_of(want), _params_of(str(tmp_path / "ranks"))
     assert sorted(a) == sorted(b)
     worst = max((rel_diff(a[k], b[k]), k) for k in a if a[k].dtype.kind == "f")
+    print(f"{name}: largest relative difference {worst[0]:.3g} ({worst[1]})")  # (pytest -rP shows it)
     assert worst[0] <= RTOL, f"{worst[1]} differs by {worst[0]:.3g}"
 
 
