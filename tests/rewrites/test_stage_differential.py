@@ -34,6 +34,11 @@ WORKER_TIMEOUT = 240  # a worker that reports nothing for this long is hung on i
 # the models: ours (vfgraph/testing/stage_models.py) and the corpus models with a TF2 training
 # step (the TF1 graphs are refused by name: test_tf1_corpus_models_are_refused)
 CORPUS = sorted(n for n, e in corpus.CORPUS.items() if e.optimizer and not e.tags)
+# what CI runs of the corpus: one model of each family (decoder, encoder with dropout, recurrent,
+# batch norm, vision transformer, encoder-decoder with a summed loss and clipping) at V=8 and 2
+# stages; VFGRAPH_STAGE_SWEEP=full runs every corpus model at every V and K (about 10x the time)
+FULL_SWEEP = os.environ.get("VFGRAPH_STAGE_SWEEP") == "full"
+CORPUS_CI = ("bart-sum-clipped", "bert", "gpt2", "gru", "resnet-hub", "vit")
 TF1 = sorted(n for n, e in corpus.CORPUS.items() if e.tags)
 OURS = sorted(stage_models.MODELS)
 # cuts that make a stage of its own of a construct: the parameter-free middle
@@ -128,7 +133,7 @@ def run_worker(cases, root, timeout=WORKER_TIMEOUT):
     return results
 
 
-def _device_cases(names, source, root):
+def _device_cases(names, source, root, vnodes=VNODES, stages=STAGES):
     """Rewrite each model at each V unpartitioned and cut into each K on devices: (worker
     cases, refusals: case name -> the message)."""
     import vfgraph
@@ -136,15 +141,15 @@ def _device_cases(names, source, root):
     cases, refused = [], {}
     for name in names:
         src = source(name)
-        for v in VNODES:
+        for v in vnodes:
             base = os.path.join(root, f"{name}_v{v}")
             try:
                 vfgraph.save(vfgraph.rewrite(src, vnodes=v, vnode_batch=VNODE_BATCH, allreduce="none"), base)
             except VfgraphError as e:
-                for k in STAGES:
+                for k in stages:
                     refused[f"{name}/v{v}/k{k}"] = f"unpartitioned: {e}"
                 continue
-            for k in STAGES:
+            for k in stages:
                 out = os.path.join(root, f"{name}_v{v}_k{k}")
                 try:
                     item = vfgraph.rewrite(src, vnodes=v, vnode_batch=VNODE_BATCH, allreduce="none", stages=k,
@@ -165,11 +170,11 @@ def on_devices(source, tmp_path_factory):
     root = tmp_path_factory.mktemp("stage_diff")
     made = {}
 
-    def get(group):
+    def get(group, vnodes=VNODES, stages=STAGES):
         if group not in made:
             sub = str(root / f"group{len(made)}")
             os.makedirs(sub)
-            cases, refused = _device_cases(group, source, sub)
+            cases, refused = _device_cases(group, source, sub, vnodes, stages)
             made[group] = run_worker(cases, sub)
             made[group].update({n: {"name": n, "refused": m} for n, m in refused.items()})
             with open(os.path.join(sub, "table.json"), "w") as f:  # (the whole table, for a reader of a failure)
@@ -179,11 +184,11 @@ def on_devices(source, tmp_path_factory):
     return get
 
 
-def _params(names, seen, marks=()):
+def _params(names, seen, marks=(), vnodes=VNODES, stages=STAGES):
     out = []
     for name in names:
-        for v in VNODES:
-            for k in STAGES:
+        for v in vnodes:
+            for k in stages:
                 why = seen.get((name, v, k))
                 failing = [pytest.mark.xfail(strict=True, reason=why)] if why else []
                 out.append(pytest.param(name, v, k, marks=[*marks, *failing], id=f"{name}-v{v}-k{k}"))
@@ -212,10 +217,16 @@ def test_stages_on_devices_train_the_unpartitioned_step(on_devices, name, v, k):
     _check_on_devices(on_devices(tuple(OURS)), name, v, k)
 
 
-@pytest.mark.parametrize("name, v, k", _params(CORPUS, FAILING_ON_DEVICES, [pytest.mark.corpus]))
+CORPUS_SWEEP = {"names": CORPUS, "vnodes": VNODES, "stages": STAGES} if FULL_SWEEP else \
+    {"names": CORPUS_CI, "vnodes": (8,), "stages": (2,)}
+
+
+@pytest.mark.parametrize("name, v, k", _params(CORPUS_SWEEP["names"], FAILING_ON_DEVICES, [pytest.mark.corpus],
+                                               CORPUS_SWEEP["vnodes"], CORPUS_SWEEP["stages"]))
 def test_corpus_stages_on_devices_train_the_unpartitioned_step(on_devices, name, v, k):
     """The real-architecture corpus (examples/corpus.py), batch norm included."""
-    _check_on_devices(on_devices(tuple(CORPUS)), name, v, k)
+    _check_on_devices(on_devices(tuple(CORPUS_SWEEP["names"]), CORPUS_SWEEP["vnodes"], CORPUS_SWEEP["stages"]),
+                      name, v, k)
 
 
 def test_a_stage_without_variables(source):
