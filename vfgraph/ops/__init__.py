@@ -197,7 +197,8 @@ def watch(warning: float, timeout: float, grace: float = 2.0, signals: bool = Fa
     ``warning`` seconds prints one line on stderr naming what it waits for (op, node, step,
     message tag or collective) and the ranks it waits for; one longer than ``timeout``
     seconds gives up (the op fails with ``tf.errors.DeadlineExceededError``, and every other
-    wait of this process with it). 0 turns either off. ``signals`` (from the main thread,
+    wait of this process with it). 0 turns either off; until this is called, neither is set
+    (the defaults are ``vfgraph train``'s options). ``signals`` (from the main thread,
     after the process's own SIGINT and SIGTERM handlers are installed): those signals also
     make the waits give up ``grace`` seconds after the request, or after their own start if
     later (``tf.errors.CancelledError``), then reach

@@ -206,8 +206,8 @@ int64_t MonotonicNs() {  // CLOCK_MONOTONIC, as steady_clock; async-signal-safe
 }
 
 struct WatchState {
-  std::atomic<int64_t> warning_ns{60'000'000'000};  // 0: no warning
-  std::atomic<int64_t> timeout_ns{600'000'000'000};  // 0: no timeout
+  std::atomic<int64_t> warning_ns{0};  // 0: no warning (until vf_mpi_watch sets one)
+  std::atomic<int64_t> timeout_ns{0};  // 0: no timeout
   std::atomic<int64_t> grace_ns{2'000'000'000};    // how long a wait goes on after a stop request
   std::atomic<int64_t> step{-1};                    // the training step, where known
   std::atomic<int64_t> stop_at{0};                  // MonotonicNs() of the first stop request
