@@ -52,7 +52,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 EXIT_CODES = "exit codes: 0 ok, 1 the models differ (diff, verify), 2 a user error (one line says what to do), " \
-             "3 an internal error (please report it), 130 interrupted"
+             "3 an internal error (please report it), 75 train stalled (--stall-timeout), 130 interrupted"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -222,6 +222,12 @@ def _parser() -> argparse.ArgumentParser:
                    "resizes to its slots (at most --max-ranks)")
     t.add_argument("--discovery-interval", type=float, default=5.0, metavar="SECONDS",
                    help="how often to run --host-discovery-script (default 5)")
+    t.add_argument("--stall-warning", type=float, default=60.0, metavar="SECONDS",
+                   help="under mpiexec: a rank waiting longer than this for other ranks (a message, a collective) "
+                        "prints one line naming what it waits for and the ranks it waits for (default 60; 0: never)")
+    t.add_argument("--stall-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="under mpiexec: a wait for other ranks with no progress for this long ends the job with exit "
+                        "code 75, keeping the last checkpoint for --resume (default 600; 0: wait for ever)")
     t.add_argument("--elastic-join", action="store_true", help=argparse.SUPPRESS)
     _keras_options(t)
     t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: "
@@ -839,7 +845,8 @@ def cmd_train(args) -> int:
             res = train(model, args.data, args.steps, args.batch_size, args.output, resume=args.resume,
                         force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
                         seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank,
-                        threads=args.threads, allow_nonfinite=args.allow_nonfinite, elastic=elastic)
+                        threads=args.threads, allow_nonfinite=args.allow_nonfinite, elastic=elastic,
+                        stall_warning=args.stall_warning, stall_timeout=args.stall_timeout)
         except Exception as e:
             if args.elastic_join:  # a new rank of an elastic job: the job goes on without it
                 from vfgraph.runtime.elastic import report_failure

@@ -55,7 +55,7 @@ from vfgraph.ops.toolchain import OpsUnavailableError, cache_dir
 __all__ = [
     "OpsUnavailableError", "abandon", "allgather", "allreduce", "available", "blocked_seconds", "broadcast", "build",
     "build_ops_main", "cache_dir", "check", "exact_add", "library_path", "load", "rank", "register_at_import",
-    "recv", "send", "set_communicator", "size",
+    "recv", "send", "set_communicator", "set_step", "size", "watch",
 ]
 
 log = logging.getLogger("vfgraph.ops")
@@ -66,6 +66,7 @@ _loaded_path: Optional[str] = None
 _communicator = None  # kept alive while the library uses it
 _warned = False
 _blocked_ns = None  # the library's vf_mpi_blocked_ns, once looked up
+_set_step = None  # the library's vf_mpi_set_step, once looked up
 
 
 def build(force: bool = False) -> str:
@@ -189,6 +190,36 @@ def abandon(on: bool = True) -> None:
     fn = ctypes.CDLL(library_path()).vf_mpi_abandon
     fn.argtypes, fn.restype = [ctypes.c_int], None
     fn(1 if on else 0)
+
+
+def watch(warning: float, timeout: float, grace: float = 2.0, signals: bool = False) -> None:
+    """Watch every wait of the ops for other ranks (a stall watchdog): a wait longer than
+    ``warning`` seconds prints one line on stderr naming what it waits for (op, node, step,
+    message tag or collective) and the ranks it waits for; one longer than ``timeout``
+    seconds gives up (the op fails with ``tf.errors.DeadlineExceededError``, and every other
+    wait of this process with it). 0 turns either off; until this is called, neither is set
+    (the defaults are ``vfgraph train``'s options). ``signals`` (from the main thread,
+    after the process's own SIGINT and SIGTERM handlers are installed): those signals also
+    make the waits give up ``grace`` seconds after the request, or after their own start if
+    later (``tf.errors.CancelledError``), then reach
+    the handlers as before; a second one, a second or more after the first, while a wait is
+    in progress ends the process at once (exit 130). Clears an earlier stop or stall."""
+    load()
+    fn = ctypes.CDLL(library_path()).vf_mpi_watch
+    fn.argtypes, fn.restype = [ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_int], None
+    main = threading.current_thread() is threading.main_thread()
+    fn(float(warning), float(timeout), float(grace), 1 if signals and main else 0)
+
+
+def set_step(step: int) -> None:
+    """The training step the watchdog's lines name from now on (-1: none)."""
+    global _set_step
+    if _set_step is None:
+        load()
+        fn = ctypes.CDLL(library_path()).vf_mpi_set_step
+        fn.argtypes, fn.restype = [ctypes.c_int64], None
+        _set_step = fn
+    _set_step(step)
 
 
 def allreduce(x, name: Optional[str] = None, stages: int = 0):

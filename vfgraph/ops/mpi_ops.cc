@@ -12,11 +12,15 @@
 // owns MPI_Init and MPI_Finalize.
 //
 // VfAllreduce and VfAllgather first wait for every rank to arrive by polling a
-// nonblocking barrier (sleeping between tests), then move the data with a blocking
-// collective: a rank that waits for a slower one (uneven hardware, an uneven share of
+// nonblocking barrier (sleeping between tests), then move the data with a polled
+// nonblocking collective: a rank that waits for a slower one (uneven hardware, an uneven share of
 // the virtual nodes) then leaves the CPU to others instead of spinning in MPI. The
 // time each process spends in collectives is counted (vf_mpi_blocked_ns), so the
 // runtime can tell a rank's own computing from its wait for the others.
+//
+// Every wait is watched (Await): it backs off, gives up on a stop request (SIGINT, SIGTERM),
+// on TensorFlow's cancellation or after the stall timeout, and past the stall warning prints
+// one line naming what it waits for and the ranks it waits for (vf_mpi_watch).
 //
 // VfSend and VfRecv are asynchronous kernels: each message is waited for on a thread
 // of its own (a send is posted first, on the op's thread, so that it leaves at once),
@@ -33,7 +37,10 @@
 // transport needs this rank's progress goes on while the stage computes.
 
 #include <mpi.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,8 +48,11 @@
 #include <cmath>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <condition_variable>
+#include <deque>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -54,6 +64,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "tensorflow/core/framework/cancellation.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -98,6 +109,8 @@ struct CommState {
   bool errhandler_set = false;   // MPI_ERRORS_RETURN installed on the one in use
   int stages = 0;                 // vf_mpi_split_stages split it into this many stages
   MPI_Comm stage_comm = MPI_COMM_NULL;  // this rank's stage: the ranks equal to it modulo stages
+  int64_t seq = 0;                // collectives run on `comm` so far (numbers them for the watchdog)
+  int64_t stage_seq = 0;          // and on `stage_comm`
 };
 
 CommState& State() {
@@ -166,6 +179,259 @@ struct Comm {
   int size = 0;
 };
 
+// ---------------------------------------------------------------------------
+// Waiting for other ranks: every wait of the ops polls its request (Await), and as it
+// polls it backs off (yields for the first millisecond, then sleeps an eighth of the time
+// waited so far, at most 1 ms: a stalled rank leaves its core to others), gives up when
+// the job lost a rank (vf_mpi_abandon), when a stop was requested (SIGINT, SIGTERM:
+// vf_mpi_watch) and the wait went on for the stop's grace time after it, when TensorFlow cancels
+// the op, and when it made no progress for the stall timeout; past the stall warning it
+// prints one line naming what it waits for and whom. A collective's wait names the ranks
+// not seen entering it: a rank whose wait in a collective passes kAnnounceNs (or a quarter
+// of the warning) announces the collective's number to the other ranks of its
+// communicator, a message of tag MPI_TAG_UB (which VfSend and VfRecv never use); the
+// ranks that waited that long are in it, the others are not (or came within that time).
+
+constexpr int kStopped = -1001;    // a stop was requested: not an MPI error code
+constexpr int kCancelled = -1002;  // TensorFlow cancelled the op
+constexpr int kStalled = -1003;    // the stall timeout passed, here or in another wait of this rank
+constexpr int64_t kAnnounceNs = 1'000'000'000;
+constexpr int64_t kSpinNs = 1'000'000;
+constexpr int64_t kMaxSleepNs = 1'000'000;
+
+int64_t MonotonicNs() {  // CLOCK_MONOTONIC, as steady_clock; async-signal-safe
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1'000'000'000 + ts.tv_nsec;
+}
+
+struct WatchState {
+  std::atomic<int64_t> warning_ns{0};  // 0: no warning (until vf_mpi_watch sets one)
+  std::atomic<int64_t> timeout_ns{0};  // 0: no timeout
+  std::atomic<int64_t> grace_ns{2'000'000'000};    // how long a wait goes on after a stop request
+  std::atomic<int64_t> step{-1};                    // the training step, where known
+  std::atomic<int64_t> stop_at{0};                  // MonotonicNs() of the first stop request
+  std::atomic<int> halt{0};                         // kStopped or kStalled: every wait gives up
+  std::atomic<int> waiting{0};                      // waits in progress
+  std::atomic<bool> warned{false};                  // a wait printed its line since the last progress
+  std::mutex mu;                                    // guards stall_line
+  std::string stall_line;                           // why the first wait that stalled gave up
+};
+
+WatchState& Watch() {
+  static WatchState* state = new WatchState;
+  return *state;
+}
+
+// What the calling thread waits for, for the watchdog's line (set by a Watching).
+struct Waited {
+  const char* op = "";
+  std::string node;
+  int peer = -1;  // a message: its tag, and the rank it comes from or goes to
+  int tag = -1;
+  bool send = false;
+  MPI_Comm comm = MPI_COMM_NULL;  // a collective: its communicator and number in it
+  int rank = -1;
+  int size = 0;
+  int64_t seq = -1;
+  ::tensorflow::CancellationManager* cancel = nullptr;
+  bool announced = false;
+};
+
+thread_local Waited* current_wait = nullptr;
+
+// Makes `waited` what the calling thread's waits are for, for its lifetime.
+class Watching {
+ public:
+  explicit Watching(Waited waited) : waited_(std::move(waited)), outer_(current_wait) { current_wait = &waited_; }
+  ~Watching() { current_wait = outer_; }
+
+ private:
+  Waited waited_;
+  Waited* outer_;
+};
+
+// The collective's Waited: numbered in its communicator (`counter`), under the collective mutex.
+Waited Collective(const char* op, const std::string& node, const Comm& comm, int64_t* counter,
+                  OpKernelContext* context) {
+  Waited w;
+  w.op = op;
+  w.node = node;
+  w.comm = comm.comm;
+  w.rank = comm.rank;
+  w.size = comm.size;
+  w.seq = (*counter)++;
+  w.cancel = context->cancellation_manager();
+  return w;
+}
+
+// The counter of collectives of the communicator of `stages` (AcquireComm).
+int64_t* Counter(int stages) { return stages > 0 ? &State().stage_seq : &State().seq; }
+
+// A message's Waited.
+Waited Message(const char* op, const std::string& node, int peer, int tag, bool send, OpKernelContext* context) {
+  Waited w;
+  w.op = op;
+  w.node = node;
+  w.peer = peer;
+  w.tag = tag;
+  w.send = send;
+  w.cancel = context->cancellation_manager();
+  return w;
+}
+
+int AnnounceTag() {
+  void* attr = nullptr;
+  int found = 0;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &attr, &found);
+  return found ? *static_cast<int*>(attr) : 32767;
+}
+
+// Tells the other ranks of the collective's communicator that this one is in it.
+void Announce(Waited* w) {
+  static std::deque<int64_t>* sent = new std::deque<int64_t>;  // buffers of sends left to complete
+  w->announced = true;
+  sent->push_back(w->seq);
+  for (int r = 0; r < w->size; ++r) {
+    if (r == w->rank) continue;
+    MPI_Request request;
+    if (MPI_Isend(&sent->back(), 1, MPI_INT64_T, r, AnnounceTag(), w->comm, &request) == MPI_SUCCESS) {
+      MPI_Request_free(&request);
+    }
+  }
+}
+
+// The ranks of the collective's communicator not seen in collective `w.seq`, by their
+// rank in the communicator the ops use (a pipeline stage's communicator is translated).
+std::vector<int> Missing(const Waited& w) {
+  static std::map<MPI_Comm, std::vector<int64_t>>* seen = new std::map<MPI_Comm, std::vector<int64_t>>;
+  std::vector<int64_t>& last = (*seen)[w.comm];
+  last.resize(w.size, -1);
+  for (;;) {  // take every announcement that arrived
+    int flag = 0;
+    MPI_Status status;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, AnnounceTag(), w.comm, &flag, &status) != MPI_SUCCESS || !flag) break;
+    int64_t seq = -1;
+    MPI_Recv(&seq, 1, MPI_INT64_T, status.MPI_SOURCE, AnnounceTag(), w.comm, MPI_STATUS_IGNORE);
+    if (status.MPI_SOURCE >= 0 && status.MPI_SOURCE < w.size) {
+      last[status.MPI_SOURCE] = std::max(last[status.MPI_SOURCE], seq);
+    }
+  }
+  std::vector<int> missing;
+  for (int r = 0; r < w.size; ++r) {
+    if (r != w.rank && last[r] < w.seq) missing.push_back(r);
+  }
+  const CommState& state = State();
+  const MPI_Comm main = state.user_comm ? state.comm : MPI_COMM_WORLD;
+  if (w.comm != main && !missing.empty()) {
+    MPI_Group from, to;
+    MPI_Comm_group(w.comm, &from);
+    MPI_Comm_group(main, &to);
+    std::vector<int> translated(missing.size());
+    MPI_Group_translate_ranks(from, static_cast<int>(missing.size()), missing.data(), to, translated.data());
+    MPI_Group_free(&from);
+    MPI_Group_free(&to);
+    missing = translated;
+  }
+  return missing;
+}
+
+// What a wait is in ("VfRecv (node 'n', step 3)", `step`: with the step) and what it waits
+// for ("message tag 5 from rank 1", "rank 1 (not seen entering it)").
+std::pair<std::string, std::string> Describe(const Waited* w, bool step) {
+  if (w == nullptr) return {"vfgraph's MPI ops", "other ranks"};
+  const int64_t at = Watch().step.load();
+  std::string where = absl::StrCat(w->op, " (node '", w->node, "'", step && at >= 0 ? absl::StrCat(", step ", at) : "");
+  if (w->peer >= 0) {
+    return {absl::StrCat(where, ")"),
+            absl::StrCat("message tag ", w->tag, w->send ? " to be taken by rank " : " from rank ", w->peer)};
+  }
+  if (w->seq < 0) return {absl::StrCat(where, ")"), "other ranks"};
+  const std::vector<int> missing = Missing(*w);
+  return {absl::StrCat(where, ", collective ", w->seq, " of its communicator)"),
+          missing.empty() ? "other ranks (each one entered it: the data has not moved)"
+                          : absl::StrCat(missing.size() > 1 ? "ranks " : "rank ", absl::StrJoin(missing, ", "),
+                                         " (not seen entering it)")};
+}
+
+int OwnRank() {
+  int rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+void PrintLine(const std::string& text) {
+  const std::string line = absl::StrCat("vfgraph: rank ", OwnRank(), ": ", text, "\n");
+  fwrite(line.data(), 1, line.size(), stderr);
+  fflush(stderr);
+}
+
+// Gives up on the wait: its line becomes the rank's stall (the first one only).
+int Stall(const Waited* w, int64_t waited_ns) {
+  WatchState& watch = Watch();
+  std::lock_guard<std::mutex> lock(watch.mu);
+  if (watch.stall_line.empty()) {
+    const auto [where, what] = Describe(w, false);
+    watch.stall_line = absl::StrCat(where, " waited ", waited_ns / 1'000'000'000, " s for ", what,
+                                    " without progress (--stall-timeout ", watch.timeout_ns.load() / 1'000'000'000,
+                                    ")");
+  }
+  watch.halt.store(kStalled);
+  return kStalled;
+}
+
+// Waits for `request`, polling it (see above), for what the thread's Watching says.
+int Await(MPI_Request* request, MPI_Status* status) {
+  WatchState& watch = Watch();
+  Waited* w = current_wait;
+  const int64_t start = MonotonicNs();
+  bool warned = false;
+  struct Count {
+    std::atomic<int>& n;
+    ~Count() { --n; }
+  } count{watch.waiting};
+  ++watch.waiting;
+  for (;;) {
+    int flag = 0;
+    const int rc = MPI_Test(request, &flag, status);
+    if (rc != MPI_SUCCESS || flag) {
+      if (warned || watch.warned.load(std::memory_order_relaxed)) watch.warned.store(false);  // progress
+      return rc;
+    }
+    if (Abandoned().load()) return kAbandoned;
+    if (const int halt = watch.halt.load()) return halt;
+    const int64_t now = MonotonicNs();
+    const int64_t waited = now - start;
+    const int64_t stop_at = watch.stop_at.load();
+    if (stop_at != 0 && now - std::max(stop_at, start) > watch.grace_ns.load()) {
+      watch.halt.store(kStopped);
+      return kStopped;
+    }
+    if (w != nullptr && w->cancel != nullptr && w->cancel->IsCancelled()) return kCancelled;
+    const int64_t warning = watch.warning_ns.load(), timeout = watch.timeout_ns.load();
+    if (w != nullptr && w->seq >= 0 && !w->announced &&
+        waited > std::min(kAnnounceNs, warning > 0 ? warning / 4 : kAnnounceNs)) {
+      Announce(w);
+    }
+    if (!warned && warning > 0 && waited > warning) {
+      warned = true;
+      if (!watch.warned.exchange(true)) {  // the first wait of a stall to pass the warning
+        const auto [where, what] = Describe(w, true);
+        PrintLine(absl::StrCat("waiting ", waited / 1'000'000'000, " s in ", where, " for ", what,
+                             timeout > 0 ? absl::StrCat("; the job ends after --stall-timeout ",
+                                                        timeout / 1'000'000'000, " s without progress")
+                                         : std::string("; no --stall-timeout: waiting on")));
+      }
+    }
+    if (timeout > 0 && waited > timeout) return Stall(w, waited);
+    if (waited < kSpinNs) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::nanoseconds(std::min(kMaxSleepNs, waited / 8)));
+    }
+  }
+}
+
 std::string MpiErrorString(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
@@ -181,6 +447,18 @@ absl::Status MpiFailure(const std::string& op, const std::string& node,
     return absl::AbortedError(absl::StrCat(
         op, " (node '", node, "'): abandoned on rank ", comm.rank, " of ", comm.size,
         ": the job lost a rank"));
+  }
+  if (code == kStopped) {
+    return absl::CancelledError(absl::StrCat(
+        op, " (node '", node, "'): stopped on rank ", comm.rank, " of ", comm.size,
+        ": a stop was requested (SIGINT or SIGTERM) while it waited for other ranks"));
+  }
+  if (code == kCancelled) {
+    return absl::CancelledError(absl::StrCat(op, " (node '", node, "'): cancelled while it waited"));
+  }
+  if (code == kStalled) {
+    std::lock_guard<std::mutex> lock(Watch().mu);
+    return absl::DeadlineExceededError(Watch().stall_line);
   }
   return absl::InternalError(absl::StrCat(
       op, " (node '", node, "'): ", call, " failed on rank ", comm.rank,
@@ -329,22 +607,9 @@ void CollapseHugePages(void* data, size_t bytes) {
 #endif
 }
 
-// Waits for `request` by testing it, yielding and then sleeping between tests (at most
-// 200 us), so that the MPI library's lock is free between them; kAbandoned when the job
-// lost a rank.
-int WaitPolling(MPI_Request* request, MPI_Status* status) {
-  for (int spins = 0;; ++spins) {
-    int flag = 0;
-    const int rc = MPI_Test(request, &flag, status);
-    if (rc != MPI_SUCCESS || flag) return rc;
-    if (Abandoned().load()) return kAbandoned;
-    if (spins < 64) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, spins - 60)));
-    }
-  }
-}
+// Waits for `request` (Await): kAbandoned when the job lost a rank, kStopped, kCancelled or
+// kStalled when the wait gave up.
+int WaitPolling(MPI_Request* request, MPI_Status* status) { return Await(request, status); }
 
 // Waits until every rank of `comm` has reached this call, polling (WaitPolling): a rank that
 // waits for a slower one then leaves its CPU to the others instead of spinning in a blocking
@@ -484,6 +749,7 @@ class AllreduceOp : public OpKernel {
     if (forwarded >= 0) CollapseHugePages(output->data(), output->TotalBytes());
     Comm comm;
     OP_REQUIRES_OK(context, AcquireComm("VfAllreduce", name(), &comm, stages_));
+    Watching watching(Collective("VfAllreduce", name(), comm, Counter(stages_), context));
     if (kIsHalf<T>) {
       OP_REQUIRES_OK(context, EnsureHalfTypes("VfAllreduce", name(), comm));
     }
@@ -525,6 +791,7 @@ class BroadcastOp : public OpKernel {
     BlockedClock blocked;
     Comm comm;
     OP_REQUIRES_OK(context, AcquireRootComm("VfBroadcast", name(), root_, &comm));
+    Watching watching(Collective("VfBroadcast", name(), comm, Counter(0), context));
 
     std::vector<int64_t> mine, header;
     AppendHeader(input, &mine);
@@ -629,6 +896,7 @@ class BroadcastVariablesOp : public OpKernel {
     BlockedClock blocked;
     Comm comm;
     OP_REQUIRES_OK(context, AcquireRootComm("VfBroadcastVariables", name(), root_, &comm));
+    Watching watching(Collective("VfBroadcastVariables", name(), comm, Counter(0), context));
 
     std::vector<int64_t> mine, header;
     for (int i = 0; i < n; ++i) AppendHeader(*vars[i]->tensor(), &mine);
@@ -715,6 +983,7 @@ class AllgatherOp : public OpKernel {
     BlockedClock blocked;
     Comm comm;
     OP_REQUIRES_OK(context, AcquireComm("VfAllgather", name(), &comm, stages_));
+    Watching watching(Collective("VfAllgather", name(), comm, Counter(stages_), context));
 
     const int ndims = input.dims();
     // One copy of the sizes: dim_sizes() returns a new vector on every call.
@@ -863,6 +1132,7 @@ class CheckOp : public OpKernel {
     BlockedClock blocked;
     Comm comm;
     OP_REQUIRES_OK(context, AcquireComm("VfCheck", name(), &comm));
+    Watching watching(Collective("VfCheck", name(), comm, Counter(0), context));
     std::vector<char> all(static_cast<size_t>(kFingerprintBytes) * comm.size);
     const int rc = Polled([&](MPI_Request* r) {
       return MPI_Iallgather(record_.data(), kFingerprintBytes, MPI_BYTE, all.data(),
@@ -963,7 +1233,7 @@ absl::Status PeerComm(const std::string& op, const std::string& node, int stage,
   int found = 0;
   MPI_Comm_get_attr(comm->comm, MPI_TAG_UB, &attr, &found);
   const int64_t ub = found ? *static_cast<int*>(attr) : 32767;
-  if (tag < 0 || 2 * int64_t{tag} + 1 > ub) {
+  if (tag < 0 || 2 * int64_t{tag} + 1 >= ub) {  // (tag ub: the watchdog's announcements)
     return absl::InvalidArgumentError(absl::StrCat(
         op, " (node '", node, "'): message tag ", tag, " is out of the MPI library's range (",
         "largest ", ub, "); run fewer virtual nodes per step"));
@@ -973,11 +1243,11 @@ absl::Status PeerComm(const std::string& op, const std::string& node, int stage,
 }
 
 // The waits of VfSend and VfRecv. A message's thread lowers itself to SCHED_IDLE
-// (IdleThread) and then spins on MPI_Test and sched_yield: the scheduler gives it the CPU
-// only when no other thread wants it, which costs the stage's computing nothing and sees
-// an arrival at once when the stage waits for it. Sleeping between tests instead (as the
-// collectives do) wakes the thread thousands of times a step, each wake-up preempting the
-// stage's computing, and sees an arrival up to a sleep late. Such a thread may not run for
+// (IdleThread) and then polls (Await): for its first millisecond it spins on MPI_Test and
+// sched_yield, which the scheduler allows only when no other thread wants the CPU, so it
+// costs the stage's computing nothing and sees an arrival at once when the stage waits for
+// it; then it sleeps between tests, at most 1 ms and an eighth of the time waited, so a
+// stage that waits long (a stalled or much slower peer) does not burn its core. Such a thread may not run for
 // as long as the stage computes, and some transports (TCP between hosts, say) move a
 // large message only while the sender makes progress: while any message is in flight, a
 // keeper thread of normal priority calls MPI_Iprobe (which makes progress) every
@@ -1034,18 +1304,12 @@ bool IdleThread() {
 #endif
 }
 
-// Waits for a message's `request`: spinning where the thread runs at SCHED_IDLE (`idle`),
-// else as the collectives wait (WaitPolling).
+// Waits for a message's `request` (Await); at SCHED_IDLE (`idle`), with a keeper thread making
+// MPI's progress while this one may not run.
 int WaitMessage(MPI_Request* request, MPI_Status* status, bool idle) {
-  if (!idle) return WaitPolling(request, status);
+  if (!idle) return Await(request, status);
   MessageWait in_flight;
-  for (;;) {
-    int flag = 0;
-    const int rc = MPI_Test(request, &flag, status);
-    if (rc != MPI_SUCCESS || flag) return rc;
-    if (Abandoned().load()) return kAbandoned;
-    std::this_thread::yield();
-  }
+  return Await(request, status);
 }
 
 // Receives message `tag` from `peer` into `count` elements of `type` at `data`.
@@ -1096,7 +1360,8 @@ class SendOp : public AsyncOpKernel {
       done();
       return;
     }
-    std::thread([this, context, done, input, header, requests, comm]() {
+    std::thread([this, context, done, input, header, requests, comm, peer, tag]() {
+      Watching watching(Message("VfSend", name(), peer, tag, true, context));
       const bool idle = IdleThread();
       int rc = MPI_SUCCESS;
       for (MPI_Request& posted : *requests) {
@@ -1133,6 +1398,7 @@ class RecvOp : public AsyncOpKernel {
     OP_REQUIRES_OK_ASYNC(context, PeerComm("VfRecv", name(), stage_, stages_, tag, &comm, &peer),
                          done);
     std::thread([this, context, done, tag, comm, peer]() {
+      Watching watching(Message("VfRecv", name(), peer, tag, false, context));
       context->SetStatus(Receive(context, tag, comm, peer, IdleThread()));
       done();
     }).detach();
@@ -1535,6 +1801,7 @@ extern "C" __attribute__((visibility("default"))) int vf_mpi_set_comm(int fortra
   state.errhandler_set = true;
   if (state.stage_comm != MPI_COMM_NULL) MPI_Comm_free(&state.stage_comm);  // split another one
   state.stages = 0;
+  state.seq = state.stage_seq = 0;
   return 0;
 }
 
@@ -1564,6 +1831,7 @@ extern "C" __attribute__((visibility("default"))) int vf_mpi_split_stages(int st
   if (state.stage_comm != MPI_COMM_NULL) MPI_Comm_free(&state.stage_comm);
   state.stage_comm = split;
   state.stages = stages;
+  state.stage_seq = 0;
   return 0;
 }
 
@@ -1575,4 +1843,64 @@ extern "C" __attribute__((visibility("default"))) void vf_mpi_abandon(int on) {
 // Nanoseconds this process has spent in vfgraph's collectives so far (BlockedNanos).
 extern "C" __attribute__((visibility("default"))) int64_t vf_mpi_blocked_ns() {
   return vfgraph::BlockedNanos().load();
+}
+
+namespace {
+struct sigaction previous_handlers[2];  // SIGINT's and SIGTERM's before vf_mpi_watch
+
+// A stop request: noted for the waits (which give up their grace time after it), then passed to
+// the handler it replaced (Python's, which asks training to stop after the step). A second
+// one, a second or more after the first, while a wait is in progress ends the process at once.
+void OnStopSignal(int signum, siginfo_t* info, void* context) {
+  vfgraph::WatchState& watch = vfgraph::Watch();
+  const int64_t now = vfgraph::MonotonicNs();
+  int64_t first = 0;
+  if (!watch.stop_at.compare_exchange_strong(first, now) && now - first > 1'000'000'000 &&
+      watch.waiting.load() > 0) {
+    static const char kLine[] = "vfgraph: a second stop request while waiting for other ranks: ending at once\n";
+    (void)!write(2, kLine, sizeof(kLine) - 1);
+    _exit(130);
+  }
+  const struct sigaction& old = previous_handlers[signum == SIGINT ? 0 : 1];
+  if (old.sa_flags & SA_SIGINFO) {
+    if (old.sa_sigaction != nullptr) old.sa_sigaction(signum, info, context);
+  } else if (old.sa_handler != SIG_DFL && old.sa_handler != SIG_IGN && old.sa_handler != nullptr) {
+    old.sa_handler(signum);
+  }
+}
+}  // namespace
+
+// The watchdog's limits in seconds (0: none): a wait prints one line past `warning` and
+// gives up past `timeout`, and `grace` after a stop request (or its own start, if later);
+// clears an earlier stop request or stall. `signals` != 0 (from the
+// main thread, after the process's own handlers): SIGINT and SIGTERM are noted as stop
+// requests for the waits first, then handled as before (restoring those handlers with
+// signal.signal removes this again).
+extern "C" __attribute__((visibility("default"))) void vf_mpi_watch(double warning, double timeout, double grace,
+                                                                    int signals) {
+  vfgraph::WatchState& watch = vfgraph::Watch();
+  watch.grace_ns.store(static_cast<int64_t>(grace * 1e9));
+  watch.warning_ns.store(static_cast<int64_t>(warning * 1e9));
+  watch.timeout_ns.store(static_cast<int64_t>(timeout * 1e9));
+  watch.stop_at.store(0);
+  watch.halt.store(0);
+  {
+    std::lock_guard<std::mutex> lock(watch.mu);
+    watch.stall_line.clear();
+  }
+  if (!signals) return;
+  const int which[2] = {SIGINT, SIGTERM};
+  for (int k = 0; k < 2; ++k) {
+    struct sigaction action = {};
+    action.sa_sigaction = OnStopSignal;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    struct sigaction old = {};
+    if (sigaction(which[k], &action, &old) == 0 && old.sa_sigaction != OnStopSignal) previous_handlers[k] = old;
+  }
+}
+
+// The training step the waits name from now on (-1: none).
+extern "C" __attribute__((visibility("default"))) void vf_mpi_set_step(int64_t step) {
+  vfgraph::Watch().step.store(step);
 }

@@ -2,6 +2,7 @@
 ``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
 from __future__ import annotations
 
+import atexit
 import collections
 import glob
 import hashlib
@@ -24,8 +25,9 @@ from vfgraph import records
 from vfgraph.errors import InputError, OutputError, Quiet, VfgraphError
 from vfgraph.io import outputs, savedmodel, serving
 from vfgraph.records import Allreduce, VirtualNodes
-from vfgraph.ops import blocked_seconds
+from vfgraph.ops import blocked_seconds, set_step, watch
 from vfgraph.runtime import elastic as el
+from vfgraph.runtime import world as world_module
 from vfgraph.runtime.balance import Balancer, text
 from vfgraph.runtime.devices import prepare_devices, stages_of
 from vfgraph.runtime.elastic import ElasticOptions
@@ -263,6 +265,13 @@ class Interrupted(TrainingError):
     label = "interrupted"
 
 
+class Stalled(TrainingError):
+    """A wait for other ranks made no progress for ``--stall-timeout`` seconds."""
+
+    exit_code = 75  # EX_TEMPFAIL: the job can be resumed from its last checkpoint
+    label = "stalled"
+
+
 class _StopRequests:
     """While training: SIGINT and SIGTERM ask the run to stop after the step in progress (with
     a checkpoint) instead of killing it mid-step. A second signal, a second or more after the
@@ -295,6 +304,60 @@ class _StopRequests:
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
+
+
+STOP_GRACE = 2.0  # seconds a wait for other ranks goes on after a stop request (or its own start)
+
+
+class _WatchedExchanges:
+    """The stall limits and stop requests for the runtime's own exchanges between ranks (the
+    World's gathers, polled by ``world.complete``), as the ops apply them to their waits: one
+    line past ``warning`` seconds, :class:`Stalled` past ``timeout``, :class:`Interrupted`
+    :data:`STOP_GRACE` seconds after a stop request. ``where()`` and ``kept()`` say the step and
+    the checkpoint kept. Which ranks have not joined such an exchange, it cannot tell."""
+
+    def __init__(self, stop: "_StopRequests", warning: float, timeout: float, rank: int, where, kept):
+        self.stop, self.warning, self.timeout, self.rank = stop, warning, timeout, rank
+        self.where, self.kept = where, kept
+        self.warned: Optional[float] = None  # the start of the wait that printed its line
+
+    def __call__(self, began: float) -> None:
+        now = time.monotonic()
+        what = f"the ranks' exchange at {self.where()}"
+        if self.stop.first is not None and now - max(self.stop.first, began) > STOP_GRACE:
+            _end_before_finalize(Interrupted.exit_code)
+            raise Interrupted(f"rank {self.rank}, {self.where()}: stopped while waiting for other ranks{self.kept()}")
+        if self.warning and now - began > self.warning and self.warned != began:
+            self.warned = began
+            limit = f"; the job ends after --stall-timeout {self.timeout:g} s without progress" if self.timeout \
+                else "; no --stall-timeout: waiting on"
+            print(f"vfgraph: rank {self.rank}: waiting {now - began:.0f} s in {what} for the other ranks (which ones, "
+                  f"this exchange cannot tell){limit}", file=sys.stderr, flush=True)
+        if self.timeout and now - began > self.timeout:
+            _end_before_finalize(Stalled.exit_code)
+            raise Stalled(f"rank {self.rank}, {self.where()}: waited {now - began:.0f} s in {what} without progress "
+                          f"(--stall-timeout {self.timeout:g}); the job ends{self.kept()}")
+
+
+def _end_before_finalize(code: int) -> None:
+    """After a wait for other ranks gave up (a stall, a stop request): at the interpreter's exit,
+    end the job with ``code`` (``MPI_Abort``, whose code the launcher returns) before mpi4py
+    finalizes MPI, which would wait for the very ranks given up on (a stopped rank never
+    answers). The MPI library's own line about the abort is not printed: this rank's error
+    says what happened."""
+    def end() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            from mpi4py import MPI
+
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 2)
+            MPI.COMM_WORLD.Abort(code)
+        finally:
+            os._exit(code)
+
+    atexit.register(end)  # (runs before mpi4py's finalization, which Python runs after atexit's)
 
 
 def _plan(out: str, ckpt_dir: str, inputs: List[str], force: bool, resume: bool,
@@ -357,7 +420,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
           force: bool = False, signature: str = "train", checkpoint_every: int = 100, seed: int = 0,
           progress: bool = True, vnodes_per_rank: Union[List[int], str, None] = None,
           threads: Optional[int] = None, allow_nonfinite: bool = False,
-          elastic: Optional[ElasticOptions] = None) -> Optional[TrainResult]:
+          elastic: Optional[ElasticOptions] = None, stall_warning: float = 60.0,
+          stall_timeout: float = 600.0) -> Optional[TrainResult]:
     """Train ``model`` for ``steps`` global batches of ``batch_size`` examples. Under ``mpiexec``
     every rank feeds its share of each global batch (whole virtual nodes, from the same global
     order), the step all-reduces, and rank 0 writes checkpoints and the result; other ranks
@@ -375,7 +439,12 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     (:mod:`vfgraph.runtime.balance`; each plan is logged).
 
     ``elastic``: change the number of ranks while training, by a schedule
-    (:mod:`vfgraph.runtime.elastic`)."""
+    (:mod:`vfgraph.runtime.elastic`).
+
+    ``stall_warning``, ``stall_timeout`` (seconds, 0: off): under mpiexec, a wait for other
+    ranks longer than the first prints one line naming what it waits for and whom; one longer
+    than the second ends the job (:class:`Stalled`, the last checkpoint kept). A stop request
+    also ends a step blocked in such a wait (docs/mpi.md, "Stalls and stop requests")."""
     auto = vnodes_per_rank == "auto"
     # under mpiexec the ranks agree from the first check on: a mistake is printed once, by rank 0
     # or by the one rank that sees it (a process an elastic job started reports to the job instead)
@@ -386,6 +455,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                                    ("--checkpoint-every", checkpoint_every, 0), ("--seed", seed, 0)):
             if not isinstance(value, int) or value < least:
                 raise InputError(f"{name} {value}: give an integer of at least {least}")
+        for name, value in (("--stall-warning", stall_warning), ("--stall-timeout", stall_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                shown = f"{value:g}" if isinstance(value, float) else value
+                raise InputError(f"{name} {shown}: give a number of seconds of at least 0 (0: off)")
         if resume and force:
             raise InputError("--resume and --force: give one (--resume continues a checkpoint, --force starts over)")
         if not savedmodel.is_saved_model_dir(model):
@@ -602,6 +675,11 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             if not ranked:  # (stages read their variables from the same files, checked above)
                 loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
         with _StopRequests() as stop:
+            watching = w.size > 1
+            if watching:  # (after the handlers of _StopRequests, which the signals then reach too)
+                watch(stall_warning, stall_timeout, STOP_GRACE, signals=True)
+                world_module.watcher = _WatchedExchanges(stop, stall_warning, stall_timeout, w.rank, lambda: where,
+                                                         lambda: _kept(ckpt_dir, last_ckpt, checkpoint_every))
             from_step = start  # (again after ranks were lost: the last completed step)
             while from_step < steps:
                 try:
@@ -643,6 +721,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                                                  "to load the model%s, then %.3g s to change; virtual nodes per "
                                                  "rank %s", change["old"], change["new"], step, change["waited"],
                                                  started_in, took, text(per))
+                        if watching:
+                            set_step(step)
                         fetched = time.perf_counter()
                         batch = batches_for(data, keys, batch_size, step, seed)
                         feed = {k: v[lo:hi] for k, v in batch.items()}
@@ -716,6 +796,15 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     except tf.errors.OpError as e:
         lines = [x.strip() for x in e.message.splitlines() if x.strip()]
         ours = [x for x in lines if x.startswith("Vf")]
+        if ours and isinstance(e, (tf.errors.DeadlineExceededError, tf.errors.CancelledError)):
+            _end_before_finalize(Stalled.exit_code if isinstance(e, tf.errors.DeadlineExceededError)
+                                 else Interrupted.exit_code)
+        if ours and isinstance(e, tf.errors.DeadlineExceededError):  # the stall watchdog's timeout
+            kept = _kept(ckpt_dir, last_ckpt, checkpoint_every)
+            raise Stalled(f"rank {w.rank}, {where}: {ours[0]}; the job ends{kept}") from None
+        if ours and isinstance(e, tf.errors.CancelledError):  # a stop request while the step waited for other ranks
+            raise Interrupted(f"rank {w.rank}, {where}: stopped while waiting for other ranks"
+                              f"{_kept(ckpt_dir, last_ckpt, checkpoint_every)}") from None
         if ours:  # a failed collective (different graphs on the ranks, an MPI error): one line naming the rank
             raise TrainingError(f"rank {w.rank}, {where}: {ours[0]}") from None
         mine = [x for x in lines if x.startswith("vfgraph: ")]
@@ -726,6 +815,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             raise InputError(_refused_batch(lines, feed, rows, data_path, where)) from None
         raise
     finally:
+        world_module.watcher = None
         bar.close()
         if scheduled is not None and w.is_root:  # release the ranks that left, and any still to join
             scheduled.finish(w, failed=sys.exc_info()[0] is not None)
