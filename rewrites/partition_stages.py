@@ -26,12 +26,14 @@ through one) becomes one ``Identity`` per output, each on its output's stage.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Dict, List, Optional, Tuple
+
+import numpy as np
 
 from vfgraph import records
 from vfgraph.analysis.profile import profile_of
-from vfgraph.analysis.stages import StagePlan, plan_stages
+from vfgraph.analysis.stages import StagePlan, dtype_size, plan_stages
 from vfgraph.analysis.phases import train_steps
 from vfgraph.analysis.train_step import check_batch_inputs, training_signature
 from vfgraph.errors import PipelineError
@@ -110,11 +112,6 @@ class PartitionStagesPass(Pass):
         if self.balance == "profile" and not split_at and self.stages > 1:
             profile = profile_of(item.source, sig, self.profile_batch, self.profile)
         plan = plan_stages(g, step, self.stages, split_at, profile)
-        if not devices and plan.shared:
-            raise PipelineError(f"signature {sig.key!r}: variable {plan.shared[0].name!r} is read by stages "
-                                f"{', '.join(map(str, plan.shared[0].stages))}, which MPI ranks cannot share; give "
-                                "--devices to run the stages in one process, or --split-at to keep its readers on one "
-                                "stage")
         owner = _variable_stages(plan, sig)
         where = place(g, plan, owner)
         fdef = _split_identity_n(item, sig.function, plan, where)
@@ -131,6 +128,8 @@ class PartitionStagesPass(Pass):
             set_variable_devices(item, sig.key, {a: devices[k - 1] for a, k in owner.items()})
         parts = tuple(StagePart(devices[s.index - 1] if devices else "", s.variables, s.parameter_bytes, s.optimizer_state,
                                 s.optimizer_state_bytes, s.flops, ops[s.index - 1]) for s in plan.stages)
+        if not devices:
+            parts = _with_shared_copies(parts, plan, sig)
         records.put(item, sig.key, Stages(
             function=sig.function, parts=parts, schedule=self.schedule,
             split_at=plan.split_at,
@@ -144,7 +143,12 @@ class PartitionStagesPass(Pass):
                          f"{times} ms per step of {profile.batch} examples"
                          + (f", profile {self.profile}" if self.profile else "")
                          + "); to repeat this rewrite exactly, split at " + ";".join(plan.split_at))
-        if plan.shared:
+        if plan.shared and not devices:
+            notes.append(f"signature {sig.key!r}: variables read by several stages are held by each of them, their "
+                         "gradients summed between them and their update applied by each: "
+                         + ", ".join(f"{v.name} (stages {', '.join(map(str, v.stages))})" for v in plan.shared[:3])
+                         + (" ..." if len(plan.shared) > 3 else ""))
+        elif plan.shared:
             notes.append(f"signature {sig.key!r}: variables read by several stages stay where the loader puts them: "
                          + ", ".join(v.name for v in plan.shared[:3]) + (" ..." if len(plan.shared) > 3 else ""))
         return PassResult(item, True, notes)
@@ -173,6 +177,25 @@ def _variable_stages(plan: StagePlan, sig) -> Dict[str, int]:
         for v in s.variables + s.optimizer_state:
             by_name[v] = s.index
     return {a: by_name[v.name] for a, v in sig.variables.items() if v.name in by_name}
+
+
+def _with_shared_copies(parts: Tuple[StagePart, ...], plan: StagePlan, sig) -> Tuple[StagePart, ...]:
+    """The stages' parts on MPI ranks, each also holding a copy of the variables it shares with
+    other stages (a weight read by several stages, and its optimizer state): every holder
+    applies the same update to its copy from the same summed gradient (split-vnodes), so the
+    copies stay identical, as Megatron-LM keeps embeddings tied between stages."""
+    params = {v.name for v in plan.shared}
+    size = {v.name: (0 if v.shape is None else int(np.prod([max(d, 1) for d in v.shape])) * dtype_size(v.dtype))
+            for v in sig.variables.values()}
+    out = []
+    for part, s in zip(parts, plan.stages):
+        mine = [v for v in s.shared if v in params]
+        slots = [v for v in s.shared if v not in params]
+        out.append(replace(part, variables=part.variables + tuple(mine),
+                           parameter_bytes=part.parameter_bytes + sum(size.get(v, 0) for v in mine),
+                           optimizer_state=part.optimizer_state + tuple(slots),
+                           optimizer_state_bytes=part.optimizer_state_bytes + sum(size.get(v, 0) for v in slots)))
+    return tuple(out)
 
 
 def place(g: FunctionGraph, plan: StagePlan, owner: Dict[str, int]) -> Dict[str, int]:
