@@ -203,7 +203,7 @@ def place(g: FunctionGraph, plan: StagePlan, owner: Dict[str, int]) -> Dict[str,
     an op reading an owned variable on that variable's stage; any other op on the stage of
     every op that reads its outputs when they agree (a variable's read, its update's
     arithmetic); the rest (shared counters, ops between stages) where TensorFlow puts them."""
-    where: Dict[str, int] = dict(plan.node_stage)
+    where: Dict[str, int] = {**plan.terms, **plan.node_stage}
     for n in reversed(g.topological_order()):
         if n in where or n in plan.split_nodes:
             continue
