@@ -1,0 +1,150 @@
+"""Shared state across pipeline stages on MPI ranks, under real ``mpiexec``: a layer applied on
+both sides of the cut (its variables held by both stages, their gradient summed between them),
+an L2 ``kernel_regularizer`` (its penalty computed on its variable's stage), a
+``tf.recompute_grad`` block (recomputed on its own stage) and Adam with ``global_clipnorm``
+(the stages' squared norms shared before clipping), each cut into 2 stages, train to the
+parameters one process trains with the same rewritten model (the unpartitioned step, same V)."""
+import numpy as np
+import pytest
+
+from test_mpi_train import assert_same_params, losses, params, run_train
+
+pytestmark = pytest.mark.mpi
+
+KINDS = ("shared", "l2", "recompute", "clip")
+
+
+def _export(kind: str, out: str) -> None:
+    """A small Keras model of ``kind`` on 8x8 digits in a tf.Module whose 'train' signature adds
+    the model's losses (its regularizers) to the cross-entropy and applies one optimizer step."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    x = keras.Input((64,))
+    opt = keras.optimizers.SGD(0.05)
+    if kind == "shared":  # the same Dense applied twice: both stages read its variables
+        d = keras.layers.Dense(64, activation="tanh", name="shared")
+        y = keras.layers.Dense(10, name="logits")(d(keras.layers.Dense(64, activation="tanh", name="mid")(d(x))))
+    elif kind == "l2":
+        h = keras.layers.Dense(32, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-2), name="hidden")(x)
+        y = keras.layers.Dense(10, kernel_regularizer=keras.regularizers.L2(1e-2), name="logits")(h)
+    elif kind == "recompute":
+        class Recomputed(keras.layers.Layer):
+            def __init__(self, **kw):
+                super().__init__(**kw)
+                self.inner = keras.layers.Dense(32, activation="relu", name="block")
+
+            def build(self, shape):
+                self.inner.build(shape)
+
+            def call(self, v):
+                return tf.recompute_grad(self.inner)(v)
+
+        h = keras.layers.Dense(32, activation="relu", name="hidden")(Recomputed(name="recomputed")(x))
+        y = keras.layers.Dense(10, name="logits")(h)
+    else:
+        h = keras.layers.Dense(32, activation="relu", name="hidden")(x)
+        y = keras.layers.Dense(10, name="logits")(h)
+        opt = keras.optimizers.Adam(0.01, global_clipnorm=0.5)  # small enough to clip
+    model = keras.Model(x, y)
+    specs = {"x": tf.TensorSpec([None, 64], tf.float32, name="x"), "y": tf.TensorSpec([None], tf.int32, name="y")}
+
+    class Trainer(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.opt = model, opt
+            opt.build(model.trainable_variables)
+
+        @tf.function(input_signature=[specs])
+        def train(self, batch):
+            with tf.GradientTape() as tape:
+                logits = self.model(batch["x"], training=True)
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(batch["y"], logits,
+                                                                                   from_logits=True))
+                if self.model.losses:
+                    loss = loss + tf.add_n(self.model.losses)
+            grads = tape.gradient(loss, self.model.trainable_variables)
+            self.opt.apply_gradients(zip(grads, self.model.trainable_variables))
+            return {"loss": loss}
+
+        @tf.function(input_signature=[specs["x"]])
+        def serve(self, x):
+            return {"logits": self.model(x, training=False)}
+
+    m = Trainer()
+    # recompute_grad's custom gradient is traced into the training function; it is not saved on its own
+    tf.saved_model.save(m, out, signatures={"train": m.train, "serving_default": m.serve},
+                        options=tf.saved_model.SaveOptions(experimental_custom_gradients=False))
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    """``get(kind)``: (the model, the same model rewritten with 8 virtual nodes of 8 examples cut
+    into 2 stages on MPI ranks)."""
+    import vfgraph
+
+    root = tmp_path_factory.mktemp("stage_shared")
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            original, out = str(root / kind), str(root / f"{kind}_staged")
+            _export(kind, original)
+            vfgraph.save(vfgraph.rewrite(original, vnodes=8, vnode_batch=8, stages=2), out)
+            made[kind] = original, out
+        return made[kind]
+
+    return get
+
+
+def test_shared_state_is_planned_where_its_layers_are(staged):
+    """The shared layer's variables (and nothing else) are held by both stages; the L2 penalty
+    and the recomputed block leave their variables on their own layer's stage, the penalty
+    crossing the cut as a scalar; clipping's squared norms are broadcast as scalars, and no
+    stage's update needs another stage's gradients otherwise."""
+    import vfgraph
+    from vfgraph import records
+    from vfgraph.records import Stages
+
+    rec = {k: records.read(staged(k)[1], Stages)["train"] for k in KINDS}
+    assert rec["shared"].shared == ("shared/kernel", "shared/bias")
+    for part in rec["shared"].parts:
+        assert {"shared/kernel", "shared/bias"} <= set(part.variables)
+    for k in ("l2", "recompute", "clip"):
+        assert rec[k].shared == (), k
+        held = [set(p.variables) for p in rec[k].parts]
+        assert not held[0] & held[1], k
+    assert "hidden/kernel" in rec["l2"].parts[0].variables
+    assert {"recomputed/block/kernel", "recomputed/block/bias"} <= set(rec["recompute"].parts[0].variables)
+
+    def sent(kind, op, stage):
+        """The static shapes of the ``op`` nodes of stage ``stage``'s functions."""
+        item = vfgraph.load(staged(kind)[1])
+        out = []
+        for name, f in sorted(item.library.items()):
+            for n in f.node_def if f"stage{stage}" in name else ():
+                if n.op == op and (op == "VfRecv" or n.name.startswith("vf/stage/shared_")):
+                    shape = n.attr["shape"].shape if "shape" in n.attr else n.attr["_output_shapes"].list.shape[0]
+                    out.append([d.size for d in shape.dim])
+        return out
+
+    recv_l2 = sent("l2", "VfRecv", 2)
+    assert [] in recv_l2 and [64, 32] not in recv_l2  # the penalty, not the kernel
+    # clipping: each stage's two squared norms (scalars) to every stage, in the same order on both
+    assert sent("clip", "VfBroadcast", 1)[:4] == sent("clip", "VfBroadcast", 2)[:4] == [[]] * 4
+    # the shared layer: the summed gradient of each of its variables, from the stage summing it
+    assert [64, 64] in sent("shared", "VfBroadcast", 1) and [64] in sent("shared", "VfBroadcast", 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_shared_state_on_two_ranks_trains_what_one_process_trains(staged, digits, tmp_path, kind):
+    original, model = staged(kind)
+    one, ranks = str(tmp_path / "one"), str(tmp_path / "ranks")
+    run_train(0, model, digits["train"], one, 2)
+    run_train(2, model, digits["train"], ranks, 2)
+    assert_same_params(one, ranks, 1e-6)
+    assert losses(ranks) == pytest.approx(losses(one), rel=1e-6)
+    before, after = params(model), params(ranks)
+    trained = [k for k in before if "kernel" in k or "bias" in k]
+    assert trained and all(not np.array_equal(before[k], after[k]) for k in trained), kind  # every layer trained
