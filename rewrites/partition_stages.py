@@ -220,8 +220,8 @@ def place(g: FunctionGraph, plan: StagePlan, owner: Dict[str, int]) -> Dict[str,
 
 def _split_identity_n(item: GraphItem, function: str, plan: StagePlan, where: Dict[str, int]):
     """Replace each ``IdentityN`` whose outputs the plan puts on several stages by one
-    ``Identity`` per output on that output's stage (``where`` gets them); returns the
-    training function as it now is."""
+    ``Identity`` of each input on that output's stage (``where`` gets them), so that no stage
+    needs the others' inputs; returns the training function as it now is."""
     fdef = item.function(function)
     split = {n: st for n, st in plan.split_nodes.items() if len(set(st)) > 1}
     if not split:
@@ -232,7 +232,7 @@ def _split_identity_n(item: GraphItem, function: str, plan: StagePlan, where: Di
         for k, (ref, t) in enumerate(zip(g.outputs(n), types)):
             name = f"{n}/vf_stage_output_{k}"
             g.replace_all_uses_with(ref, TensorRef(name, "output", 0))
-            g.op("Identity", [ref], name=name, T=type_attr(t))
+            g.op("Identity", [g.data_inputs(n)[k]], name=name, T=type_attr(t))
             if split[n][k]:
                 where[name] = split[n][k]
     item.set_function(g.finish())

@@ -34,7 +34,7 @@ from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult, option, register
 from vfgraph.records import Gradient, Stages, VirtualNodes
-from vfgraph.rewrites.partition_stages import stage_of
+from vfgraph.rewrites.partition_stages import STAGE_ATTR, stage_of
 
 
 @register
@@ -695,6 +695,7 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         return k_count - 1
     owners = [owner(k, r) for k, (_, r) in enumerate(rets)]
     needed, messages = _stage_parts(gv, where, rets, owners, k_count)
+    udef = _split_update_identities(udef, lib)
     shares = _update_shares(FunctionGraph(udef, lib), sig, step, stages, owners[n_out:])
     names, reducers = [], []
     for s in range(k_count):
@@ -857,6 +858,35 @@ def _stage_update_function(item: GraphItem, udef, sig, step: TrainStep, mine: Li
                             f"({e}), which pipeline stages on MPI ranks cannot share: give --devices") from None
 
 
+_PASS_THROUGH = frozenset({"Identity", "IdentityN", "Snapshot"})
+
+
+def _split_update_identities(udef, lib):
+    """``udef`` with each ``IdentityN`` that nothing waits for (Keras passes the gradients
+    through one) replaced by one ``Identity`` of each input, so that a stage's update needs
+    only the gradients it uses; a copy, ``udef`` itself unchanged."""
+    g = FunctionGraph(udef, lib)
+    waited = {t.node for n in g.nodes for t, ctl in g.inputs(n) if ctl}
+    split = sorted(n for n, node in g.nodes.items() if node.op == "IdentityN" and n not in waited)
+    if not split:
+        return udef
+    g = FunctionGraph(g.to_function_def(), lib)
+    for n in split:
+        types = g.nodes[n].attr["T"].list.type
+        mark = stage_of(g.nodes[n])
+        for k, (ref, t) in enumerate(zip(g.outputs(n), types)):
+            name = f"{n}/vf_output_{k}"
+            g.replace_all_uses_with(ref, TensorRef(name, "output", 0))
+            node = g.op("Identity", [g.data_inputs(n)[k]], name=name, T=type_attr(t), shapes=[g.shape(ref)])
+            if mark is not None:
+                node.proto.attr[STAGE_ATTR].i = mark
+    fdef = g.finish()
+    kept = [node for node in fdef.node_def if node.name not in split]
+    del fdef.node_def[:]
+    fdef.node_def.extend(kept)
+    return fdef
+
+
 class _UpdateShares(NamedTuple):
     """Where each node of the update function runs (the stages, from 0, that compute it), and
     the tensors broadcast from the stage computing them to every stage, in the order every
@@ -920,13 +950,14 @@ def _update_shares(gu: FunctionGraph, sig, step: TrainStep, stages: Stages, grad
 
 
 def _update_location(gu: FunctionGraph, n: str, loc: dict, held: dict, every: frozenset, sig) -> frozenset:
-    """The stages computing update op ``n``: its mark; else every stage holding all the variables
-    it reads; else the stages computing all its inputs; else (inputs of different stages) every stage."""
+    """The stages computing update op ``n``: its mark (an identity's: where its input is); else
+    every stage holding all the variables it reads; else the stages computing all its inputs;
+    else (inputs of different stages) every stage."""
     node = gu.nodes[n]
     mark = stage_of(node)
-    if mark is not None:
-        return frozenset({mark})
     ins = gu.data_inputs(n)
+    if mark is not None and not (node.op in _PASS_THROUGH and ins):
+        return frozenset({mark})
     variables = [t.node for t in ins if t.is_function_arg and t.node in held]
     if variables:
         out = every
