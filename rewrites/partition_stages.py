@@ -19,7 +19,9 @@ Without ``devices`` the stages are MPI ranks: rank k of ``mpiexec -n K`` runs st
 pass then marks each op with its stage (the ``_vf_stage`` attribute, which TensorFlow
 ignores) instead of a device, and ``split-vnodes`` adds one training signature per stage
 (``train_stage_1`` ...) whose virtual-node loop runs that stage's ops only, receiving the
-tensors other stages compute with ``VfRecv`` and sending its own with ``VfSend``.
+tensors other stages compute with ``VfRecv`` and sending its own with ``VfSend``. A variable
+read by several stages is then held by each of them (its part lists it), each applying the
+same update from the same summed gradient (split-vnodes' stage updates).
 
 An ``IdentityN`` whose outputs belong to different stages (Keras passes the gradients
 through one) becomes one ``Identity`` per output, each on its output's stage.
@@ -114,7 +116,7 @@ class PartitionStagesPass(Pass):
         plan = plan_stages(g, step, self.stages, split_at, profile)
         owner = _variable_stages(plan, sig)
         where = place(g, plan, owner)
-        fdef = _split_identity_n(item, sig.function, plan, where)
+        fdef = _split_identity_n(item, sig.function, plan, where, _unread_pass_throughs(g, plan))
         ops = [0] * len(plan.stages)
         for node in fdef.node_def:
             k = where.get(node.name)
@@ -218,12 +220,30 @@ def place(g: FunctionGraph, plan: StagePlan, owner: Dict[str, int]) -> Dict[str,
     return where
 
 
-def _split_identity_n(item: GraphItem, function: str, plan: StagePlan, where: Dict[str, int]):
-    """Replace each ``IdentityN`` whose outputs the plan puts on several stages by one
-    ``Identity`` of each input on that output's stage (``where`` gets them), so that no stage
-    needs the others' inputs; returns the training function as it now is."""
+def _unread_pass_throughs(g: FunctionGraph, plan: StagePlan) -> Dict[str, Tuple[int, ...]]:
+    """Forward ``IdentityN`` ops with outputs no op reads (a custom gradient's, such as
+    ``recompute_grad``'s, passing its variables and inputs to its gradient function), each
+    output's stage: the op's for those read, none for the others."""
+    out: Dict[str, Tuple[int, ...]] = {}
+    for n, k in plan.node_stage.items():
+        if g.nodes[n].op == "IdentityN":
+            read = [bool(g.consumers(t)) for t in g.outputs(n)]
+            if not all(read):
+                out[n] = tuple(k if r else 0 for r in read)
+    return out
+
+
+def _split_identity_n(item: GraphItem, function: str, plan: StagePlan, where: Dict[str, int],
+                      unread: Optional[Dict[str, Tuple[int, ...]]] = None):
+    """Replace each ``IdentityN`` whose outputs the plan puts on several stages, and each of
+    ``unread`` (:func:`_unread_pass_throughs`), by one ``Identity`` of each input on that
+    output's stage (``where`` gets them), so that no stage needs the others' inputs; returns
+    the training function as it now is."""
     fdef = item.function(function)
     split = {n: st for n, st in plan.split_nodes.items() if len(set(st)) > 1}
+    split.update(unread or {})
+    for n in unread or ():
+        where.pop(n, None)
     if not split:
         return fdef
     g = FunctionGraph(fdef, item.library)
