@@ -1,5 +1,6 @@
 """Shared state across pipeline stages on MPI ranks, under real ``mpiexec``: a layer applied on
-both sides of the cut (its variables held by both stages, their gradient summed between them),
+both sides of the cut and an embedding tied to the output projection (their variables held by
+both stages, their gradient summed between them),
 an L2 ``kernel_regularizer`` (its penalty computed on its variable's stage), a
 ``tf.recompute_grad`` block (recomputed on its own stage) and Adam with ``global_clipnorm``
 (the stages' squared norms shared before clipping), each cut into 2 stages, train to the
@@ -11,7 +12,7 @@ from test_mpi_train import assert_same_params, losses, params, run_train
 
 pytestmark = pytest.mark.mpi
 
-KINDS = ("shared", "l2", "recompute", "clip")
+KINDS = ("shared", "tied", "l2", "recompute", "clip")
 
 
 def _export(kind: str, out: str) -> None:
@@ -26,6 +27,21 @@ def _export(kind: str, out: str) -> None:
     if kind == "shared":  # the same Dense applied twice: both stages read its variables
         d = keras.layers.Dense(64, activation="tanh", name="shared")
         y = keras.layers.Dense(10, name="logits")(d(keras.layers.Dense(64, activation="tanh", name="mid")(d(x))))
+    elif kind == "tied":  # an embedding tied to the output projection (stage 1 looks it up, stage 2 projects)
+        class Tied(keras.layers.Layer):
+            def __init__(self, emb, **kw):
+                super().__init__(**kw)
+                self.emb = emb
+
+            def call(self, h):
+                return tf.matmul(h, self.emb.embeddings, transpose_b=True)
+
+        tokens = keras.layers.Lambda(lambda v: keras.ops.cast(keras.ops.clip(keras.ops.round(v * 16.0), 0, 16),
+                                                              "int32"))(x)
+        emb = keras.layers.Embedding(17, 16, name="tokens")
+        h = keras.layers.Dense(16, activation="tanh", name="mid")(keras.layers.GlobalAveragePooling1D()(emb(tokens)))
+        y = keras.layers.Dense(10, name="out")(Tied(emb, name="tied")(h))
+        opt = keras.optimizers.Adam(0.01)
     elif kind == "l2":
         h = keras.layers.Dense(32, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-2), name="hidden")(x)
         y = keras.layers.Dense(10, kernel_regularizer=keras.regularizers.L2(1e-2), name="logits")(h)
@@ -111,6 +127,9 @@ def test_shared_state_is_planned_where_its_layers_are(staged):
     assert rec["shared"].shared == ("shared/kernel", "shared/bias")
     for part in rec["shared"].parts:
         assert {"shared/kernel", "shared/bias"} <= set(part.variables)
+    assert rec["tied"].shared == ("tokens/embeddings",)
+    for part in rec["tied"].parts:  # the table and its Adam moments on both stages
+        assert "tokens/embeddings" in part.variables and len(part.optimizer_state) >= 2
     for k in ("l2", "recompute", "clip"):
         assert rec[k].shared == (), k
         held = [set(p.variables) for p in rec[k].parts]
@@ -131,6 +150,12 @@ def test_shared_state_is_planned_where_its_layers_are(staged):
 
     # L2: the penalty crosses (a scalar), not the kernel; no gradient crosses after the loop
     assert sent("l2", "VfRecv", 2) == [[-1, 32], []] and sent("l2", "VfBroadcast", 1) == []
+    # recompute_grad: only the block's activation crosses (not its variables, which its custom
+    # gradient is handed), and stage 1 recomputes the block in its backward
+    assert sent("recompute", "VfRecv", 2) == [[-1, 32]]
+    item = vfgraph.load(staged("recompute")[1])
+    (backward,) = [f for name, f in item.library.items() if name.endswith("_stage1_backward")]
+    assert any(n.op == "MatMul" and "block" in n.name and "gradient" not in n.name for n in backward.node_def)
     # clipping: each stage's two squared norms (scalars) to every stage, in the same order on both
     assert sent("clip", "VfBroadcast", 1) == sent("clip", "VfBroadcast", 2) == [[]] * 4
     # the shared layer: the summed gradient of each of its variables, once, from the stage summing it
