@@ -917,9 +917,10 @@ def _update_shares(gu: FunctionGraph, sig, step: TrainStep, stages: Stages, grad
 
     def share(ref: TensorRef, root: int, shape) -> None:
         if shape is None or not _static(shape):
-            raise PipelineError(f"signature {sig.key!r}: the update reads {_user_term(gu, ref, sig, step)} on several "
+            raise PipelineError(f"signature {sig.key!r}: {_user_term(gu, ref, sig, step)} is needed on several "
                                 "pipeline stages, and its shape is not static, which stages on MPI ranks need to "
-                                "broadcast it; give --devices to run the stages in one process")
+                                "broadcast it; give --devices to run the stages in one process, or --split-at to keep "
+                                "its readers on one stage")
         sent.append((ref, root, list(shape), gu.dtype(ref)))
         loc[ref] = every
 
@@ -980,8 +981,10 @@ def _user_term(gu: FunctionGraph, ref: TensorRef, sig, step: TrainStep) -> str:
     """``ref`` of the update function in a user's terms: the gradient of a variable, or an op's name."""
     if ref.is_function_arg and ref.node.startswith("grad_"):
         c = step.cut[int(ref.node[len("grad_"):])]
-        if c.variable in sig.variables:
-            return f"the gradient of variable {sig.variables[c.variable].name!r}"
+        for v in [c.variable] + list(c.writes):
+            if v in sig.variables:
+                what = "the sparse gradient (row indices)" if c.role == "indices" else "the gradient"
+                return f"{what} of variable {sig.variables[v].name!r}"
     return f"{gu.nodes[ref.node].op} {ref.node!r}" if not ref.is_function_arg else f"input {ref.node!r}"
 
 

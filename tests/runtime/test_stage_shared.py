@@ -42,6 +42,13 @@ def _export(kind: str, out: str) -> None:
         h = keras.layers.Dense(16, activation="tanh", name="mid")(keras.layers.GlobalAveragePooling1D()(emb(tokens)))
         y = keras.layers.Dense(10, name="out")(Tied(emb, name="tied")(h))
         opt = keras.optimizers.Adam(0.01)
+    elif kind == "lookups":  # one embedding looked up on both stages: a sparse gradient on each
+        emb = keras.layers.Embedding(17, 16, name="tokens")
+        tokens = keras.layers.Lambda(lambda v: keras.ops.cast(keras.ops.clip(keras.ops.round(v * 16.0), 0, 16),
+                                                              "int32"))(x)
+        h = keras.layers.Dense(16, activation="tanh", name="mid")(keras.layers.GlobalAveragePooling1D()(emb(tokens)))
+        again = keras.layers.Lambda(lambda v: keras.ops.cast(keras.ops.round((v + 1.0) * 8.0), "int32"))(h)
+        y = keras.layers.Dense(10, name="out")(keras.layers.GlobalAveragePooling1D()(emb(again)))
     elif kind == "l2":
         h = keras.layers.Dense(32, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-2), name="hidden")(x)
         y = keras.layers.Dense(10, kernel_regularizer=keras.regularizers.L2(1e-2), name="logits")(h)
@@ -173,3 +180,17 @@ def test_shared_state_on_two_ranks_trains_what_one_process_trains(staged, digits
     before, after = params(model), params(ranks)
     trained = [k for k in before if "kernel" in k or "bias" in k]
     assert trained and all(not np.array_equal(before[k], after[k]) for k in trained), kind  # every layer trained
+
+
+def test_a_sparse_gradient_several_stages_need_is_refused_by_its_variable(tmp_path, capsys):
+    """An embedding looked up on both stages has sparse gradients (rows of no static count),
+    which the stages cannot broadcast: one line naming the variable and what to do, nothing
+    written."""
+    from vfgraph.testing.cli import one_error, run_in_process
+
+    original, out = str(tmp_path / "lookups"), tmp_path / "staged"
+    _export("lookups", original)
+    code, err = run_in_process(capsys, "rewrite", original, "-o", out, "--vnodes", "8", "--vnode-batch", "8",
+                               "--stages", "2")
+    one_error(code, err, "variable 'tokens/embeddings'", "several pipeline stages", "--devices", "--split-at")
+    assert not out.exists()
