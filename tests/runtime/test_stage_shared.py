@@ -99,6 +99,7 @@ def _export(kind: str, out: str) -> None:
     # recompute_grad's custom gradient is traced into the training function; it is not saved on its own
     tf.saved_model.save(m, out, signatures={"train": m.train, "serving_default": m.serve},
                         options=tf.saved_model.SaveOptions(experimental_custom_gradients=False))
+    keras.backend.clear_session()  # models exported later in this process keep their usual names (adam, not adam_2)
 
 
 @pytest.fixture(scope="module")
