@@ -19,19 +19,23 @@ Without ``devices`` the stages are MPI ranks: rank k of ``mpiexec -n K`` runs st
 pass then marks each op with its stage (the ``_vf_stage`` attribute, which TensorFlow
 ignores) instead of a device, and ``split-vnodes`` adds one training signature per stage
 (``train_stage_1`` ...) whose virtual-node loop runs that stage's ops only, receiving the
-tensors other stages compute with ``VfRecv`` and sending its own with ``VfSend``.
+tensors other stages compute with ``VfRecv`` and sending its own with ``VfSend``. A variable
+read by several stages is then held by each of them (its part lists it), each applying the
+same update from the same summed gradient (split-vnodes' stage updates).
 
 An ``IdentityN`` whose outputs belong to different stages (Keras passes the gradients
 through one) becomes one ``Identity`` per output, each on its output's stage.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Dict, List, Optional, Tuple
+
+import numpy as np
 
 from vfgraph import records
 from vfgraph.analysis.profile import profile_of
-from vfgraph.analysis.stages import StagePlan, plan_stages
+from vfgraph.analysis.stages import StagePlan, dtype_size, plan_stages
 from vfgraph.analysis.phases import train_steps
 from vfgraph.analysis.train_step import check_batch_inputs, training_signature
 from vfgraph.errors import PipelineError
@@ -110,14 +114,9 @@ class PartitionStagesPass(Pass):
         if self.balance == "profile" and not split_at and self.stages > 1:
             profile = profile_of(item.source, sig, self.profile_batch, self.profile)
         plan = plan_stages(g, step, self.stages, split_at, profile, ranks=not devices)
-        if not devices and plan.shared:
-            raise PipelineError(f"signature {sig.key!r}: variable {plan.shared[0].name!r} is read by stages "
-                                f"{', '.join(map(str, plan.shared[0].stages))}, which MPI ranks cannot share; give "
-                                "--devices to run the stages in one process, or --split-at to keep its readers on one "
-                                "stage")
         owner = _variable_stages(plan, sig)
         where = place(g, plan, owner)
-        fdef = _split_identity_n(item, sig.function, plan, where)
+        fdef = _split_identity_n(item, sig.function, plan, where, _unread_pass_throughs(g, plan))
         ops = [0] * len(plan.stages)
         for node in fdef.node_def:
             k = where.get(node.name)
@@ -131,6 +130,8 @@ class PartitionStagesPass(Pass):
             set_variable_devices(item, sig.key, {a: devices[k - 1] for a, k in owner.items()})
         parts = tuple(StagePart(devices[s.index - 1] if devices else "", s.variables, s.parameter_bytes, s.optimizer_state,
                                 s.optimizer_state_bytes, s.flops, ops[s.index - 1]) for s in plan.stages)
+        if not devices:
+            parts = _with_shared_copies(parts, plan, sig)
         records.put(item, sig.key, Stages(
             function=sig.function, parts=parts, schedule=self.schedule,
             split_at=plan.split_at,
@@ -144,7 +145,12 @@ class PartitionStagesPass(Pass):
                          f"{times} ms per step of {profile.batch} examples"
                          + (f", profile {self.profile}" if self.profile else "")
                          + "); to repeat this rewrite exactly, split at " + ";".join(plan.split_at))
-        if plan.shared:
+        if plan.shared and not devices:
+            notes.append(f"signature {sig.key!r}: variables read by several stages are held by each of them, their "
+                         "gradients summed between them and their update applied by each: "
+                         + ", ".join(f"{v.name} (stages {', '.join(map(str, v.stages))})" for v in plan.shared[:3])
+                         + (" ..." if len(plan.shared) > 3 else ""))
+        elif plan.shared:
             notes.append(f"signature {sig.key!r}: variables read by several stages stay where the loader puts them: "
                          + ", ".join(v.name for v in plan.shared[:3]) + (" ..." if len(plan.shared) > 3 else ""))
         return PassResult(item, True, notes)
@@ -175,12 +181,31 @@ def _variable_stages(plan: StagePlan, sig) -> Dict[str, int]:
     return {a: by_name[v.name] for a, v in sig.variables.items() if v.name in by_name}
 
 
+def _with_shared_copies(parts: Tuple[StagePart, ...], plan: StagePlan, sig) -> Tuple[StagePart, ...]:
+    """The stages' parts on MPI ranks, each also holding a copy of the variables it shares with
+    other stages (a weight read by several stages, and its optimizer state): every holder
+    applies the same update to its copy from the same summed gradient (split-vnodes), so the
+    copies stay identical, as Megatron-LM keeps embeddings tied between stages."""
+    params = {v.name for v in plan.shared}
+    size = {v.name: (0 if v.shape is None else int(np.prod([max(d, 1) for d in v.shape])) * dtype_size(v.dtype))
+            for v in sig.variables.values()}
+    out = []
+    for part, s in zip(parts, plan.stages):
+        mine = [v for v in s.shared if v in params]
+        slots = [v for v in s.shared if v not in params]
+        out.append(replace(part, variables=part.variables + tuple(mine),
+                           parameter_bytes=part.parameter_bytes + sum(size.get(v, 0) for v in mine),
+                           optimizer_state=part.optimizer_state + tuple(slots),
+                           optimizer_state_bytes=part.optimizer_state_bytes + sum(size.get(v, 0) for v in slots)))
+    return tuple(out)
+
+
 def place(g: FunctionGraph, plan: StagePlan, owner: Dict[str, int]) -> Dict[str, int]:
     """Node -> stage for the ops of the step: the per-example ops as the plan places them;
     an op reading an owned variable on that variable's stage; any other op on the stage of
     every op that reads its outputs when they agree (a variable's read, its update's
     arithmetic); the rest (shared counters, ops between stages) where TensorFlow puts them."""
-    where: Dict[str, int] = dict(plan.node_stage)
+    where: Dict[str, int] = {**plan.terms, **plan.node_stage}
     for n in reversed(g.topological_order()):
         if n in where or n in plan.split_nodes:
             continue
@@ -195,12 +220,30 @@ def place(g: FunctionGraph, plan: StagePlan, owner: Dict[str, int]) -> Dict[str,
     return where
 
 
-def _split_identity_n(item: GraphItem, function: str, plan: StagePlan, where: Dict[str, int]):
-    """Replace each ``IdentityN`` whose outputs the plan puts on several stages by one
-    ``Identity`` per output on that output's stage (``where`` gets them); returns the
-    training function as it now is."""
+def _unread_pass_throughs(g: FunctionGraph, plan: StagePlan) -> Dict[str, Tuple[int, ...]]:
+    """Forward ``IdentityN`` ops with outputs no op reads (a custom gradient's, such as
+    ``recompute_grad``'s, passing its variables and inputs to its gradient function), each
+    output's stage: the op's for those read, none for the others."""
+    out: Dict[str, Tuple[int, ...]] = {}
+    for n, k in plan.node_stage.items():
+        if g.nodes[n].op == "IdentityN":
+            read = [bool(g.consumers(t)) for t in g.outputs(n)]
+            if not all(read):
+                out[n] = tuple(k if r else 0 for r in read)
+    return out
+
+
+def _split_identity_n(item: GraphItem, function: str, plan: StagePlan, where: Dict[str, int],
+                      unread: Optional[Dict[str, Tuple[int, ...]]] = None):
+    """Replace each ``IdentityN`` whose outputs the plan puts on several stages, and each of
+    ``unread`` (:func:`_unread_pass_throughs`), by one ``Identity`` of each input on that
+    output's stage (``where`` gets them), so that no stage needs the others' inputs; returns
+    the training function as it now is."""
     fdef = item.function(function)
     split = {n: st for n, st in plan.split_nodes.items() if len(set(st)) > 1}
+    split.update(unread or {})
+    for n in unread or ():
+        where.pop(n, None)
     if not split:
         return fdef
     g = FunctionGraph(fdef, item.library)
@@ -209,7 +252,7 @@ def _split_identity_n(item: GraphItem, function: str, plan: StagePlan, where: Di
         for k, (ref, t) in enumerate(zip(g.outputs(n), types)):
             name = f"{n}/vf_stage_output_{k}"
             g.replace_all_uses_with(ref, TensorRef(name, "output", 0))
-            g.op("Identity", [ref], name=name, T=type_attr(t))
+            g.op("Identity", [g.data_inputs(n)[k]], name=name, T=type_attr(t))
             if split[n][k]:
                 where[name] = split[n][k]
     item.set_function(g.finish())

@@ -34,7 +34,7 @@ from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import Pass, PassResult, option, register
 from vfgraph.records import Gradient, Stages, VirtualNodes
-from vfgraph.rewrites.partition_stages import stage_of
+from vfgraph.rewrites.partition_stages import STAGE_ATTR, stage_of
 
 
 @register
@@ -788,6 +788,8 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
             late |= {m for m, _, dst in _sends(split[-1].backward)}
     check_stage_messages([[vdef_s] if parts is None else [parts.forward, parts.backward]
                           for vdef_s, parts in zip(vdefs, split)], messages, key, lib)
+    udef = _split_update_identities(udef, lib)
+    shares = _update_shares(FunctionGraph(udef, lib), sig, step, stages, owners[n_out:])
     names, reducers = [], []
     stage_index_fn = random_ops.stage_offset_name(index_fn) if index_fn else ""
     if stage_index_fn:
@@ -804,7 +806,8 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         loop = _Loop(g, view, vdef_s, vnodes, b, lib, item.new_function, stages.in_flight(vnodes), tag,
                      len(messages), exact, lag=k_count - s if s and stages.schedule == "1f1b" else 0, parts=parts,
                      index_fn=stage_index_fn)
-        udef_s = _stage_update_function(item, udef, sig, step, [k - n_out for k in mine if k >= n_out], s, tag)
+        udef_s = _stage_update_function(item, udef, sig, step, [k - n_out for k in mine if k >= n_out], s, tag,
+                                        shares)
         reduce_s = function_name(sig.function, tag, "reduce")
         item.set_function(reduce_function(reduce_s, _reduce_specs(g, view, exact)))
         reducers.append(reduce_s)
@@ -1043,20 +1046,159 @@ def _forward_backward(item: GraphItem, vdef, messages, s: int, late=frozenset())
     return ForwardBackward(f, b, len(stash), tuple(where))
 
 
-def _stage_update_function(item: GraphItem, udef, sig, step: TrainStep, mine: List[int], s: int, tag: str):
-    """Stage ``s``'s part of the update function: the ops partition-stages marked with its
-    stage and the unmarked ones (shared counters), taking only its own gradients."""
+def _stage_update_function(item: GraphItem, udef, sig, step: TrainStep, mine: List[int], s: int, tag: str,
+                           shares: "_UpdateShares"):
+    """Stage ``s``'s part of the update function: the ops that run on its stage (see
+    :func:`_update_shares`), taking only its own gradients; what it reads of other stages'
+    arrives by the broadcasts of ``shares``, which every stage runs in the same order."""
     gu = FunctionGraph(udef, item.library)
-    drop = frozenset(n for n, node in gu.nodes.items() if stage_of(node) not in (None, s))
+    gc = FunctionGraph(gu.to_function_def(), item.library)
+    last = None
+    for m, (ref, root, shape, dtype) in enumerate(shares.sent):
+        value = ref if s == root else zeros(gc, shape, dtype, "not_held_here")
+        if s != root:
+            gc.replace_all_uses_with(ref, TensorRef(f"vf/stage/shared_{m}", "output", 0))
+        last = gc.op("VfBroadcast", [value], name=f"vf/stage/shared_{m}", deps=[last] if last else [],
+                     T=type_attr(dtype), root=root, shapes=[shape])
+    drop = frozenset(n for n in gu.nodes if s not in shares.where.get(n, (s,)))
     name = function_name(gu.name, tag)
-    outputs = [(a.name, gu.output_refs()[k][1]) for k, a in enumerate(udef.signature.output_arg)]
+    outputs = [(a.name, gc.output_refs()[k][1]) for k, a in enumerate(udef.signature.output_arg)]
     try:
-        return gu.outline(name, outputs, keep_args=[f"grad_{k}" for k in mine] + list(sig.invariant_args),
+        return gc.outline(name, outputs, keep_args=[f"grad_{k}" for k in mine] + list(sig.invariant_args),
                           drop=drop, side_effects=True, into=item.new_function(name))
     except VerifyError as e:
         raise PipelineError(f"signature {sig.key!r}: the update of stage {s + 1} reads what other stages compute "
-                            f"({e}); an update that mixes the stages' gradients (clipping by their global norm) "
-                            "needs one process: give --devices") from None
+                            f"({e}), which pipeline stages on MPI ranks cannot share: give --devices") from None
+
+
+_PASS_THROUGH = frozenset({"Identity", "IdentityN", "Snapshot"})
+
+
+def _split_update_identities(udef, lib):
+    """``udef`` with each ``IdentityN`` that nothing waits for (Keras passes the gradients
+    through one) replaced by one ``Identity`` of each input, so that a stage's update needs
+    only the gradients it uses; a copy, ``udef`` itself unchanged."""
+    g = FunctionGraph(udef, lib)
+    waited = {t.node for n in g.nodes for t, ctl in g.inputs(n) if ctl}
+    split = sorted(n for n, node in g.nodes.items() if node.op == "IdentityN" and n not in waited)
+    if not split:
+        return udef
+    g = FunctionGraph(g.to_function_def(), lib)
+    for n in split:
+        types = g.nodes[n].attr["T"].list.type
+        mark = stage_of(g.nodes[n])
+        for k, (ref, t) in enumerate(zip(g.outputs(n), types)):
+            name = f"{n}/vf_output_{k}"
+            g.replace_all_uses_with(ref, TensorRef(name, "output", 0))
+            node = g.op("Identity", [g.data_inputs(n)[k]], name=name, T=type_attr(t), shapes=[g.shape(ref)])
+            if mark is not None:
+                node.proto.attr[STAGE_ATTR].i = mark
+    fdef = g.finish()
+    kept = [node for node in fdef.node_def if node.name not in split]
+    del fdef.node_def[:]
+    fdef.node_def.extend(kept)
+    return fdef
+
+
+class _UpdateShares(NamedTuple):
+    """Where each node of the update function runs (the stages, from 0, that compute it), and
+    the tensors broadcast from the stage computing them to every stage, in the order every
+    stage broadcasts them: (tensor, root stage, static shape, dtype)."""
+
+    where: dict
+    sent: list
+
+
+def _update_shares(gu: FunctionGraph, sig, step: TrainStep, stages: Stages, grad_owner: List[int]) -> _UpdateShares:
+    """Where each op of the update function ``gu`` runs when its stages are MPI ranks. A
+    variable's update runs on every stage holding the variable (its owner; each holder of a
+    shared one, from the same summed gradient: the owner of the sum broadcasts it, so the
+    copies stay identical); an op partition-stages marked on its stage; an op reading only
+    one stage's gradients on that stage; an op combining several stages' (global-norm
+    clipping's sum of squared norms) on every stage, each part it reads broadcast from the
+    stage computing it: every stage then adds the same parts in the same order, as one
+    process does. Raises PipelineError for an op reading variables no one stage holds."""
+    every = frozenset(range(stages.count))
+    holders: dict = {}
+    for k, part in enumerate(stages.parts):
+        for name in part.variables + part.optimizer_state:
+            holders.setdefault(name, set()).add(k)
+    held = {a: (every if v.name in stages.replicated else frozenset(holders.get(v.name, every)))
+            for a, v in sig.variables.items()}
+    loc: dict = {}
+    sent: list = []
+
+    def share(ref: TensorRef, root: int, shape) -> None:
+        if shape is None or not _static(shape):
+            raise PipelineError(f"signature {sig.key!r}: {_user_term(gu, ref, sig, step)} is needed on several "
+                                "pipeline stages, and its shape is not static, which stages on MPI ranks need to "
+                                "broadcast it; give --devices to run the stages in one process, or --split-at to keep "
+                                "its readers on one stage")
+        sent.append((ref, root, list(shape), gu.dtype(ref)))
+        loc[ref] = every
+
+    for k, owner in enumerate(grad_owner):
+        ref = TensorRef(f"grad_{k}")
+        if ref.node not in gu.arg_names:
+            continue
+        c = step.cut[k]
+        loc[ref] = frozenset({owner})
+        copies = held.get(c.variable, frozenset()) | {owner}
+        if len(copies) > 1:
+            v = sig.variables[c.variable]
+            share(ref, owner, gu.shape(ref) if _static(gu.shape(ref) or [-1]) else v.shape)
+            loc[ref] = copies
+    for n in gu.topological_order():
+        loc[n] = _update_location(gu, n, loc, held, every, sig)
+        for t in gu.data_inputs(n):
+            if t.is_function_arg and t.node in held:
+                continue
+            lt = loc.get(t, loc.get(t.node, every)) if not t.is_function_arg else loc.get(t, every)
+            if not loc[n] <= lt:
+                share(t, min(lt), gu.shape(t))
+    for _, ref in gu.output_refs():
+        lt = loc.get(ref, loc.get(ref.node, every)) if not ref.is_function_arg else loc.get(ref, every)
+        if lt != every:
+            share(ref, min(lt), gu.shape(ref))
+    return _UpdateShares({n: v for n, v in loc.items() if isinstance(n, str)}, sent)
+
+
+def _update_location(gu: FunctionGraph, n: str, loc: dict, held: dict, every: frozenset, sig) -> frozenset:
+    """The stages computing update op ``n``: its mark (an identity's: where its input is); else
+    every stage holding all the variables it reads; else the stages computing all its inputs;
+    else (inputs of different stages) every stage."""
+    node = gu.nodes[n]
+    mark = stage_of(node)
+    ins = gu.data_inputs(n)
+    if mark is not None and not (node.op in _PASS_THROUGH and ins):
+        return frozenset({mark})
+    variables = [t.node for t in ins if t.is_function_arg and t.node in held]
+    if variables:
+        out = every
+        for a in variables:
+            out &= held[a]
+        if not out:
+            names = sorted({sig.variables[a].name for a in variables})
+            raise PipelineError(f"signature {sig.key!r}: the update reads variables {', '.join(names)} together, "
+                                "which no one pipeline stage holds (each is held by the stages whose layers read it); "
+                                "give --devices to run the stages in one process, or --split-at to keep their layers "
+                                "on one stage")
+        return out
+    out = every
+    for t in ins:
+        out &= loc.get(t, every) if t.is_function_arg else loc.get(t, loc.get(t.node, every))
+    return out or every
+
+
+def _user_term(gu: FunctionGraph, ref: TensorRef, sig, step: TrainStep) -> str:
+    """``ref`` of the update function in a user's terms: the gradient of a variable, or an op's name."""
+    if ref.is_function_arg and ref.node.startswith("grad_"):
+        c = step.cut[int(ref.node[len("grad_"):])]
+        for v in [c.variable] + list(c.writes):
+            if v in sig.variables:
+                what = "the sparse gradient (row indices)" if c.role == "indices" else "the gradient"
+                return f"{what} of variable {sig.variables[v].name!r}"
+    return f"{gu.nodes[ref.node].op} {ref.node!r}" if not ref.is_function_arg else f"input {ref.node!r}"
 
 
 # --------------------------------------------------------------------------- steps with dependent updates

@@ -141,6 +141,7 @@ class StagePlan:
     node_stage: Mapping[str, int] = field(repr=False, default_factory=dict)     # per-example op -> stage
     split_nodes: Mapping[str, Tuple[int, ...]] = field(repr=False, default_factory=dict)  # IdentityN: per output
     profile_batch: int = 0               # the batch of the profile its measured times are of (0: none)
+    terms: Mapping[str, int] = field(repr=False, default_factory=dict)  # a regularization term's op -> its stage
 
     @property
     def flops(self) -> int:
@@ -450,11 +451,52 @@ class _Step:
             return memo[node]
 
         readers: Dict[str, List[int]] = {}
+        self.terms: List[Tuple[TensorRef, frozenset, int]] = []
         for n, p in self.pos.items():
-            for v in vars_of(n):  # (the variables its inputs read: its own memo entry)
+            vars_of(n)
+            reads, terms = self._reads_at(n, memo)
+            for v in reads:
                 readers.setdefault(v, []).append(p)
+            self.terms += [(t, vs, p) for t, vs in terms]
+        for t, vs, p in self.terms:  # a variable read by nothing but a term: where the term is read
+            for v in vs:
+                if v not in readers:
+                    readers.setdefault(v, []).append(p)
         self._readers = readers
+        self._memo = memo
         return readers
+
+    def _reads_at(self, n: str, memo: Mapping[str, frozenset]) -> Tuple[Set[str], List[Tuple[TensorRef, frozenset]]]:
+        """The variables forward op ``n`` reads (through batch-free reads), and the terms among
+        its inputs: a scalar computed from variables alone (a regularization term, such as an L2
+        penalty), which goes with its variables' stage, not with the loss that adds it. An input
+        an IdentityN or Identity passes on to no forward op (a custom gradient's, such as
+        ``recompute_grad``'s, variables handed to its gradient function) is no read."""
+        g, dep = self.g, self.step.batch_dependent
+        through = g.op_types()[n] in ("IdentityN", "Identity")
+        outs = g.outputs(n) if through else []
+        reads: Set[str] = set()
+        terms: List[Tuple[TensorRef, frozenset]] = []
+        for i, t in enumerate(g.data_inputs(n)):
+            if t.is_function_arg:
+                if t.node in self.resources:
+                    reads.add(t.node)
+                continue
+            if t.node in dep or not memo.get(t.node):
+                continue
+            if through and i < len(outs) and not any(c in self.pos for c, _ in g.consumers(outs[i])):
+                continue
+            if g.shape(t) == [] and g.nodes[t.node].op not in _FREE:
+                terms.append((t, memo[t.node]))
+                continue
+            reads |= memo[t.node]
+        return reads, terms
+
+    def term_nodes(self, t: TensorRef) -> Set[str]:
+        """The batch-free ops computing term ``t`` from its variables."""
+        dep = self.step.batch_dependent
+        return self.g.reachable([t.node], lambda n: [x.node for x in self.g.data_inputs(n)
+                                                     if not x.is_function_arg and x.node not in dep])
 
 
 class _Many:
@@ -824,9 +866,25 @@ def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[st
                          bytes=sum(b for _, b in crossing[c]), gradient_bytes=grad_bytes[c])
                      for c, p in enumerate(cuts))
     return StagePlan(
-        signature=sig.key, function=g.name, stages=tuple(stage_list), cuts=cut_list, chosen=chosen,
+        terms=_term_stages(s, owner, stage_of), signature=sig.key, function=g.name, stages=tuple(stage_list),
+        cuts=cut_list, chosen=chosen,
         shared=tuple(SharedVariable(name(v), st, _var_bytes(sig, v)) for v, st in
                      ((v, shared[v]) for v in by_order(shared))),
         replicated=tuple(name(r) for r in replicated), replicated_bytes=sum(_var_bytes(sig, r) for r in replicated),
         placement=counts, misplaced=tuple(misplaced), order=tuple(s.order), node_stage=node_stage,
         split_nodes=split_nodes, profile_batch=profile_batch)
+
+
+def _term_stages(s: _Step, owner: Mapping[str, int], stage_of) -> Dict[str, int]:
+    """Op -> stage for the ops of the terms (regularization terms, :meth:`_Step._reads_at`): each
+    op reading variables that one stage owns on that stage, which sends what it computes (the
+    scalar penalty) to the loss; the ops adding up terms of several stages where they are read."""
+    out: Dict[str, int] = {}
+    for t, _, p in s.terms:
+        for n in s.term_nodes(t):
+            st = {owner.get(v) for v in s._memo.get(n, ())}
+            if len(st) == 1 and None not in st:
+                k = st.pop()
+                if k != stage_of(p):
+                    out[n] = k
+    return out
