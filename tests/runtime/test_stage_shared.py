@@ -195,3 +195,21 @@ def test_a_sparse_gradient_several_stages_need_is_refused_by_its_variable(tmp_pa
                                "--stages", "2")
     one_error(code, err, "variable 'tokens/embeddings'", "several pipeline stages", "--devices", "--split-at")
     assert not out.exists()
+
+
+def test_replicas_of_stages_sharing_variables_are_refused(staged, digits, tmp_path):
+    """Two replicas of a pipeline whose stages share a layer (4 ranks): refused before any step,
+    naming the shared variable and what to do, never a wait on a broadcast that spans both
+    replicas."""
+    import subprocess
+
+    from test_mpi_train import ENV, train_cmd
+    import vfgraph
+
+    model = vfgraph.save(vfgraph.rewrite(staged("shared")[0], vnodes=8, vnode_batch=8, stages=2, allreduce="mpi"),
+                         str(tmp_path / "staged"))
+    res = subprocess.run(train_cmd(4, model, digits["train"], str(tmp_path / "out"), 2), capture_output=True,
+                         text=True, env=ENV, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "share variables (shared/kernel" in res.stderr and "one replica" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
