@@ -269,20 +269,7 @@ RANKS = ["module-assign-sub", "module-momentum", "nontrainable-state", "bilstm",
 CORPUS_RANKS = ["resnet-hub", "gru", "bart-sum-clipped"]
 RANK_VNODES = 8
 RANK_TIMEOUT = 240  # mpiexec -n 2, 2 steps: ~25 s for ours, ~100 s for the ResNet, on 2 busy cores
-SHARED = "refused: a variable read by stages 1, 2, which MPI ranks cannot share"
-FAILING_ON_RANKS = {
-    "bilstm": "a variant tensor crosses the cut: TensorFlow cannot load the stages "
-              "(attr 'T' of variant is not in the list of allowed values)",
-    "l2": SHARED + " (the regularizer's kernel)",
-    "shared-layer": SHARED + " (the shared layer's kernel)",
-    "recompute-grad": SHARED + " (recompute_grad's weights)",
-    "global-clip": "refused: an update that mixes the stages' gradients (clipping by their global norm) needs "
-                   "one process",
-    "gru": "refused: 'the update of stage 2 reads what other stages compute (adam/Square reads grad_0) ... "
-           "(clipping by their global norm) needs one process', though the model has no clipping",
-    "bart-sum-clipped": "refused: an update that mixes the stages' gradients (clipping by their global norm) needs "
-                        "one process",
-}
+FAILING_ON_RANKS = {}
 
 
 def _data(name, model, path, rows):
