@@ -80,8 +80,8 @@ def worker(args) -> None:
     import tensorflow as tf
 
     from benchlib import proc_status, reset_hwm
+    from vfgraph.runtime.devices import one_cpu_per_stage
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
     rank = 0
     ranks = args.mode.startswith("ranks")
     if ranks:
@@ -94,9 +94,7 @@ def worker(args) -> None:
         tf.config.threading.set_intra_op_parallelism_threads(1)
         vfgraph.ops.set_communicator(MPI.COMM_WORLD.Dup(), stages=K)  # (the stages' reduce runs on it)
     elif args.mode in ("1f1b", "gpipe"):
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * K)
-        tf.config.threading.set_inter_op_parallelism_threads(K)
-        tf.config.threading.set_intra_op_parallelism_threads(1)
+        one_cpu_per_stage(K)
     else:
         tf.config.threading.set_inter_op_parallelism_threads(2 if args.mode == "two-ops" else 1)
         tf.config.threading.set_intra_op_parallelism_threads(2 if args.mode == "two-threads" else 1)

@@ -19,10 +19,9 @@ def main() -> None:
         config = json.load(f)
     import tensorflow as tf
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * config["devices"])
-    tf.config.threading.set_inter_op_parallelism_threads(config["devices"])
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    from vfgraph.runtime.devices import one_cpu_per_stage
+
+    one_cpu_per_stage(config["devices"])
     from tensorflow.python.eager import context
 
     from vfgraph.io.savedmodel import load_to_run

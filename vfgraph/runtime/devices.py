@@ -25,6 +25,19 @@ def stages_of(model: str, signature: str) -> Optional[Stages]:
     return records.read(model, Stages).get(signature)
 
 
+def one_cpu_per_stage(count: int) -> None:
+    """Split this process's CPU into ``count`` logical devices (``/CPU:0`` .. ``/CPU:count-1``),
+    one intra-op thread each and ``count`` inter-op threads, as stages on devices run in one
+    process with one thread per device (the tests and benchmarks compare at that). Call before
+    TensorFlow's runtime starts."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    tf.config.threading.set_inter_op_parallelism_threads(count)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+
+
 def prepare_devices(stages: Optional[Stages]) -> None:
     """Make the logical CPU devices ``stages`` name and this process lacks; warn about other
     devices it lacks (TensorFlow then runs their ops where it can: soft placement). Call
