@@ -21,7 +21,10 @@ ignores) instead of a device, and ``split-vnodes`` adds one training signature p
 (``train_stage_1`` ...) whose virtual-node loop runs that stage's ops only, receiving the
 tensors other stages compute with ``VfRecv`` and sending its own with ``VfSend``. A variable
 read by several stages is then held by each of them (its part lists it), each applying the
-same update from the same summed gradient (split-vnodes' stage updates).
+same update from the same summed gradient (split-vnodes' stage updates). So is every variable
+that one conditional update writes with variables of other stages (a loss-scale optimizer's
+apply under its finite check, Keras' gradient accumulation, ``tf.cond`` on the gradients):
+each of those stages runs the whole conditional update on every gradient.
 
 An ``IdentityN`` whose outputs belong to different stages (Keras passes the gradients
 through one) becomes one ``Identity`` per output, each on its output's stage.
@@ -146,8 +149,9 @@ class PartitionStagesPass(Pass):
                          + (f", profile {self.profile}" if self.profile else "")
                          + "); to repeat this rewrite exactly, split at " + ";".join(plan.split_at))
         if plan.shared and not devices:
-            notes.append(f"signature {sig.key!r}: variables read by several stages are held by each of them, their "
-                         "gradients summed between them and their update applied by each: "
+            notes.append(f"signature {sig.key!r}: variables read by several stages, or updated together under one "
+                         "condition, are held by each of them, their gradients summed or broadcast between them and "
+                         "their update applied by each: "
                          + ", ".join(f"{v.name} (stages {', '.join(map(str, v.stages))})" for v in plan.shared[:3])
                          + (" ..." if len(plan.shared) > 3 else ""))
         elif plan.shared:

@@ -748,7 +748,7 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
     if wrapper is None:
         raise PipelineError(f"signature {key!r} has no wrapper vfgraph can add stage signatures like; pipeline "
                             "stages on MPI ranks need a TF2 SavedModel")
-    odd = [o.name for o in step.outputs if o.side != "vnode" or o.combine != "mean" or not _static(g.shape(o.ref))]
+    odd = [o.name for o in step.outputs if o.side == "vnode" and (o.combine != "mean" or not _static(g.shape(o.ref)))]
     if odd:
         raise PipelineError(f"signature {key!r}: output {odd[0]!r} is not a mean over virtual nodes of a static "
                             "shape, which pipeline stages on MPI ranks broadcast from the stage computing it; "
@@ -762,7 +762,8 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
     for k, part in enumerate(stages.parts):
         for name in part.variables + part.optimizer_state:
             owner_var[name] = k
-    n_out = sum(1 for o in step.outputs if o.side == "vnode")
+    vnode_outputs = [o for o in step.outputs if o.side == "vnode"]
+    n_out = len(vnode_outputs)
     # out_<name>... then grad_<k>..., as outlined; through the unmarked identities that gather
     # tensors of several stages (Keras' IdentityN of the gradients), so no stage needs them all
     rets = [(name, _through_identities(gv, ref, where)) for name, ref in gv.output_refs()]
@@ -799,7 +800,7 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         vdef_s, parts = vdefs[s], split[s]
         mine = [k for k, o in enumerate(owners) if o == s]
         view = TrainStep(sig, step.function, [step.cut[k - n_out] for k in mine if k >= n_out], step.vnode_nodes,
-                         step.writes, [o for k, o in enumerate(step.outputs) if k in mine], step.batch_dependent)
+                         step.writes, [o for k, o in enumerate(vnode_outputs) if k in mine], step.batch_dependent)
         # 1F1B: stage s (from 0) starts virtual node i once i - (K - s) has finished
         if parts is None:
             item.set_function(vdef_s)
@@ -820,10 +821,17 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         outs, sums, fused, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
         outs, sums, count = loop.reduce(fb, outs, sums, fused, nv, reduce_s)
         results = iter(loop.outputs(fb, outs, count, nv))
-        call, _ = _update(fb, udef_s, _means(fb, view, sums, count), res, after=[done])
+        call, updated = _update(fb, udef_s, _means(fb, view, sums, count), res, after=[done])
+        updated = iter(updated)  # the update's outputs: every stage's update computes them (_update_shares)
         last = call
-        for k, (o, a) in enumerate(zip(step.outputs, header.signature.output_arg)):
+        vnode_k = iter(range(n_out))
+        for o, a in zip(step.outputs, header.signature.output_arg):
             t, shape = a.type, g.shape(o.ref)
+            if o.side != "vnode":
+                fb.ret(a.name, fb.op("Identity", [next(updated)], name="result", deps=[call], T=type_attr(t),
+                                     shapes=[shape])[0], t)
+                continue
+            k = next(vnode_k)
             value = next(results) if owners[k] == s else zeros(fb, shape, t, "not_computed_here")
             last = fb.op("VfBroadcast", [value], name="from_stage", deps=[last], T=type_attr(t), root=owners[k])
             fb.ret(a.name, fb.op("Identity", [last[0]], name="result", T=type_attr(t), shapes=[shape])[0], t)

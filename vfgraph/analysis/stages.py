@@ -568,7 +568,7 @@ def plan_stages(g: FunctionGraph, step: TrainStep, stages: int, split_at: Sequen
                              "the messages between ranks cannot carry (" + _uncarried_example(s) + "); give --devices "
                              "to run the stages in one process, or fewer stages")
     chosen = "split-at" if split_at else "balanced" if measured is None else "measured"
-    return _build(s, cuts, chosen, measured, profile.batch if profile is not None else 0)
+    return _build(s, cuts, chosen, measured, profile.batch if profile is not None else 0, ranks)
 
 
 def _fused_positions(s: _Step) -> List[bool]:
@@ -754,7 +754,7 @@ def _var_bytes(sig, arg: str) -> int:
 
 
 def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[str, int]] = None,
-           profile_batch: int = 0) -> StagePlan:
+           profile_batch: int = 0, ranks: bool = False) -> StagePlan:
     g, step = s.g, s.step
     sig = step.signature
     k = len(cuts) + 1
@@ -801,6 +801,9 @@ def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[st
             for w in c.writes:
                 if w not in owner and w not in shared and a is not None:
                     owner[w] = stage_of(a)
+    term_owner = dict(owner)
+    if ranks:
+        _share_updated_together(g, step, owner, shared, slot_owner, slot_shared)
     replicated = [r for r in sig.resource_args
                   if r not in owner and r not in shared and r not in slot_owner and r not in slot_shared]
 
@@ -866,13 +869,45 @@ def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[st
                          bytes=sum(b for _, b in crossing[c]), gradient_bytes=grad_bytes[c])
                      for c, p in enumerate(cuts))
     return StagePlan(
-        terms=_term_stages(s, owner, stage_of), signature=sig.key, function=g.name, stages=tuple(stage_list),
+        terms=_term_stages(s, term_owner, stage_of), signature=sig.key, function=g.name, stages=tuple(stage_list),
         cuts=cut_list, chosen=chosen,
         shared=tuple(SharedVariable(name(v), st, _var_bytes(sig, v)) for v, st in
                      ((v, shared[v]) for v in by_order(shared))),
         replicated=tuple(name(r) for r in replicated), replicated_bytes=sum(_var_bytes(sig, r) for r in replicated),
         placement=counts, misplaced=tuple(misplaced), order=tuple(s.order), node_stage=node_stage,
         split_nodes=split_nodes, profile_batch=profile_batch)
+
+
+def _share_updated_together(g: FunctionGraph, step: TrainStep, owner: Dict[str, int],
+                             shared: Dict[str, Tuple[int, ...]], slot_owner: Dict[str, int],
+                             slot_shared: Dict[str, Tuple[int, ...]]) -> None:
+    """On MPI ranks: variables of several stages that one functional op of the update writes
+    together (a loss-scale optimizer applying every gradient under its finite check, Keras'
+    gradient accumulation applying them every k steps, an update under ``tf.cond`` on the
+    gradients) become shared by all those stages (moved from ``owner`` and ``slot_owner`` to
+    ``shared`` and ``slot_shared``): each holds a copy and runs the whole conditional update on
+    the same gradients, as one process runs it, so the copies stay identical."""
+    from vfgraph.analysis.calls import is_functional
+
+    together: Dict[str, List[str]] = {}
+    for v, nodes in step.writes.items():
+        for n in nodes:
+            if n in g.nodes and is_functional(g.nodes[n].op):
+                together.setdefault(n, []).append(v)
+    for n in sorted(together):
+        held = set()
+        for v in together[n]:
+            held |= {owner[v]} if v in owner else {slot_owner[v]} if v in slot_owner else set()
+            held |= set(shared.get(v, slot_shared.get(v, ())))
+        if len(held) < 2:
+            continue
+        for v in together[n]:
+            if v in owner or v in shared:
+                owner.pop(v, None)
+                shared[v] = tuple(sorted(held | set(shared.get(v, ()))))
+            elif v in slot_owner or v in slot_shared:
+                slot_owner.pop(v, None)
+                slot_shared[v] = tuple(sorted(held | set(slot_shared.get(v, ()))))
 
 
 def _term_stages(s: _Step, owner: Mapping[str, int], stage_of) -> Dict[str, int]:
