@@ -1136,8 +1136,17 @@ def _update_shares(gu: FunctionGraph, sig, step: TrainStep, stages: Stages, grad
     loc: dict = {}
     sent: list = []
 
-    def share(ref: TensorRef, root: int, shape) -> None:
+    def share(ref: TensorRef, root: int, shape, stages=()) -> None:
         if shape is None or not _static(shape):
+            conditional = _conditional_reader(gu, ref) if ref.is_function_arg else None
+            if conditional is not None:  # every stage holding its variables runs it: no cut keeps it on one
+                raise PipelineError(
+                    f"signature {sig.key!r}: {_user_term(gu, ref, sig, step)} goes into the update {conditional!r} "
+                    f"({gu.nodes[conditional].op}), which writes the variables of stages "
+                    f"{', '.join(str(k + 1) for k in sorted(stages))} under one condition (a LossScaleOptimizer's "
+                    "finite check, Keras' gradient accumulation, tf.cond on the gradients): each of those stages "
+                    "runs it, and the gradient's shape is not static, which stages on MPI ranks need to broadcast "
+                    "it; give --devices to run the stages in one process")
             raise PipelineError(f"signature {sig.key!r}: {_user_term(gu, ref, sig, step)} is needed on several "
                                 "pipeline stages, and its shape is not static, which stages on MPI ranks need to "
                                 "broadcast it; give --devices to run the stages in one process, or --split-at to keep "
@@ -1154,7 +1163,8 @@ def _update_shares(gu: FunctionGraph, sig, step: TrainStep, stages: Stages, grad
         copies = held.get(c.variable, frozenset()) | {owner}
         if len(copies) > 1:
             v = sig.variables[c.variable]
-            share(ref, owner, gu.shape(ref) if _static(gu.shape(ref) or [-1]) else v.shape)
+            rows = c.combine.startswith("concat")  # a sparse gradient's rows: never the variable's shape
+            share(ref, owner, gu.shape(ref) if rows or _static(gu.shape(ref) or [-1]) else v.shape, copies)
             loc[ref] = copies
     for n in gu.topological_order():
         loc[n] = _update_location(gu, n, loc, held, every, sig)
@@ -1163,7 +1173,7 @@ def _update_shares(gu: FunctionGraph, sig, step: TrainStep, stages: Stages, grad
                 continue
             lt = loc.get(t, loc.get(t.node, every)) if not t.is_function_arg else loc.get(t, every)
             if not loc[n] <= lt:
-                share(t, min(lt), gu.shape(t))
+                share(t, min(lt), gu.shape(t), loc[n])
     for _, ref in gu.output_refs():
         lt = loc.get(ref, loc.get(ref.node, every)) if not ref.is_function_arg else loc.get(ref, every)
         if lt != every:
@@ -1198,13 +1208,31 @@ def _update_location(gu: FunctionGraph, n: str, loc: dict, held: dict, every: fr
     return out or every
 
 
+def _conditional_reader(gu: FunctionGraph, ref: TensorRef) -> Optional[str]:
+    """The first functional op of the update (an ``If`` applying the gradients under a
+    condition) that reads ``ref`` directly or through other ops, None when there is none."""
+    from vfgraph.analysis.calls import is_functional
+
+    seen, todo = set(), [ref]
+    while todo:
+        for consumer, _ in sorted(gu.consumers(todo.pop(0)), key=str):
+            if consumer in seen:
+                continue
+            seen.add(consumer)
+            if is_functional(gu.nodes[consumer].op):
+                return consumer
+            todo.extend(gu.outputs(consumer))
+    return None
+
+
 def _user_term(gu: FunctionGraph, ref: TensorRef, sig, step: TrainStep) -> str:
     """``ref`` of the update function in a user's terms: the gradient of a variable, or an op's name."""
     if ref.is_function_arg and ref.node.startswith("grad_"):
         c = step.cut[int(ref.node[len("grad_"):])]
         for v in [c.variable] + list(c.writes):
             if v in sig.variables:
-                what = "the sparse gradient (row indices)" if c.role == "indices" else "the gradient"
+                what = ("the sparse gradient (row indices)" if c.role == "indices" else "the sparse gradient (rows)"
+                        if c.combine.startswith("concat") else "the gradient")
                 return f"{what} of variable {sig.variables[v].name!r}"
     return f"{gu.nodes[ref.node].op} {ref.node!r}" if not ref.is_function_arg else f"input {ref.node!r}"
 

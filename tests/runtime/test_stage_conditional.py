@@ -36,6 +36,10 @@ EXPORTS = {
     "gradient_accumulation": lambda p: export(p, gradient_accumulation_steps=2),
     "cond_on_gradient_norm": lambda p: export_conditional_sgd(p, "gradient_norm"),
 }
+ON_DEVICES_ONLY = {  # an embedding's rows under the loss scale: refused over ranks (see the last test)
+    "loss_scale_embedding": lambda p: export_loss_scaled(p, embedding=True),
+    "loss_scale_embedding_sum": lambda p: export_loss_scaled(p, embedding=True, loss="sum"),
+}
 KINDS = sorted(EXPORTS)
 
 
@@ -49,7 +53,7 @@ def source(tmp_path_factory):
 
     def get(kind):
         if kind not in made:
-            made[kind] = EXPORTS[kind](str(root / kind))
+            made[kind] = {**EXPORTS, **ON_DEVICES_ONLY}[kind](str(root / kind))
             keras.backend.clear_session()
         return made[kind]
 
@@ -64,24 +68,28 @@ def _rewrite(original: str, out: str, **options) -> str:
 
 
 def test_stages_on_devices_train_the_unpartitioned_step(source, tmp_path):
-    """Each kind, cut into 2 stages on /CPU:0 and /CPU:1 (one intra-op thread each), against
-    its unpartitioned rewrite with the same V, on the same random batches (stage_diff_worker.py)."""
+    """Each kind (and an embedding under the loss scale), cut into 2 and into 3 stages on
+    /CPU:0.. (one intra-op thread each), against its unpartitioned rewrite with the same V, on
+    the same random batches (stage_diff_worker.py)."""
     from vfgraph import records
     from vfgraph.records import Stages
 
     cases = []
-    for kind in KINDS:
+    for kind in KINDS + sorted(ON_DEVICES_ONLY):
         base = _rewrite(source(kind), str(tmp_path / f"{kind}_base"))
-        staged = _rewrite(source(kind), str(tmp_path / f"{kind}_staged"), stages=2, devices=["/CPU:0", "/CPU:1"])
-        cases.append({"name": kind, "baseline": base, "model": staged, "batch": 16})
-        parts = records.read(staged, Stages)["train"].parts
-        assert [p.device for p in parts] == ["/device:CPU:0", "/device:CPU:1"] and all(p.variables for p in parts)
+        for k in (2, 3):
+            devices = [f"/CPU:{i}" for i in range(k)]
+            staged = _rewrite(source(kind), str(tmp_path / f"{kind}_k{k}"), stages=k, devices=devices)
+            cases.append({"name": f"{kind}_k{k}", "baseline": base, "model": staged, "batch": 16})
+            parts = records.read(staged, Stages)["train"].parts
+            assert [p.device for p in parts] == [f"/device:CPU:{i}" for i in range(k)], parts
+            assert sum(bool(p.variables) for p in parts) == 2, parts  # (of 3 stages, one holds none)
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"devices": 2, "steps": STEPS, "cases": cases}))
+    config.write_text(json.dumps({"devices": 3, "steps": STEPS, "cases": cases}))
     res = subprocess.run([sys.executable, WORKER, str(config)], env=ENV, capture_output=True, text=True, timeout=600)
     reports = {r["name"]: r for r in map(json.loads, (ln for ln in res.stdout.splitlines() if ln.startswith("{")))
                if "start" not in r}
-    assert sorted(reports) == KINDS, res.stderr[-2000:]
+    assert sorted(reports) == sorted(c["name"] for c in cases), res.stderr[-2000:]
     for kind, rep in reports.items():
         assert "error" not in rep, rep
         assert rep["same_names"] and rep["params"] <= RTOL and rep["loss"] <= RTOL, rep
@@ -148,3 +156,19 @@ def test_stages_on_two_ranks_train_what_one_process_trains(on_ranks, npz, tmp_pa
     scale = [k for k in b if k.endswith("/dynamic_scale:0")]
     if scale:  # doubled after every 2 finite steps, once per step on every stage
         assert b[scale[0]] == 2.0 ** 10, b[scale[0]]
+
+
+@pytest.mark.parametrize("loss", ["mean", "sum"])
+def test_an_embedding_applied_under_the_loss_scale_is_refused_over_ranks(source, tmp_path, capsys, loss):
+    """An embedding's sparse gradient applied inside the loss-scale optimizer's conditional:
+    every stage runs that update, and its rows (of no static count) cannot be broadcast between
+    ranks. Refused at rewrite time naming the variable and the conditional, nothing written;
+    over devices it trains as the unpartitioned step (the embedding cases of the device test)."""
+    from vfgraph.testing.cli import one_error, run_in_process
+
+    original, out = str(tmp_path / f"embedded_{loss}"), tmp_path / "staged"
+    export_loss_scaled(original, embedding=True, loss=loss)
+    code, err = run_in_process(capsys, "rewrite", original, "-o", out, "--vnodes", "4", "--stages", "2")
+    one_error(code, err, "the sparse gradient (rows) of variable 'sequential", "/embeddings'",
+              "the update 'cond' (If)", "stages 1, 2 under one condition", "LossScaleOptimizer", "--devices")
+    assert not out.exists()
