@@ -28,6 +28,7 @@ WORKER = os.path.join(os.path.dirname(HERE), "rewrites", "stage_diff_worker.py")
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0", OMP_NUM_THREADS="1")
 RTOL = 1e-6
 STEPS = 4  # the scale doubles after steps 2 and 4; the accumulated gradients apply at steps 2 and 4
+RANK_STEPS = 3  # over ranks: ends between two applies, the accumulators holding step 3's gradients
 VNODES = 4
 EXPORTS = {
     "loss_scale_sgd": lambda p: export_loss_scaled(p),
@@ -144,8 +145,8 @@ def test_stages_on_two_ranks_train_what_one_process_trains(on_ranks, npz, tmp_pa
 
     model = on_ranks(kind)
     one, ranks = str(tmp_path / "one"), str(tmp_path / "ranks")
-    run_train(0, model, npz, one, STEPS)
-    run_train(2, model, npz, ranks, STEPS)
+    run_train(0, model, npz, one, RANK_STEPS)
+    run_train(2, model, npz, ranks, RANK_STEPS)
     a, b, before = params(one), params(ranks), params(model)
     assert sorted(a) == sorted(b)
     worst = max((rel_diff(a[k], b[k]), k) for k in a)
@@ -154,8 +155,11 @@ def test_stages_on_two_ranks_train_what_one_process_trains(on_ranks, npz, tmp_pa
     trained = [k for k in before if k.endswith(("kernel:0", "bias:0"))]
     assert trained and all(not np.array_equal(before[k], b[k]) for k in trained), kind
     scale = [k for k in b if k.endswith("/dynamic_scale:0")]
-    if scale:  # doubled after every 2 finite steps, once per step on every stage
-        assert b[scale[0]] == 2.0 ** 10, b[scale[0]]
+    if scale:  # doubled after 2 finite steps, once per step on every stage
+        assert b[scale[0]] == 2.0 ** 9, b[scale[0]]
+    accumulators = [k for k in b if k.endswith("_gradient_accumulator:0")]
+    assert all(np.abs(b[k]).max() > 0 for k in accumulators)  # (both stages' copies gathered mid-accumulation)
+    assert len(accumulators) == (4 if kind == "gradient_accumulation" else 0)
 
 
 @pytest.mark.parametrize("loss", ["mean", "sum"])
