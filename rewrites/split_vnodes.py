@@ -820,26 +820,34 @@ def add_stage_steps(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, ud
         res = [by[a] for a in sig.invariant_args]
         outs, sums, fused, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
         outs, sums, count = loop.reduce(fb, outs, sums, fused, nv, reduce_s)
-        results = iter(loop.outputs(fb, outs, count, nv))
+        results = loop.outputs(fb, outs, count, nv)
         call, updated = _update(fb, udef_s, _means(fb, view, sums, count), res, after=[done])
-        updated = iter(updated)  # the update's outputs: every stage's update computes them (_update_shares)
-        last = call
-        vnode_k = iter(range(n_out))
-        for o, a in zip(step.outputs, header.signature.output_arg):
-            t, shape = a.type, g.shape(o.ref)
-            if o.side != "vnode":
-                fb.ret(a.name, fb.op("Identity", [next(updated)], name="result", deps=[call], T=type_attr(t),
-                                     shapes=[shape])[0], t)
-                continue
-            k = next(vnode_k)
-            value = next(results) if owners[k] == s else zeros(fb, shape, t, "not_computed_here")
-            last = fb.op("VfBroadcast", [value], name="from_stage", deps=[last], T=type_attr(t), root=owners[k])
-            fb.ret(a.name, fb.op("Identity", [last[0]], name="result", T=type_attr(t), shapes=[shape])[0], t)
-        fb.control_ret(last)
+        _stage_returns(fb, g, step, header, owners[:n_out], s, results, call, updated)
         verify_function_def(fb.finish(), lib)
         names.append(f"{key}_stage_{s + 1}")
         add_signature(item, names[-1], fn, wrapper, takes_inputs=True)
     return tuple(names), tuple(reducers)
+
+
+def _stage_returns(fb: FunctionGraph, g: FunctionGraph, step: TrainStep, header, owners: List[int], s: int,
+                   results: List[TensorRef], call, updated: List[TensorRef]) -> None:
+    """Stage ``s``'s step returns the step's outputs: each virtual-node output broadcast from
+    the stage computing it (``owners``: by virtual-node output; ``results``: stage ``s``'s own),
+    in the outputs' order; each output of the update as its own update computed it (every
+    stage's update computes them: :func:`_update_shares`)."""
+    results, updated, vnode_k = iter(results), iter(updated), iter(range(len(owners)))
+    last = call
+    for o, a in zip(step.outputs, header.signature.output_arg):
+        t, shape = a.type, g.shape(o.ref)
+        if o.side != "vnode":
+            fb.ret(a.name, fb.op("Identity", [next(updated)], name="result", deps=[call], T=type_attr(t),
+                                 shapes=[shape])[0], t)
+            continue
+        k = next(vnode_k)
+        value = next(results) if owners[k] == s else zeros(fb, shape, t, "not_computed_here")
+        last = fb.op("VfBroadcast", [value], name="from_stage", deps=[last], T=type_attr(t), root=owners[k])
+        fb.ret(a.name, fb.op("Identity", [last[0]], name="result", T=type_attr(t), shapes=[shape])[0], t)
+    fb.control_ret(last)
 
 
 def _through_identities(gv: FunctionGraph, ref: TensorRef, where) -> TensorRef:

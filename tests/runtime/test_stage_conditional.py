@@ -1,8 +1,8 @@
-"""Updates applied under a condition, cut into 2 pipeline stages: Keras' LossScaleOptimizer
+"""Updates applied under a condition, cut into pipeline stages: Keras' LossScaleOptimizer
 (over SGD, over Adam with ``global_clipnorm``, under ``mixed_float16``), Keras'
 ``gradient_accumulation_steps`` and an update under ``tf.cond`` on the gradients' global norm
 train the parameters of the unpartitioned step with the same virtual nodes, over logical CPU
-devices in one process and over MPI ranks (``mpiexec -n 2 vfgraph train``).
+devices in one process and over MPI ranks (``mpiexec -n K vfgraph train``).
 
 Their update is one functional op (an ``If``) writing the variables of both stages together.
 On devices it runs where TensorFlow puts it, reading each stage's variables there. On ranks each
@@ -98,14 +98,14 @@ def test_stages_on_devices_train_the_unpartitioned_step(source, tmp_path):
 
 @pytest.fixture(scope="module")
 def on_ranks(source, tmp_path_factory):
-    """``get(kind)``: ``kind`` rewritten with 4 virtual nodes cut into 2 stages on MPI ranks."""
+    """``get(kind, k=2)``: ``kind`` rewritten with 4 virtual nodes cut into k stages on MPI ranks."""
     root = tmp_path_factory.mktemp("stage_conditional_ranks")
     made = {}
 
-    def get(kind):
-        if kind not in made:
-            made[kind] = _rewrite(source(kind), str(root / kind), stages=2)
-        return made[kind]
+    def get(kind, k=2):
+        if (kind, k) not in made:
+            made[kind, k] = _rewrite(source(kind), str(root / f"{kind}_k{k}"), stages=k)
+        return made[kind, k]
 
     return get
 
@@ -138,15 +138,18 @@ def npz(tmp_path_factory):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind", KINDS)
-def test_stages_on_two_ranks_train_what_one_process_trains(on_ranks, npz, tmp_path, kind):
+@pytest.mark.parametrize("kind, k", [(kind, 2) for kind in KINDS]
+                         + [("loss_scale_adam_clipped", 3), ("gradient_accumulation", 3)])
+def test_stages_on_ranks_train_what_one_process_trains(on_ranks, npz, tmp_path, kind, k):
+    """K stages on K ranks (``mpiexec -n K vfgraph train``) against the same model trained in
+    one process, which runs the unpartitioned step with the same V."""
     from test_mpi_train import losses, params, run_train
     from vfgraph.testing.compare import rel_diff
 
-    model = on_ranks(kind)
+    model = on_ranks(kind, k)
     one, ranks = str(tmp_path / "one"), str(tmp_path / "ranks")
     run_train(0, model, npz, one, RANK_STEPS)
-    run_train(2, model, npz, ranks, RANK_STEPS)
+    run_train(k, model, npz, ranks, RANK_STEPS)
     a, b, before = params(one), params(ranks), params(model)
     assert sorted(a) == sorted(b)
     worst = max((rel_diff(a[k], b[k]), k) for k in a)
