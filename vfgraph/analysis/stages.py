@@ -803,7 +803,7 @@ def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[st
                     owner[w] = stage_of(a)
     term_owner = dict(owner)
     if ranks:
-        _share_updated_together(g, step, owner, shared, slot_owner, slot_shared)
+        _share_updated_together(g, step, owner, shared, slot_owner, slot_shared, k)
     replicated = [r for r in sig.resource_args
                   if r not in owner and r not in shared and r not in slot_owner and r not in slot_shared]
 
@@ -880,13 +880,16 @@ def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[st
 
 def _share_updated_together(g: FunctionGraph, step: TrainStep, owner: Dict[str, int],
                              shared: Dict[str, Tuple[int, ...]], slot_owner: Dict[str, int],
-                             slot_shared: Dict[str, Tuple[int, ...]]) -> None:
+                             slot_shared: Dict[str, Tuple[int, ...]], k: int) -> None:
     """On MPI ranks: variables of several stages that one functional op of the update writes
     together (a loss-scale optimizer applying every gradient under its finite check, Keras'
     gradient accumulation applying them every k steps, an update under ``tf.cond`` on the
-    gradients) become shared by all those stages (moved from ``owner`` and ``slot_owner`` to
+    gradients) become shared by every stage (moved from ``owner`` and ``slot_owner`` to
     ``shared`` and ``slot_shared``): each holds a copy and runs the whole conditional update on
-    the same gradients, as one process runs it, so the copies stay identical."""
+    the same gradients, as one process runs it, so the copies stay identical. Every stage, not
+    only those owning one of them: with a stage holding none left out (3 stages, a middle one
+    without variables), the last stage's copy of a first-stage bias came out different under a
+    loss-scale optimizer, though the step's losses agreed."""
     from vfgraph.analysis.calls import is_functional
 
     together: Dict[str, List[str]] = {}
@@ -901,6 +904,7 @@ def _share_updated_together(g: FunctionGraph, step: TrainStep, owner: Dict[str, 
             held |= set(shared.get(v, slot_shared.get(v, ())))
         if len(held) < 2:
             continue
+        held = set(range(1, k + 1))  # every stage runs it, one holding none of its variables too
         for v in together[n]:
             if v in owner or v in shared:
                 owner.pop(v, None)
