@@ -1075,7 +1075,7 @@ def _stage_update_function(item: GraphItem, udef, sig, step: TrainStep, mine: Li
         if s != root:
             gc.replace_all_uses_with(ref, TensorRef(f"vf/stage/shared_{m}", "output", 0))
         last = gc.op("VfBroadcast", [value], name=f"vf/stage/shared_{m}", deps=[last] if last else [],
-                     T=type_attr(dtype), root=root, shapes=[shape])
+                     T=type_attr(dtype), root=root, stages=shares.stages, shapes=[shape])
     drop = frozenset(n for n in gu.nodes if s not in shares.where.get(n, (s,)))
     name = function_name(gu.name, tag)
     outputs = [(a.name, gc.output_refs()[k][1]) for k, a in enumerate(udef.signature.output_arg)]
@@ -1118,11 +1118,13 @@ def _split_update_identities(udef, lib):
 
 class _UpdateShares(NamedTuple):
     """Where each node of the update function runs (the stages, from 0, that compute it), and
-    the tensors broadcast from the stage computing them to every stage, in the order every
-    stage broadcasts them: (tensor, root stage, static shape, dtype)."""
+    the tensors broadcast from the stage computing them to every stage of the same replica of
+    the pipeline (of ``stages`` stages), in the order every stage broadcasts them: (tensor,
+    root stage, static shape, dtype)."""
 
     where: dict
     sent: list
+    stages: int
 
 
 def _update_shares(gu: FunctionGraph, sig, step: TrainStep, stages: Stages, grad_owner: List[int]) -> _UpdateShares:
@@ -1186,7 +1188,7 @@ def _update_shares(gu: FunctionGraph, sig, step: TrainStep, stages: Stages, grad
         lt = loc.get(ref, loc.get(ref.node, every)) if not ref.is_function_arg else loc.get(ref, every)
         if lt != every:
             share(ref, min(lt), gu.shape(ref))
-    return _UpdateShares({n: v for n, v in loc.items() if isinstance(n, str)}, sent)
+    return _UpdateShares({n: v for n, v in loc.items() if isinstance(n, str)}, sent, stages.count)
 
 
 def _update_location(gu: FunctionGraph, n: str, loc: dict, held: dict, every: frozenset, sig) -> frozenset:

@@ -6,8 +6,10 @@ Ops (registered by the library this package builds and loads):
   (T: half, bfloat16, float, double, int32, int64); with ``stages`` > 0, over the ranks of
   this rank's pipeline stage (rank r is in stage r modulo ``stages``: the same stage of every
   replica of a pipeline), split by :func:`set_communicator`.
-- ``VfBroadcast(input: T, root: int = 0) -> output: T``: rank ``root``'s value on every rank
-  (T: the above and uint8, int8, bool).
+- ``VfBroadcast(input: T, root: int = 0, stages: int = 0) -> output: T``: rank ``root``'s value
+  on every rank (T: the above and uint8, int8, bool); with ``stages`` > 0, among the ranks of
+  this rank's replica of a pipeline only (its group of ``stages`` consecutive ranks, split by
+  :func:`set_communicator`), from the one running stage ``root``.
 - ``VfBroadcastVariables(resources: N * resource, root: int = 0)``: no outputs; assigns rank
   ``root``'s value of each variable to it on every rank, in place (dtypes as VfBroadcast).
 - ``VfAllgather(input: T, stages: int = 0) -> output: T``: the inputs of all ranks concatenated
@@ -144,7 +146,9 @@ def set_communicator(comm, stages: int = 0) -> None:
     ``MPI.COMM_WORLD``). Call it before running graphs with these ops, with the same kind of
     communicator on every rank that takes part. ``stages`` > 0 also splits it into the ranks
     of each of that many pipeline stages (rank r in stage r modulo ``stages``), which the ops
-    with that ``stages`` attribute sum over (a collective: every rank calls it alike)."""
+    with that ``stages`` attribute sum over, and into the replicas of the pipeline (rank r in
+    replica r // ``stages``), which VfBroadcast with that attribute spans (a collective: every
+    rank calls it alike)."""
     global _communicator
     MPI = _toolchain.import_mpi()
     if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
@@ -228,9 +232,11 @@ def allreduce(x, name: Optional[str] = None, stages: int = 0):
     return load().vf_allreduce(x, stages=stages, name=name)
 
 
-def broadcast(x, root: int = 0, name: Optional[str] = None):
-    """Rank ``root``'s ``x`` on every rank (a ``VfBroadcast`` op)."""
-    return load().vf_broadcast(x, root=root, name=name)
+def broadcast(x, root: int = 0, name: Optional[str] = None, stages: int = 0):
+    """Rank ``root``'s ``x`` on every rank (a ``VfBroadcast`` op); ``stages`` > 0: stage
+    ``root``'s ``x`` on every stage of this rank's replica of the pipeline only (see
+    :func:`set_communicator`)."""
+    return load().vf_broadcast(x, root=root, stages=stages, name=name)
 
 
 def broadcast_variables(variables, root: int = 0, name: Optional[str] = None):

@@ -109,8 +109,10 @@ struct CommState {
   bool errhandler_set = false;   // MPI_ERRORS_RETURN installed on the one in use
   int stages = 0;                 // vf_mpi_split_stages split it into this many stages
   MPI_Comm stage_comm = MPI_COMM_NULL;  // this rank's stage: the ranks equal to it modulo stages
+  MPI_Comm replica_comm = MPI_COMM_NULL;  // this rank's replica: its group of `stages` consecutive ranks
   int64_t seq = 0;                // collectives run on `comm` so far (numbers them for the watchdog)
   int64_t stage_seq = 0;          // and on `stage_comm`
+  int64_t replica_seq = 0;        // and on `replica_comm`
 };
 
 CommState& State() {
@@ -653,8 +655,33 @@ int BroadcastBytes(char* data, int64_t bytes, int root, MPI_Comm comm) {
 
 // The communicator of a broadcast from `root`. Every rank sees the same size and
 // root, so all of them stop here alike when the root does not exist.
-absl::Status AcquireRootComm(const std::string& op, const std::string& node, int root, Comm* comm) {
+// AcquireComm's communicator, or with `stages` > 0 that of this rank's replica of a pipeline
+// of `stages` stages (its group of `stages` consecutive ranks, in which stage k is rank k), which
+// vf_mpi_split_stages made. The caller holds CollectiveMutex().
+absl::Status AcquireReplicaComm(const std::string& op, const std::string& node, int stages, Comm* comm) {
   absl::Status status = AcquireComm(op, node, comm);
+  if (!status.ok() || stages <= 0) return status;
+  const CommState& state = State();
+  if (state.stages != stages || state.replica_comm == MPI_COMM_NULL) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        op, " (node '", node, "'): runs among the ", stages, " pipeline stages of one replica, but this ",
+        "process's ranks are ",
+        state.stages ? absl::StrCat("split into ", state.stages, " stages") : "not split into stages",
+        "; train the model with 'vfgraph train', or call "
+        "vfgraph.ops.set_communicator(comm, stages=", stages, ") first"));
+  }
+  comm->comm = state.replica_comm;
+  int rc = MPI_Comm_rank(comm->comm, &comm->rank);
+  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Comm_rank", rc, *comm);
+  rc = MPI_Comm_size(comm->comm, &comm->size);
+  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Comm_size", rc, *comm);
+  return absl::OkStatus();
+}
+
+// The communicator of AcquireReplicaComm, checking that `root` is one of its ranks.
+absl::Status AcquireRootComm(const std::string& op, const std::string& node, int root, Comm* comm,
+                             int stages = 0) {
+  absl::Status status = AcquireReplicaComm(op, node, stages, comm);
   if (!status.ok()) return status;
   if (root < 0 || root >= comm->size) {
     return absl::InvalidArgumentError(absl::StrCat(op, " (node '", node, "'): root rank ", root,
@@ -783,6 +810,7 @@ class BroadcastOp : public OpKernel {
  public:
   explicit BroadcastOp(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("root", &root_));
+    OP_REQUIRES_OK(context, context->GetAttr("stages", &stages_));
   }
 
   void Compute(OpKernelContext* context) override {
@@ -790,8 +818,9 @@ class BroadcastOp : public OpKernel {
     std::lock_guard<std::mutex> lock(CollectiveMutex());
     BlockedClock blocked;
     Comm comm;
-    OP_REQUIRES_OK(context, AcquireRootComm("VfBroadcast", name(), root_, &comm));
-    Watching watching(Collective("VfBroadcast", name(), comm, Counter(0), context));
+    OP_REQUIRES_OK(context, AcquireRootComm("VfBroadcast", name(), root_, &comm, stages_));
+    Watching watching(Collective("VfBroadcast", name(), comm,
+                                 stages_ > 0 ? &State().replica_seq : Counter(0), context));
 
     std::vector<int64_t> mine, header;
     AppendHeader(input, &mine);
@@ -831,6 +860,7 @@ class BroadcastOp : public OpKernel {
 
  private:
   int root_ = 0;
+  int stages_ = 0;  // > 0: among the stages of this rank's replica (AcquireReplicaComm)
 };
 
 // ---------------------------------------------------------------------------
@@ -1606,10 +1636,14 @@ REGISTER_OP("VfBroadcast")
     .Output("output: T")
     .Attr("T: {half, bfloat16, float, double, int32, int64, uint8, int8, bool}")
     .Attr("root: int = 0")
+    .Attr("stages: int = 0")
     .SetIsStateful()
     .SetShapeFn(shape_inference::UnchangedShape)
     .Doc(R"doc(
 The `input` of rank `root`, on every rank; every rank passes the same shape.
+`stages` > 0: among the ranks of this rank's replica of a pipeline of `stages`
+stages only (its group of `stages` consecutive ranks), from the one running
+stage `root`.
 )doc");
 
 REGISTER_OP("VfBroadcastVariables")
@@ -1800,8 +1834,9 @@ extern "C" __attribute__((visibility("default"))) int vf_mpi_set_comm(int fortra
   state.user_comm = true;
   state.errhandler_set = true;
   if (state.stage_comm != MPI_COMM_NULL) MPI_Comm_free(&state.stage_comm);  // split another one
+  if (state.replica_comm != MPI_COMM_NULL) MPI_Comm_free(&state.replica_comm);
   state.stages = 0;
-  state.seq = state.stage_seq = 0;
+  state.seq = state.stage_seq = state.replica_seq = 0;
   return 0;
 }
 
@@ -1828,10 +1863,17 @@ extern "C" __attribute__((visibility("default"))) int vf_mpi_split_stages(int st
   if (rc != MPI_SUCCESS) return rc;
   rc = MPI_Comm_set_errhandler(split, MPI_ERRORS_RETURN);
   if (rc != MPI_SUCCESS) return rc;
+  MPI_Comm replica = MPI_COMM_NULL;  // rank r - r % stages + k runs stage k of this replica
+  rc = MPI_Comm_split(comm, rank / stages, rank, &replica);
+  if (rc != MPI_SUCCESS) return rc;
+  rc = MPI_Comm_set_errhandler(replica, MPI_ERRORS_RETURN);
+  if (rc != MPI_SUCCESS) return rc;
   if (state.stage_comm != MPI_COMM_NULL) MPI_Comm_free(&state.stage_comm);
+  if (state.replica_comm != MPI_COMM_NULL) MPI_Comm_free(&state.replica_comm);
   state.stage_comm = split;
+  state.replica_comm = replica;
   state.stages = stages;
-  state.stage_seq = 0;
+  state.stage_seq = state.replica_seq = 0;
   return 0;
 }
 

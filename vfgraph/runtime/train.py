@@ -508,11 +508,6 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             if groups > 1 and not reduces:
                 raise InputError(f"{model}: {groups} replicas of its {k_count} pipeline stages need the all-reduce "
                                  "between them; rewrite it with --allreduce mpi")
-            if groups > 1 and stages.shared:  # their update's broadcast spans all ranks, not one replica's
-                raise InputError(f"{model}: its pipeline stages share variables ({', '.join(stages.shared[:3])}"
-                                 f"{' ...' if len(stages.shared) > 3 else ''}), which {groups} replicas of the "
-                                 f"pipeline cannot train yet: start {k_count} ranks (one replica), or rewrite it "
-                                 "with --devices")
             _same_model(w, model)
         # a stage on a rank reads only its own variables: the others stay uninitialized, no memory
         loaded = savedmodel.load_to_run(model, variable_devices=in_process > 1, without_values=ranked)
