@@ -86,9 +86,10 @@ def _wait_for_line(proc, err_path, pattern, seconds) -> float:
 
 # the line of rank 0 naming what it waits in and for: a message from rank 1, or a collective rank 1
 # was not seen entering (where a stage rank stops: a message between stages, or a collective of
-# the step's end)
-NAMED = (r"^vfgraph: rank 0: waiting \d+ s in Vf\w+ \(node '[^']+', step \d+(, collective \d+ of its communicator)?\) "
-         r"for (message tag \d+ from rank 1|rank 1 \(not seen entering it\)); the job ends after --stall-timeout 8 s")
+# the step's end), or the runtime's own exchange between steps (of two ranks, the other)
+NAMED = (r"^vfgraph: rank 0: waiting \d+ s in (Vf\w+ \(node '[^']+', step \d+(, collective \d+ of its communicator)?\) "
+         r"for (message tag \d+ from rank 1|rank 1 \(not seen entering it\))|the ranks' exchange at step \d+ for rank 1)"
+         r"; the job ends after --stall-timeout 8 s")
 
 
 @pytest.mark.parametrize("kind", ["stages", "allreduce"])

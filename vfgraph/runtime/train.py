@@ -314,10 +314,11 @@ class _WatchedExchanges:
     World's gathers, polled by ``world.complete``), as the ops apply them to their waits: one
     line past ``warning`` seconds, :class:`Stalled` past ``timeout``, :class:`Interrupted`
     :data:`STOP_GRACE` seconds after a stop request. ``where()`` and ``kept()`` say the step and
-    the checkpoint kept. Which ranks have not joined such an exchange, it cannot tell."""
+    the checkpoint kept. Which ranks have not joined such an exchange, it cannot tell beyond two
+    ranks (of two, the other)."""
 
-    def __init__(self, stop: "_StopRequests", warning: float, timeout: float, rank: int, where, kept):
-        self.stop, self.warning, self.timeout, self.rank = stop, warning, timeout, rank
+    def __init__(self, stop: "_StopRequests", warning: float, timeout: float, rank: int, size, where, kept):
+        self.stop, self.warning, self.timeout, self.rank, self.size = stop, warning, timeout, rank, size
         self.where, self.kept = where, kept
         self.warned: Optional[float] = None  # the start of the wait that printed its line
 
@@ -331,8 +332,10 @@ class _WatchedExchanges:
             self.warned = began
             limit = f"; the job ends after --stall-timeout {self.timeout:g} s without progress" if self.timeout \
                 else "; no --stall-timeout: waiting on"
-            print(f"vfgraph: rank {self.rank}: waiting {now - began:.0f} s in {what} for the other ranks (which ones, "
-                  f"this exchange cannot tell){limit}", file=sys.stderr, flush=True)
+            others = f"rank {1 - self.rank}" if self.size() == 2 else \
+                "the other ranks (which ones, this exchange cannot tell)"
+            print(f"vfgraph: rank {self.rank}: waiting {now - began:.0f} s in {what} for {others}{limit}",
+                  file=sys.stderr, flush=True)
         if self.timeout and now - began > self.timeout:
             _end_before_finalize(Stalled.exit_code)
             raise Stalled(f"rank {self.rank}, {self.where()}: waited {now - began:.0f} s in {what} without progress "
@@ -678,7 +681,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             watching = w.size > 1
             if watching:  # (after the handlers of _StopRequests, which the signals then reach too)
                 watch(stall_warning, stall_timeout, STOP_GRACE, signals=True)
-                world_module.watcher = _WatchedExchanges(stop, stall_warning, stall_timeout, w.rank, lambda: where,
+                world_module.watcher = _WatchedExchanges(stop, stall_warning, stall_timeout, w.rank, lambda: w.size,
+                                                         lambda: where,
                                                          lambda: _kept(ckpt_dir, last_ckpt, checkpoint_every))
             from_step = start  # (again after ranks were lost: the last completed step)
             while from_step < steps:
