@@ -53,6 +53,7 @@
 #include <condition_variable>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -191,8 +192,10 @@ struct Comm {
 // prints one line naming what it waits for and whom. A collective's wait names the ranks
 // not seen entering it: a rank whose wait in a collective passes kAnnounceNs (or a quarter
 // of the warning) announces the collective's number to the other ranks of its
-// communicator, a message of tag MPI_TAG_UB (which VfSend and VfRecv never use); the
-// ranks that waited that long are in it, the others are not (or came within that time).
+// communicator, on a duplicate of it made (nonblocking) with its first collective (a
+// message nobody received is left there: MPICH's finalization can trip over one left on
+// MPI_COMM_WORLD and kill the job at its end); the ranks that waited that long are in
+// it, the others are not (or came within that time).
 
 constexpr int kStopped = -1001;    // a stop was requested: not an MPI error code
 constexpr int kCancelled = -1002;  // TensorFlow cancelled the op
@@ -253,6 +256,78 @@ class Watching {
   Waited* outer_;
 };
 
+// The announcements' duplicates of the collectives' communicators, by communicator (until
+// vf_mpi_set_comm chooses another: the old ones are kept, with any message in them, until
+// MPI_Finalize frees those every rank made).
+struct Channel {
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Request made = MPI_REQUEST_NULL;
+  bool ready = false;
+};
+
+std::mutex& ChannelMutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+
+std::map<MPI_Comm, Channel*>& Channels() {
+  static std::map<MPI_Comm, Channel*>* channels = new std::map<MPI_Comm, Channel*>;
+  return *channels;
+}
+
+std::vector<std::unique_ptr<Channel>>& AllChannels() {
+  static std::vector<std::unique_ptr<Channel>>* all = new std::vector<std::unique_ptr<Channel>>;
+  return *all;
+}
+
+// Whether every rank made `c` (the caller holds ChannelMutex()).
+bool Made(Channel& c) {
+  if (!c.ready && c.made != MPI_REQUEST_NULL) {
+    int flag = 0;
+    if (MPI_Test(&c.made, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag) c.ready = true;
+  }
+  return c.ready;
+}
+
+// At the start of MPI_Finalize (which deletes MPI_COMM_SELF's attributes first): frees the
+// duplicates every rank made, so that no communicator is left referring to the job's own.
+int FreeChannels(MPI_Comm, int, void*, void*) {
+  std::lock_guard<std::mutex> lock(ChannelMutex());
+  for (auto& c : AllChannels()) {
+    if (Made(*c)) MPI_Comm_free(&c->comm);
+  }
+  AllChannels().clear();
+  Channels().clear();
+  return MPI_SUCCESS;
+}
+
+// Starts duplicating `comm` for its announcements, with its first collective (under the
+// collective mutex: every rank makes the call at the same place among its collectives).
+void OpenChannel(MPI_Comm comm) {
+  std::lock_guard<std::mutex> lock(ChannelMutex());
+  if (Channels().count(comm)) return;
+  if (AllChannels().empty()) {
+    int key = MPI_KEYVAL_INVALID;
+    if (MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, FreeChannels, &key, nullptr) == MPI_SUCCESS) {
+      MPI_Comm_set_attr(MPI_COMM_SELF, key, nullptr);
+    }
+  }
+  AllChannels().push_back(std::make_unique<Channel>());
+  Channel* c = AllChannels().back().get();
+  Channels()[comm] = c;
+  if (MPI_Comm_idup(comm, &c->comm, &c->made) != MPI_SUCCESS) {
+    c->made = MPI_REQUEST_NULL;  // never ready: its waits name no rank
+  }
+}
+
+// The duplicate of `comm` once every rank made it, else MPI_COMM_NULL.
+MPI_Comm ReadyChannel(MPI_Comm comm) {
+  std::lock_guard<std::mutex> lock(ChannelMutex());
+  auto it = Channels().find(comm);
+  if (it == Channels().end()) return MPI_COMM_NULL;
+  return Made(*it->second) ? it->second->comm : MPI_COMM_NULL;
+}
+
 // The collective's Waited: numbered in its communicator (`counter`), under the collective mutex.
 Waited Collective(const char* op, const std::string& node, const Comm& comm, int64_t* counter,
                   OpKernelContext* context) {
@@ -264,6 +339,7 @@ Waited Collective(const char* op, const std::string& node, const Comm& comm, int
   w.size = comm.size;
   w.seq = (*counter)++;
   w.cancel = context->cancellation_manager();
+  OpenChannel(w.comm);
   return w;
 }
 
@@ -292,12 +368,14 @@ int AnnounceTag() {
 // Tells the other ranks of the collective's communicator that this one is in it.
 void Announce(Waited* w) {
   static std::deque<int64_t>* sent = new std::deque<int64_t>;  // buffers of sends left to complete
+  const MPI_Comm channel = ReadyChannel(w->comm);
+  if (channel == MPI_COMM_NULL) return;  // (tried again as the wait polls)
   w->announced = true;
   sent->push_back(w->seq);
   for (int r = 0; r < w->size; ++r) {
     if (r == w->rank) continue;
     MPI_Request request;
-    if (MPI_Isend(&sent->back(), 1, MPI_INT64_T, r, AnnounceTag(), w->comm, &request) == MPI_SUCCESS) {
+    if (MPI_Isend(&sent->back(), 1, MPI_INT64_T, r, AnnounceTag(), channel, &request) == MPI_SUCCESS) {
       MPI_Request_free(&request);
     }
   }
@@ -309,12 +387,16 @@ std::vector<int> Missing(const Waited& w) {
   static std::map<MPI_Comm, std::vector<int64_t>>* seen = new std::map<MPI_Comm, std::vector<int64_t>>;
   std::vector<int64_t>& last = (*seen)[w.comm];
   last.resize(w.size, -1);
+  const MPI_Comm channel = ReadyChannel(w.comm);
   for (;;) {  // take every announcement that arrived
     int flag = 0;
     MPI_Status status;
-    if (MPI_Iprobe(MPI_ANY_SOURCE, AnnounceTag(), w.comm, &flag, &status) != MPI_SUCCESS || !flag) break;
+    if (channel == MPI_COMM_NULL ||
+        MPI_Iprobe(MPI_ANY_SOURCE, AnnounceTag(), channel, &flag, &status) != MPI_SUCCESS || !flag) {
+      break;
+    }
     int64_t seq = -1;
-    MPI_Recv(&seq, 1, MPI_INT64_T, status.MPI_SOURCE, AnnounceTag(), w.comm, MPI_STATUS_IGNORE);
+    MPI_Recv(&seq, 1, MPI_INT64_T, status.MPI_SOURCE, AnnounceTag(), channel, MPI_STATUS_IGNORE);
     if (status.MPI_SOURCE >= 0 && status.MPI_SOURCE < w.size) {
       last[status.MPI_SOURCE] = std::max(last[status.MPI_SOURCE], seq);
     }
@@ -1837,6 +1919,8 @@ extern "C" __attribute__((visibility("default"))) int vf_mpi_set_comm(int fortra
   if (state.replica_comm != MPI_COMM_NULL) MPI_Comm_free(&state.replica_comm);
   state.stages = 0;
   state.seq = state.stage_seq = state.replica_seq = 0;
+  std::lock_guard<std::mutex> channels(vfgraph::ChannelMutex());
+  vfgraph::Channels().clear();  // (a freed communicator's handle may come back for another)
   return 0;
 }
 
@@ -1874,6 +1958,8 @@ extern "C" __attribute__((visibility("default"))) int vf_mpi_split_stages(int st
   state.replica_comm = replica;
   state.stages = stages;
   state.stage_seq = state.replica_seq = 0;
+  std::lock_guard<std::mutex> channels(vfgraph::ChannelMutex());
+  vfgraph::Channels().clear();  // (a freed communicator's handle may come back for another)
   return 0;
 }
 
