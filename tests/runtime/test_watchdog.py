@@ -86,10 +86,10 @@ def _wait_for_line(proc, err_path, pattern, seconds) -> float:
 
 # the line of rank 0 naming what it waits in and for: a message from rank 1, or a collective rank 1
 # was not seen entering (where a stage rank stops: a message between stages, or a collective of
-# the step's end), or the runtime's own exchange between steps (of two ranks, the other)
+# the step's end), or the runtime's own exchange between steps, which rank 1 was not seen entering
 NAMED = (r"^vfgraph: rank 0: waiting \d+ s in (Vf\w+ \(node '[^']+', step \d+(, collective \d+ of its communicator)?\) "
-         r"for (message tag \d+ from rank 1|rank 1 \(not seen entering it\))|the ranks' exchange at step \d+ for rank 1)"
-         r"; the job ends after --stall-timeout 8 s")
+         r"for (message tag \d+ from rank 1|rank 1 \(not seen entering it\))|the ranks' exchange at step \d+ for rank 1 "
+         r"\(not seen entering it\)); the job ends after --stall-timeout 8 s")
 
 
 @pytest.mark.parametrize("kind", ["stages", "allreduce"])
@@ -115,9 +115,10 @@ def test_a_stopped_rank_is_named_and_the_job_ends_after_the_timeout(two_rank_mod
     assert len(re.findall(r"waiting \d+ s in", err)) == 1, err[-3000:]
     stalled = [line for line in err.splitlines() if line.startswith("vfgraph train: ")]
     assert len(stalled) == 1 and "Traceback" not in err, err[-3000:]
-    assert re.match(r"vfgraph train: stalled: rank 0, step \d+: Vf\w+ \(node '[^']+'.*\) waited \d+ s for .*rank 1.* "
-                    r"without progress \(--stall-timeout 8\); the job ends; the last good checkpoint \(step \d+\) is "
-                    r"kept in .*, --resume continues from it", stalled[0]), stalled[0]
+    assert re.match(r"vfgraph train: stalled: rank 0, step \d+: (Vf\w+ \(node '[^']+'.*\) waited \d+ s|waited \d+ s in "
+                    r"the ranks' exchange at step \d+) for .*rank 1.* without progress \(--stall-timeout 8\); the job "
+                    r"ends; the last good checkpoint \(step \d+\) is kept in .*, --resume continues from it",
+                    stalled[0]), stalled[0]
     with open(out + ".ckpt/progress.json") as f:
         saved = json.load(f)["step"]
     assert saved >= 5 and f"(step {saved})" in stalled[0]
@@ -157,3 +158,44 @@ def test_a_stall_limit_that_is_not_a_number_of_seconds_is_one_line(capsys, two_r
                                1, "--batch-size", 64, "-o", tmp_path / "o", option, value)
     one_error(code, err, f"{option} {value}: give a number of seconds of at least 0 (0: off)")
     assert not os.path.exists(tmp_path / "o")
+
+
+EXCHANGE = r"""
+import sys, time
+from vfgraph.runtime import world, train
+from vfgraph.runtime.world import launched_world
+
+w = launched_world()
+late = [int(r) for r in sys.argv[1].split(",")]
+world.watcher = train._WatchedExchanges(train._StopRequests(), 2.0, 0, lambda: w.rank, lambda: "step 7",
+                                        lambda: "")
+w.gather(w.rank)  # an exchange every rank joins at once: the next one is number 1 on every rank
+if w.rank in late:
+    time.sleep(5)
+with open(f"{sys.argv[2]}/rank{w.rank}", "w") as f:
+    f.write(str(w.gather(w.rank) == list(range(w.size))))
+"""
+
+
+@pytest.mark.parametrize("ranks, late", [(3, "2"), (4, "1,3")])
+def test_the_runtime_exchange_names_the_ranks_not_in_it(ranks, late, tmp_path):
+    """Of three or four ranks, a rank waiting past --stall-warning in the runtime's own exchange
+    between steps names exactly the ranks that have not entered it, numbered alike on every rank
+    after earlier exchanges."""
+    import sys
+
+    from test_mpi_train import MPIEXEC
+
+    res = subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, "-c", EXCHANGE, late, str(tmp_path)],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 0 and "pending" not in res.stderr, res.stderr[-3000:]  # (no communicator left over)
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(ranks)] == ["True"] * ranks
+    absent = late.split(",")
+    named = "rank" + ("s " if len(absent) > 1 else " ") + ", ".join(absent)
+    for r in range(ranks):
+        lines = re.findall(rf"^vfgraph: rank {r}: waiting .*$", res.stderr, re.M)
+        if str(r) in absent:
+            assert not lines, res.stderr
+        else:
+            assert lines == [f"vfgraph: rank {r}: waiting 2 s in the ranks' exchange at step 7 for {named} (not seen "
+                             "entering it); no --stall-timeout: waiting on"], res.stderr

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -314,32 +314,40 @@ class _WatchedExchanges:
     World's gathers, polled by ``world.complete``), as the ops apply them to their waits: one
     line past ``warning`` seconds, :class:`Stalled` past ``timeout``, :class:`Interrupted`
     :data:`STOP_GRACE` seconds after a stop request. ``where()`` and ``kept()`` say the step and
-    the checkpoint kept. Which ranks have not joined such an exchange, it cannot tell beyond two
-    ranks (of two, the other)."""
+    the checkpoint kept. The line names the ranks not seen entering the exchange (the ranks
+    announce an exchange they wait in, :class:`vfgraph.runtime.world._Exchanges`)."""
 
-    def __init__(self, stop: "_StopRequests", warning: float, timeout: float, rank: int, size, where, kept):
-        self.stop, self.warning, self.timeout, self.rank, self.size = stop, warning, timeout, rank, size
+    def __init__(self, stop: "_StopRequests", warning: float, timeout: float, rank, where, kept):
+        self.stop, self.warning, self.timeout, self.rank = stop, warning, timeout, rank
         self.where, self.kept = where, kept
         self.warned: Optional[float] = None  # the start of the wait that printed its line
 
-    def __call__(self, began: float) -> None:
+    def __call__(self, began: float, missing: Callable[[], Optional[List[int]]]) -> None:
         now = time.monotonic()
         what = f"the ranks' exchange at {self.where()}"
         if self.stop.first is not None and now - max(self.stop.first, began) > STOP_GRACE:
             _end_before_finalize(Interrupted.exit_code)
-            raise Interrupted(f"rank {self.rank}, {self.where()}: stopped while waiting for other ranks{self.kept()}")
+            raise Interrupted(f"rank {self.rank()}, {self.where()}: stopped while waiting for other ranks{self.kept()}")
         if self.warning and now - began > self.warning and self.warned != began:
             self.warned = began
             limit = f"; the job ends after --stall-timeout {self.timeout:g} s without progress" if self.timeout \
                 else "; no --stall-timeout: waiting on"
-            others = f"rank {1 - self.rank}" if self.size() == 2 else \
-                "the other ranks (which ones, this exchange cannot tell)"
-            print(f"vfgraph: rank {self.rank}: waiting {now - began:.0f} s in {what} for {others}{limit}",
+            print(f"vfgraph: rank {self.rank()}: waiting {now - began:.0f} s in {what} for {_others(missing())}{limit}",
                   file=sys.stderr, flush=True)
         if self.timeout and now - began > self.timeout:
             _end_before_finalize(Stalled.exit_code)
-            raise Stalled(f"rank {self.rank}, {self.where()}: waited {now - began:.0f} s in {what} without progress "
-                          f"(--stall-timeout {self.timeout:g}); the job ends{self.kept()}")
+            raise Stalled(f"rank {self.rank()}, {self.where()}: waited {now - began:.0f} s in {what} for "
+                          f"{_others(missing())} without progress (--stall-timeout {self.timeout:g}); the job ends"
+                          f"{self.kept()}")
+
+
+def _others(absent: Optional[List[int]]) -> str:
+    """The ranks an exchange waits for, as a stall's line names them."""
+    if absent is None:
+        return "the other ranks (which ones, not known yet)"
+    if not absent:
+        return "the other ranks (each was seen entering it)"
+    return f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} (not seen entering it)"
 
 
 def _end_before_finalize(code: int) -> None:
@@ -681,7 +689,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             watching = w.size > 1
             if watching:  # (after the handlers of _StopRequests, which the signals then reach too)
                 watch(stall_warning, stall_timeout, STOP_GRACE, signals=True)
-                world_module.watcher = _WatchedExchanges(stop, stall_warning, stall_timeout, w.rank, lambda: w.size,
+                world_module.watcher = _WatchedExchanges(stop, stall_warning, stall_timeout, lambda: w.rank,
                                                          lambda: where,
                                                          lambda: _kept(ckpt_dir, last_ckpt, checkpoint_every))
             from_step = start  # (again after ranks were lost: the last completed step)

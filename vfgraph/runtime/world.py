@@ -1,6 +1,7 @@
 """The set of processes a run spans: one process, or the ranks ``mpiexec`` started."""
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import socket
@@ -27,31 +28,122 @@ class RankLost(Exception):
     """A wait for the other ranks gave up: the job lost a rank (see :data:`lost`)."""
 
 
-# called as a wait polls, with the time.monotonic() it began, where the runtime watches its waits
-# (vfgraph train: stall limits, stop requests); it may raise to give the wait up
-watcher: Optional[Callable[[float], None]] = None
+# called as a wait polls, with the time.monotonic() it began and a function giving the ranks not
+# seen entering the exchange waited in (None: not known), where the runtime watches its waits (vfgraph train: stall
+# limits, stop requests); it may raise to give the wait up
+watcher: Optional[Callable[[float, Callable[[], Optional[List[int]]]], None]] = None
+
+ANNOUNCE_AFTER = 1.0  # seconds a wait in an exchange lasts before the rank announces that it is in it
 
 
-def complete(request) -> None:
+class _Exchanges:
+    """The numbering of a communicator's exchanges (every rank makes the same exchanges in the same
+    order, so the n-th exchange has number n on every rank) and the announcements by which a wait
+    names the ranks not in it: a rank whose wait in exchange n passes :data:`ANNOUNCE_AFTER`
+    sends n to the other ranks; the ranks whose latest announcement is below n were not seen
+    entering it (or came within that time). The announcements travel on a duplicate of the
+    communicator, made (nonblocking) by its first exchange: a message nobody received is left
+    there, never on the communicator itself, where MPICH's finalization can trip over it. Kept
+    as an attribute of the communicator, so a new communicator (an elastic resize) numbers from
+    0 on every rank."""
+
+    _keyval: Optional[int] = None
+    _made: List["_Exchanges"] = []  # every one made in this process: their duplicates are freed at its exit
+    TAG = 1
+
+    def __init__(self, comm):
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.count = 0
+        self.seen = [-1] * self.size
+        self.sent: List[Any] = []  # the announcements' buffers
+        self.channel, self.made = comm.Idup()
+
+    @classmethod
+    def of(cls, comm) -> "_Exchanges":
+        from mpi4py import MPI
+
+        if cls._keyval is None:
+            cls._keyval = MPI.Comm.Create_keyval()
+        state = comm.Get_attr(cls._keyval)
+        if state is None:
+            state = cls(comm)
+            comm.Set_attr(cls._keyval, state)
+            if not cls._made:
+                atexit.register(cls.free_all)
+            cls._made.append(state)
+        return state
+
+    @classmethod
+    def free_all(cls) -> None:
+        """Free the duplicates every rank made (before MPI's finalization, which would report
+        a communicator left referring to the job's own), with any announcement left in them."""
+        for state in cls._made:
+            if state.ready():
+                state.channel.Free()
+        cls._made.clear()
+
+    def ready(self) -> bool:
+        """Whether the duplicate is made (every rank started its first exchange)."""
+        if self.made is not None and self.made.Test():
+            self.made = None
+        return self.made is None
+
+    def announce(self, number: int) -> None:
+        import numpy as np
+
+        if not self.ready():
+            return
+        buf = np.array([number], np.int64)
+        self.sent.append(buf)  # (kept: a freed request's buffer must outlive its send)
+        for r in range(self.size):
+            if r != self.rank:
+                self.channel.Isend(buf, dest=r, tag=self.TAG).Free()
+
+    def missing(self, number: int) -> Optional[List[int]]:
+        """The ranks whose announcements so far are all of exchanges before ``number`` (None
+        before the duplicate is made: not known)."""
+        import numpy as np
+        from mpi4py import MPI
+
+        if not self.ready():
+            return None
+        status = MPI.Status()
+        while self.channel.Iprobe(source=MPI.ANY_SOURCE, tag=self.TAG, status=status):
+            got = np.zeros(1, np.int64)
+            self.channel.Recv(got, source=status.Get_source(), tag=self.TAG)
+            self.seen[status.Get_source()] = max(self.seen[status.Get_source()], int(got[0]))
+        return [r for r in range(self.size) if r != self.rank and self.seen[r] < number]
+
+
+def complete(request, comm=None) -> None:
     """Wait for an MPI request (mpi4py) by testing it, yielding and then sleeping between tests
     (0.2 ms, growing to an eighth of the time waited, at most 1 ms, as the ops' waits): a rank
     that waits for a slower one leaves it the CPU, and the wait gives up
     (:class:`RankLost`) when the job lost a rank, where a blocking call would wait for ever,
-    or when :data:`watcher` raises."""
+    or when :data:`watcher` raises. ``comm``: the communicator of the exchange the request
+    belongs to, whose ranks not seen entering it the watcher is told (see :class:`_Exchanges`)."""
     tries = 0
     began = time.monotonic()
+    exchanges = _Exchanges.of(comm) if comm is not None else None
+    number = -1
+    if exchanges is not None:
+        number, exchanges.count = exchanges.count, exchanges.count + 1
+    announced = exchanges is None
     while not request.Test():
         if lost.is_set():
             raise RankLost()
+        if not announced and time.monotonic() - began > ANNOUNCE_AFTER:
+            exchanges.announce(number)
+            announced = True
         if watcher is not None:
-            watcher(began)
+            watcher(began, (lambda: exchanges.missing(number)) if exchanges is not None else lambda: None)
         tries += 1
         time.sleep(0 if tries < 64 else min(0.001, max(0.0002, (time.monotonic() - began) / 8)))
 
 
 def arrive(comm) -> None:
     """Wait until every rank of ``comm`` has arrived here (:func:`complete`)."""
-    complete(comm.Ibarrier())
+    complete(comm.Ibarrier(), comm)
 
 
 def launched_by_mpi() -> bool:
@@ -116,13 +208,13 @@ class World:
         if len(data) <= _SLOT - 8:
             mine[8:8 + len(data)] = np.frombuffer(data, np.uint8)
         slots = np.zeros((self.size, _SLOT), np.uint8)
-        complete(self.comm.Iallgather(mine, slots))
+        complete(self.comm.Iallgather(mine, slots), self.comm)
         sizes = slots[:, :8].copy().view(np.int64)[:, 0].tolist()
         if max(sizes) <= _SLOT - 8:
             return [pickle.loads(slots[r, 8:8 + n].tobytes()) for r, n in enumerate(sizes)]
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
         got = bytearray(sum(sizes))
-        complete(self.comm.Iallgatherv([data, MPI.BYTE], [got, sizes, starts, MPI.BYTE]))
+        complete(self.comm.Iallgatherv([data, MPI.BYTE], [got, sizes, starts, MPI.BYTE]), self.comm)
         return [pickle.loads(got[a:a + n]) for a, n in zip(starts, sizes)]
 
     def bcast(self, value: T) -> T:
@@ -134,9 +226,9 @@ class World:
 
         data = pickle.dumps(value) if self.is_root else b""
         size = np.array([len(data)], np.int64)
-        complete(self.comm.Ibcast(size, root=0))
+        complete(self.comm.Ibcast(size, root=0), self.comm)
         got = bytearray(data) if self.is_root else bytearray(int(size[0]))
-        complete(self.comm.Ibcast([got, MPI.BYTE], root=0))
+        complete(self.comm.Ibcast([got, MPI.BYTE], root=0), self.comm)
         return value if self.is_root else pickle.loads(got)
 
     def describe(self) -> List[str]:
