@@ -681,42 +681,59 @@ def _best_cuts(weight: List[int], fwd_cost: List[int], live: List[int], k: int,
     for j in range(1, n + 1):
         last_costed[j] = j - 1 if fwd_cost[j - 1] > 0 else last_costed[j - 1]
 
-    def windows(limit: int) -> List[Tuple[int, int]]:
-        """For each end j, the starts i of a segment [i, j) within ``limit`` holding a costed op."""
-        out, lo = [(0, -1)], 0
-        for j in range(1, n + 1):
-            while prefix[j] - prefix[lo] > limit:
-                lo += 1
-            out.append((lo, last_costed[j]))
-        return out
+    def feasible(limit: int, no_start: List[bool]) -> bool:
+        """Whether k segments within ``limit`` can be had, none starting where ``no_start``."""
+        return _cuts_feasible(_cut_windows(prefix, last_costed, limit), no_start, k)
 
-    def feasible(limit: int) -> bool:
-        win = windows(limit)
-        ok = [False] * (n + 1)
-        ok[0] = True
-        for _ in range(k):
-            count = [0]
-            for v in ok:
-                count.append(count[-1] + v)
-            nxt = [False] * (n + 1)
-            for j in range(1, n + 1):
-                lo, hi = win[j]
-                nxt[j] = hi >= lo and count[hi + 1] - count[lo] > 0 and not shut[j]
-            ok = nxt
-        return ok[n]
-
-    if any(shut) and not feasible(prefix[n]):
+    if any(shut) and not feasible(prefix[n], shut):
         shut = hard
-        if any(hard) and not feasible(prefix[n]):
+        if any(hard) and not feasible(prefix[n], shut):
             return []
     lo, hi = max(weight), prefix[n]
     while lo < hi:
         mid = (lo + hi) // 2
-        if feasible(mid):
+        if feasible(mid, shut):
             hi = mid
         else:
             lo = mid + 1
-    win = windows(lo)
+    return _fewest_live_cuts(_cut_windows(prefix, last_costed, lo), shut, live, k)
+
+
+def _cut_windows(prefix: List[int], last_costed: List[int], limit: int) -> List[Tuple[int, int]]:
+    """For each end j, the starts i of a segment [i, j) within ``limit`` (of the weights whose
+    prefix sums are ``prefix``) holding a costed op: the range (lowest start, last costed
+    position before j)."""
+    out, lo = [(0, -1)], 0
+    for j in range(1, len(prefix)):
+        while prefix[j] - prefix[lo] > limit:
+            lo += 1
+        out.append((lo, last_costed[j]))
+    return out
+
+
+def _cuts_feasible(win: List[Tuple[int, int]], shut: List[bool], k: int) -> bool:
+    """Whether the positions split into ``k`` segments of the windows ``win``, none starting
+    at a ``shut`` position."""
+    n = len(win) - 1
+    ok = [False] * (n + 1)
+    ok[0] = True
+    for _ in range(k):
+        count = [0]
+        for v in ok:
+            count.append(count[-1] + v)
+        nxt = [False] * (n + 1)
+        for j in range(1, n + 1):
+            lo, hi = win[j]
+            nxt[j] = hi >= lo and count[hi + 1] - count[lo] > 0 and not shut[j]
+        ok = nxt
+    return ok[n]
+
+
+def _fewest_live_cuts(win: List[Tuple[int, int]], shut: List[bool], live: List[int], k: int) -> List[int]:
+    """Positions starting segments 2..k of the windows ``win``, none at a ``shut`` position,
+    with the fewest ``live`` bytes summed over the cuts (a dynamic program over the segments,
+    each step's best start kept in a monotone queue)."""
+    n = len(win) - 1
     inf = float("inf")
     best = [0] + [inf] * n  # best[j]: fewest bytes for positions [0, j) in the segments so far
     choice: List[List[int]] = []
