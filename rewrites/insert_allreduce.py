@@ -149,78 +149,110 @@ def reduce_functions(header, limit: int, library, new_function=None, stages: int
     buffer): the new body, and the branches unless ``new_function(name)`` gave the library
     entries they were written into."""
     fn = header.signature.name
-    args = list(header.signature.input_arg)
-    names = [a.name for a in args]
-    types = [a.type for a in args]
+    names = [a.name for a in header.signature.input_arg]
     shapes = arg_shapes(header)
-    outs = [a.name for a in header.signature.output_arg]
     buffers = _fused_buffers(header, shapes, limit)
     gathers = [i for i, n in enumerate(names) if n.startswith("gather_")]
-    i32 = types_pb2.DT_INT32
     over = {"stages": stages} if stages else {}
+    multi = _reduce_all(header, library, new_function, shapes, buffers, gathers, over)
+    one = new_function(f"{fn}_one") if new_function else function_pb2.FunctionDef()
+    one.CopyFrom(header)  # split-vnodes' identity
+    one.signature.name = f"{fn}_one"
+    body = _reduce_switch(header, library, multi, one, shapes, over)
+    groups = [[names[i] for i in buf] for buf in buffers] + [[names[i]] for i in gathers]
+    return [body] + ([] if new_function else [multi, one]), groups
 
+
+def _header_args(g: FunctionGraph, header) -> List:
+    """The arguments of ``header`` (with their attributes) added to ``g``, in order."""
+    return [g.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None)
+            for i, a in enumerate(header.signature.input_arg)]
+
+
+def _reduce_all(header, library, new_function, shapes, buffers: List[List[int]], gathers: List[int],
+                over: Dict[str, int]) -> function_pb2.FunctionDef:
+    """``<fn>_all``: each fused buffer summed with ``VfAllreduce`` and each ``gather_``
+    argument gathered with ``VfAllgather``, one collective after another in a fixed chain."""
+    fn = header.signature.name
+    types = [a.type for a in header.signature.input_arg]
+    outs = [a.name for a in header.signature.output_arg]
+    i32 = types_pb2.DT_INT32
     b = FunctionGraph.new(f"{fn}_all", library, new_function(f"{fn}_all") if new_function else None)
-    xs = [b.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None) for i, a in enumerate(args)]
+    xs = _header_args(b, header)
     flat = b.const([-1], i32, "flat")[0]
     axis = b.const(0, i32, "axis")[0]
     out = list(xs)
     prev: List = []
     for buf in buffers:
-        dtype = types[buf[0]]
-        t = type_attr(dtype)
-        static = all(shapes[i] is not None and all(d >= 0 for d in shapes[i]) for i in buf)
-        lane = ALIGN // _BYTES.get(dtype, 8) if static else 1
-        sizes = [_elements(shapes[i]) if static else 0 for i in buf]
-        padded = [-(-n // lane) * lane for n in sizes]
-        pieces = []
-        for i, n, p in zip(buf, sizes, padded):  # a vector (a bias, say) is flat already
-            pieces.append(xs[i] if _is_vector(shapes[i]) else
-                          b.op("Reshape", [xs[i], flat], name="flat", T=t, Tshape=type_attr(i32))[0])
-            if p > n:  # each tensor starts aligned, so splitting the sum back copies nothing
-                pieces.append(b.const(np.zeros(p - n), dtype, "pad")[0])
-        if len(pieces) > 1:
-            packed = b.op("ConcatV2", pieces + [axis], name="pack", deps=prev, N=len(pieces), T=t,
-                          Tidx=type_attr(i32))
-        else:
-            packed = b.op("Identity", pieces, name="pack", deps=prev, T=t)
-        summed = b.op("VfAllreduce", [packed[0]], name="allreduce", T=t, **over)
-        prev = [summed]
-        if len(buf) > 1:
-            if static:
-                splits = b.const(padded, types_pb2.DT_INT64, "splits")[0]
-            else:
-                sz = [b.op("Size", [xs[i]], name="size", T=t, out_type=type_attr(i32))[0] for i in buf]
-                splits = b.op("Pack", sz, name="splits", N=len(sz), T=type_attr(i32))[0]
-            parts = b.op("SplitV", [summed[0], splits, axis], name="unpack", num_split=len(buf), T=t,
-                         Tlen=type_attr(types_pb2.DT_INT64 if static else i32)).outputs()
-        else:
-            parts = [summed[0]]
-        for i, n, p, part in zip(buf, sizes, padded, parts):
-            if static and p > n:
-                part = b.op("Slice", [part, b.const([0], i32, "begin")[0], b.const([n], i32, "size")[0]],
-                            name="unpad", T=t, Index=type_attr(i32))[0]
-            if _is_vector(shapes[i]):
-                out[i] = part
-                continue
-            shape = (b.const(shapes[i], i32, "shape") if static else
-                     b.op("Shape", [xs[i]], name="shape", T=t, out_type=type_attr(i32)))[0]
-            out[i] = b.op("Reshape", [part, shape], name=f"reduced_{i}", T=t, Tshape=type_attr(i32),
-                          shapes=[shapes[i]])[0]
+        prev = _allreduce_buffer(b, xs, out, buf, types[buf[0]], shapes, flat, axis, prev, over)
     for i in gathers:
         x = b.op("Identity", [xs[i]], name="gather_input", deps=prev, T=type_attr(types[i]))
         prev = [b.op("VfAllgather", [x[0]], name="allgather", T=type_attr(types[i]), shapes=[shapes[i]], **over)]
         out[i] = prev[0][0]
     for name, ref, dtype in zip(outs, out, types):
         b.ret(name, ref, dtype)
-    multi = b.finish()
+    return b.finish()
 
-    one = new_function(f"{fn}_one") if new_function else function_pb2.FunctionDef()
-    one.CopyFrom(header)  # split-vnodes' identity
-    one.signature.name = f"{fn}_one"
+
+def _allreduce_buffer(b: FunctionGraph, xs: List, out: List, buf: List[int], dtype: int, shapes, flat, axis,
+                      prev: List, over: Dict[str, int]) -> List:
+    """Sum the arguments ``buf`` (of one ``dtype``) over ranks in one fused buffer after the
+    collectives ``prev``: flattened, each padded to start aligned, packed, all-reduced, split
+    back and reshaped into ``out``. Returns the all-reduce, which the next collective waits for."""
+    i32 = types_pb2.DT_INT32
+    t = type_attr(dtype)
+    static = all(shapes[i] is not None and all(d >= 0 for d in shapes[i]) for i in buf)
+    lane = ALIGN // _BYTES.get(dtype, 8) if static else 1
+    sizes = [_elements(shapes[i]) if static else 0 for i in buf]
+    padded = [-(-n // lane) * lane for n in sizes]
+    pieces = []
+    for i, n, p in zip(buf, sizes, padded):  # a vector (a bias, say) is flat already
+        pieces.append(xs[i] if _is_vector(shapes[i]) else
+                      b.op("Reshape", [xs[i], flat], name="flat", T=t, Tshape=type_attr(i32))[0])
+        if p > n:  # each tensor starts aligned, so splitting the sum back copies nothing
+            pieces.append(b.const(np.zeros(p - n), dtype, "pad")[0])
+    if len(pieces) > 1:
+        packed = b.op("ConcatV2", pieces + [axis], name="pack", deps=prev, N=len(pieces), T=t,
+                      Tidx=type_attr(i32))
+    else:
+        packed = b.op("Identity", pieces, name="pack", deps=prev, T=t)
+    summed = b.op("VfAllreduce", [packed[0]], name="allreduce", T=t, **over)
+    if len(buf) > 1:
+        if static:
+            splits = b.const(padded, types_pb2.DT_INT64, "splits")[0]
+        else:
+            sz = [b.op("Size", [xs[i]], name="size", T=t, out_type=type_attr(i32))[0] for i in buf]
+            splits = b.op("Pack", sz, name="splits", N=len(sz), T=type_attr(i32))[0]
+        parts = b.op("SplitV", [summed[0], splits, axis], name="unpack", num_split=len(buf), T=t,
+                     Tlen=type_attr(types_pb2.DT_INT64 if static else i32)).outputs()
+    else:
+        parts = [summed[0]]
+    for i, n, p, part in zip(buf, sizes, padded, parts):
+        if static and p > n:
+            part = b.op("Slice", [part, b.const([0], i32, "begin")[0], b.const([n], i32, "size")[0]],
+                        name="unpad", T=t, Index=type_attr(i32))[0]
+        if _is_vector(shapes[i]):
+            out[i] = part
+            continue
+        shape = (b.const(shapes[i], i32, "shape") if static else
+                 b.op("Shape", [xs[i]], name="shape", T=t, out_type=type_attr(i32)))[0]
+        out[i] = b.op("Reshape", [part, shape], name=f"reduced_{i}", T=t, Tshape=type_attr(i32),
+                      shapes=[shapes[i]])[0]
+    return [summed]
+
+
+def _reduce_switch(header, library, multi: function_pb2.FunctionDef, one: function_pb2.FunctionDef, shapes,
+                   over: Dict[str, int]) -> function_pb2.FunctionDef:
+    """The reduce function's body: ``If(VfSize() > 1)`` calls ``multi``, else ``one``; the
+    header's attributes carry over."""
+    fn = header.signature.name
+    types = [a.type for a in header.signature.input_arg]
+    outs = [a.name for a in header.signature.output_arg]
+    i32 = types_pb2.DT_INT32
     lib = dict(library)
     lib.update({multi.signature.name: multi, one.signature.name: one})
     m = FunctionGraph.new(fn, lib)
-    xs = [m.arg(a.name, a.type, attr=header.arg_attr[i] if i in header.arg_attr else None) for i, a in enumerate(args)]
+    xs = _header_args(m, header)
     size = m.op("VfSize", name="size", **over)
     cond = m.op("Greater", [size[0], m.const(1, i32, "one")[0]], name="multi", T=type_attr(i32))
     branch = m.op("If", [cond[0]] + xs, name="reduce", Tcond=type_attr(types_pb2.DT_BOOL), Tin=types_attr(types),
@@ -231,8 +263,7 @@ def reduce_functions(header, limit: int, library, new_function=None, stages: int
         m.ret(name, branch[k], dtype)
     for k, v in header.attr.items():
         m.fdef.attr[k].CopyFrom(v)
-    groups = [[names[i] for i in buf] for buf in buffers] + [[names[i]] for i in gathers]
-    return [m.finish()] + ([] if new_function else [multi, one]), groups
+    return m.finish()
 
 
 def graph_fingerprint(item: GraphItem) -> str:

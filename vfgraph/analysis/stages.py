@@ -681,42 +681,59 @@ def _best_cuts(weight: List[int], fwd_cost: List[int], live: List[int], k: int,
     for j in range(1, n + 1):
         last_costed[j] = j - 1 if fwd_cost[j - 1] > 0 else last_costed[j - 1]
 
-    def windows(limit: int) -> List[Tuple[int, int]]:
-        """For each end j, the starts i of a segment [i, j) within ``limit`` holding a costed op."""
-        out, lo = [(0, -1)], 0
-        for j in range(1, n + 1):
-            while prefix[j] - prefix[lo] > limit:
-                lo += 1
-            out.append((lo, last_costed[j]))
-        return out
+    def feasible(limit: int, no_start: List[bool]) -> bool:
+        """Whether k segments within ``limit`` can be had, none starting where ``no_start``."""
+        return _cuts_feasible(_cut_windows(prefix, last_costed, limit), no_start, k)
 
-    def feasible(limit: int) -> bool:
-        win = windows(limit)
-        ok = [False] * (n + 1)
-        ok[0] = True
-        for _ in range(k):
-            count = [0]
-            for v in ok:
-                count.append(count[-1] + v)
-            nxt = [False] * (n + 1)
-            for j in range(1, n + 1):
-                lo, hi = win[j]
-                nxt[j] = hi >= lo and count[hi + 1] - count[lo] > 0 and not shut[j]
-            ok = nxt
-        return ok[n]
-
-    if any(shut) and not feasible(prefix[n]):
+    if any(shut) and not feasible(prefix[n], shut):
         shut = hard
-        if any(hard) and not feasible(prefix[n]):
+        if any(hard) and not feasible(prefix[n], shut):
             return []
     lo, hi = max(weight), prefix[n]
     while lo < hi:
         mid = (lo + hi) // 2
-        if feasible(mid):
+        if feasible(mid, shut):
             hi = mid
         else:
             lo = mid + 1
-    win = windows(lo)
+    return _fewest_live_cuts(_cut_windows(prefix, last_costed, lo), shut, live, k)
+
+
+def _cut_windows(prefix: List[int], last_costed: List[int], limit: int) -> List[Tuple[int, int]]:
+    """For each end j, the starts i of a segment [i, j) within ``limit`` (of the weights whose
+    prefix sums are ``prefix``) holding a costed op: the range (lowest start, last costed
+    position before j)."""
+    out, lo = [(0, -1)], 0
+    for j in range(1, len(prefix)):
+        while prefix[j] - prefix[lo] > limit:
+            lo += 1
+        out.append((lo, last_costed[j]))
+    return out
+
+
+def _cuts_feasible(win: List[Tuple[int, int]], shut: List[bool], k: int) -> bool:
+    """Whether the positions split into ``k`` segments of the windows ``win``, none starting
+    at a ``shut`` position."""
+    n = len(win) - 1
+    ok = [False] * (n + 1)
+    ok[0] = True
+    for _ in range(k):
+        count = [0]
+        for v in ok:
+            count.append(count[-1] + v)
+        nxt = [False] * (n + 1)
+        for j in range(1, n + 1):
+            lo, hi = win[j]
+            nxt[j] = hi >= lo and count[hi + 1] - count[lo] > 0 and not shut[j]
+        ok = nxt
+    return ok[n]
+
+
+def _fewest_live_cuts(win: List[Tuple[int, int]], shut: List[bool], live: List[int], k: int) -> List[int]:
+    """Positions starting segments 2..k of the windows ``win``, none at a ``shut`` position,
+    with the fewest ``live`` bytes summed over the cuts (a dynamic program over the segments,
+    each step's best start kept in a monotone queue)."""
+    n = len(win) - 1
     inf = float("inf")
     best = [0] + [inf] * n  # best[j]: fewest bytes for positions [0, j) in the segments so far
     choice: List[List[int]] = []
@@ -755,6 +772,8 @@ def _var_bytes(sig, arg: str) -> int:
 
 def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[str, int]] = None,
            profile_batch: int = 0, ranks: bool = False) -> StagePlan:
+    """The plan of step ``s`` cut at ``cuts``: each op's and variable's stage, each stage's
+    totals, and what crosses each cut."""
     g, step = s.g, s.step
     sig = step.signature
     k = len(cuts) + 1
@@ -764,52 +783,93 @@ def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[st
     node_stage.update({n: stage_of(a) for n, a in s.anchor.items()})
     split_nodes = {n: tuple(stage_of(a) if a is not None else 0 for a in v) for n, v in s.split.items()}
 
-    # variables: owned by the stage of their forward readers
-    owner: Dict[str, int] = {}
-    shared: Dict[str, Tuple[int, ...]] = {}
-    for v, ps in s.variable_readers().items():
-        st = tuple(sorted({stage_of(p) for p in ps}))
-        if len(st) == 1:
-            owner[v] = st[0]
-        else:
-            shared[v] = st
-    slot_owner: Dict[str, int] = {}
-    slot_shared: Dict[str, Tuple[int, ...]] = {}
-    misplaced = []
-    for c in step.cut:
-        if c.role == "gradient" and c.variable:
-            # The parameter it updates: the variable it is the gradient of, or (where the cut sits
-            # inside the optimizer's arithmetic, after a Tensordot's gradient lost its shape) the
-            # parameter among the variables it feeds; failing both, the stage that computes it).
-            param = next((v for v in [c.variable] + list(c.writes) if v in owner or v in shared), None)
-            where = owner.get(param) if param is not None else None
-            a = s.tensor_anchor(c.ref)
-            got = stage_of(a) if a is not None else 0
-            if where is not None and got != where:
-                misplaced.append((str(c.ref), got, where))
-            if param is None and got:
-                where = got
-            for w in [c.variable] + list(c.writes):
-                if w in owner or w in shared:
-                    continue
-                if where is not None:
-                    slot_owner[w] = where
-                elif param is not None:
-                    slot_shared[w] = shared[param]
-        elif c.role == "statistic":
-            a = s.tensor_anchor(c.ref)
-            for w in c.writes:
-                if w not in owner and w not in shared and a is not None:
-                    owner[w] = stage_of(a)
-    term_owner = dict(owner)
+    own = _Owners.of(s, stage_of)
+    term_owner = dict(own.owner)
     if ranks:
-        _share_updated_together(g, step, owner, shared, slot_owner, slot_shared, k)
-    replicated = [r for r in sig.resource_args
-                  if r not in owner and r not in shared and r not in slot_owner and r not in slot_shared]
-
+        _share_updated_together(g, step, own.owner, own.shared, own.slot_owner, own.slot_shared, k)
+    replicated = [r for r in sig.resource_args if not own.holds(r)]
     counts = {h: 0 for h in PLACED_BY}
     for n in s.backward:
         counts[s.how[n]] += 1
+    order_of = {r: i for i, r in enumerate(sig.resource_args)}
+    by_order = lambda rs: sorted(rs, key=lambda r: (order_of.get(r, 1 << 30), r))  # noqa: E731
+    stage_list = _stage_list(s, cuts, node_stage, split_nodes, own, measured, name, by_order)
+    return StagePlan(
+        terms=_term_stages(s, term_owner, stage_of), signature=sig.key, function=g.name, stages=stage_list,
+        cuts=_cut_list(s, cuts), chosen=chosen,
+        shared=tuple(SharedVariable(name(v), st, _var_bytes(sig, v)) for v, st in
+                     ((v, own.shared[v]) for v in by_order(own.shared))),
+        replicated=tuple(name(r) for r in replicated), replicated_bytes=sum(_var_bytes(sig, r) for r in replicated),
+        placement=counts, misplaced=tuple(own.misplaced), order=tuple(s.order), node_stage=node_stage,
+        split_nodes=split_nodes, profile_batch=profile_batch)
+
+
+@dataclass
+class _Owners:
+    """Which stage holds each resource of a step: a variable owned by one stage (``owner``) or
+    shared by several (``shared``), an optimizer slot likewise (``slot_owner``,
+    ``slot_shared``), and the gradients computed on another stage than their variable's
+    (``misplaced``: tensor, its stage, the variable's stage)."""
+    owner: Dict[str, int] = field(default_factory=dict)
+    shared: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    slot_owner: Dict[str, int] = field(default_factory=dict)
+    slot_shared: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    misplaced: List[Tuple[str, int, int]] = field(default_factory=list)
+
+    def holds(self, r: str) -> bool:
+        """Whether some stage holds resource ``r`` (else every stage has a replica)."""
+        return r in self.owner or r in self.shared or r in self.slot_owner or r in self.slot_shared
+
+    @classmethod
+    def of(cls, s: _Step, stage_of) -> "_Owners":
+        """Variables owned by the stage of their forward readers; a gradient's variables and
+        slots by the stage of the parameter it updates; a statistic's by the stage computing it."""
+        own = cls()
+        for v, ps in s.variable_readers().items():
+            st = tuple(sorted({stage_of(p) for p in ps}))
+            if len(st) == 1:
+                own.owner[v] = st[0]
+            else:
+                own.shared[v] = st
+        for c in s.step.cut:
+            if c.role == "gradient" and c.variable:
+                own._place_gradient(s, c, stage_of)
+            elif c.role == "statistic":
+                a = s.tensor_anchor(c.ref)
+                for w in c.writes:
+                    if w not in own.owner and w not in own.shared and a is not None:
+                        own.owner[w] = stage_of(a)
+        return own
+
+    def _place_gradient(self, s: _Step, c, stage_of) -> None:
+        """Place the slots the gradient cut ``c`` updates on the stage of its parameter: the
+        variable it is the gradient of, or (where the cut sits inside the optimizer's
+        arithmetic, after a Tensordot's gradient lost its shape) the parameter among the
+        variables it feeds; failing both, the stage that computes it."""
+        owner, shared = self.owner, self.shared
+        param = next((v for v in [c.variable] + list(c.writes) if v in owner or v in shared), None)
+        where = owner.get(param) if param is not None else None
+        a = s.tensor_anchor(c.ref)
+        got = stage_of(a) if a is not None else 0
+        if where is not None and got != where:
+            self.misplaced.append((str(c.ref), got, where))
+        if param is None and got:
+            where = got
+        for w in [c.variable] + list(c.writes):
+            if w in owner or w in shared:
+                continue
+            if where is not None:
+                self.slot_owner[w] = where
+            elif param is not None:
+                self.slot_shared[w] = shared[param]
+
+
+def _stage_list(s: _Step, cuts: List[int], node_stage: Dict[str, int], split_nodes: Dict[str, Tuple[int, ...]],
+                own: _Owners, measured: Optional[Mapping[str, int]], name, by_order) -> Tuple[Stage, ...]:
+    """The stages of the plan: each one's first and last forward op, op counts, estimated
+    (and, given ``measured``, measured) cost, variables, optimizer state and batch inputs."""
+    g, sig = s.g, s.step.signature
+    k = len(cuts) + 1
     fwd_count, bwd_count = [0] * (k + 1), [0] * (k + 1)
     fwd_flops, bwd_flops = [0] * (k + 1), [0] * (k + 1)
     fwd_ns, bwd_ns = [0] * (k + 1), [0] * (k + 1)
@@ -831,24 +891,29 @@ def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[st
         for st in set(sts):
             if st:
                 bwd_count[st] += 1
-    order_of = {r: i for i, r in enumerate(sig.resource_args)}
-    by_order = lambda rs: sorted(rs, key=lambda r: (order_of.get(r, 1 << 30), r))  # noqa: E731
     stage_list = []
     bounds = [0] + cuts + [len(s.order)]
     for i in range(1, k + 1):
-        mine = by_order(v for v, o in owner.items() if o == i)
-        slots = by_order(v for v, o in slot_owner.items() if o == i)
+        mine = by_order(v for v, o in own.owner.items() if o == i)
+        slots = by_order(v for v, o in own.slot_owner.items() if o == i)
         stage_list.append(Stage(
             index=i, first=s.order[bounds[i - 1]], last=s.order[bounds[i] - 1], forward_ops=fwd_count[i],
             backward_ops=bwd_count[i], forward_flops=fwd_flops[i], backward_flops=bwd_flops[i],
             variables=tuple(name(v) for v in mine), parameter_bytes=sum(_var_bytes(sig, v) for v in mine),
             optimizer_state=tuple(name(v) for v in slots),
             optimizer_state_bytes=sum(_var_bytes(sig, v) for v in slots),
-            shared=tuple(name(v) for v in by_order(v for v, st in {**shared, **slot_shared}.items() if i in st)),
+            shared=tuple(name(v) for v in by_order(v for v, st in {**own.shared, **own.slot_shared}.items()
+                                                   if i in st)),
             inputs=tuple(sorted(inputs[i])),
             forward_ns=fwd_ns[i] if measured is not None else -1,
             backward_ns=bwd_ns[i] if measured is not None else -1))
+    return tuple(stage_list)
 
+
+def _cut_list(s: _Step, cuts: List[int]) -> Tuple[Cut, ...]:
+    """The cuts of the plan: the forward tensors crossing each (with their bytes per example)
+    and the bytes of the gradients crossing it back."""
+    g = s.g
     crossing: List[List[Tuple[str, int]]] = [[] for _ in cuts]
     for lo, hi, b, t in _forward_intervals(s):
         for c, p in enumerate(cuts):
@@ -865,17 +930,9 @@ def _build(s: _Step, cuts: List[int], chosen: str, measured: Optional[Mapping[st
             for c, p in enumerate(cuts):
                 if lo < p <= hi:
                     grad_bytes[c] += tensor_bytes(g, t)
-    cut_list = tuple(Cut(index=c + 1, after=s.order[p - 1], before=s.order[p], tensors=tuple(sorted(crossing[c])),
-                         bytes=sum(b for _, b in crossing[c]), gradient_bytes=grad_bytes[c])
-                     for c, p in enumerate(cuts))
-    return StagePlan(
-        terms=_term_stages(s, term_owner, stage_of), signature=sig.key, function=g.name, stages=tuple(stage_list),
-        cuts=cut_list, chosen=chosen,
-        shared=tuple(SharedVariable(name(v), st, _var_bytes(sig, v)) for v, st in
-                     ((v, shared[v]) for v in by_order(shared))),
-        replicated=tuple(name(r) for r in replicated), replicated_bytes=sum(_var_bytes(sig, r) for r in replicated),
-        placement=counts, misplaced=tuple(misplaced), order=tuple(s.order), node_stage=node_stage,
-        split_nodes=split_nodes, profile_batch=profile_batch)
+    return tuple(Cut(index=c + 1, after=s.order[p - 1], before=s.order[p], tensors=tuple(sorted(crossing[c])),
+                     bytes=sum(b for _, b in crossing[c]), gradient_bytes=grad_bytes[c])
+                 for c, p in enumerate(cuts))
 
 
 def _share_updated_together(g: FunctionGraph, step: TrainStep, owner: Dict[str, int],

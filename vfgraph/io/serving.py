@@ -129,22 +129,60 @@ _Var = Tuple[int, int, str, int]
 
 def build_serving_proto(item: GraphItem) -> Tuple[saved_model_pb2.SavedModel, List[_Var]]:
     """The serving-only SavedModel proto of ``item`` and the variables it keeps."""
+    keys = _exportable_keys(item)
+    src = item.meta_graph
+    og = src.object_graph_def
+    nodes = {n.name: n for n in src.graph_def.node}
+    sigmap = _signature_map(item, og)
+    keep, bound = _kept_nodes(item, keys, nodes)
+    handle_of, const_ids = _saved_objects(item, keep, nodes, bound)
+
+    out = saved_model_pb2.SavedModel(saved_model_schema_version=item.saved_model.saved_model_schema_version or 1)
+    mg = out.meta_graphs.add()
+    graph = mg.graph_def
+    graph.versions.CopyFrom(src.graph_def.versions)
+    for name in keep:
+        node = graph.node.add()
+        node.CopyFrom(nodes[name])
+        node_id = bound.get(name)
+        if node.op == "VarHandleOp":  # every handle of one variable names the same resource
+            node.attr["shared_name"].s = handle_of[node_id].encode()
+
+    variables = _object_graph(item, keys, sigmap, handle_of, const_ids, mg.object_graph_def)
+    reached = _copy_library(item, keys, graph)
+    if variables:
+        _add_saver(mg, graph, variables, mg.object_graph_def)
+    init = graph.node.add(name=_PREFIX + "init", op="NoOp")
+    for key in keys:
+        mg.signature_def[key].CopyFrom(src.signature_def[key])
+    mg.signature_def[INIT_OP_KEY].outputs[INIT_OP_KEY].name = init.name
+    mg.signature_def[INIT_OP_KEY].outputs[INIT_OP_KEY].tensor_shape.unknown_rank = True
+    _copy_meta_info(mg, src, reached, graph)
+    return out, variables
+
+
+def _exportable_keys(item: GraphItem) -> List[str]:
+    """The serving signatures of ``item``; an ``InputError`` when there are none or when the
+    model has no object graph to export them from."""
     keys = serving_keys(item)
     if not keys:
         raise InputError(f"{item.source}: no serving signature to export (signatures: "
                          f"{', '.join(sorted(item.signatures)) or 'none'}); export a model with an inference "
                          "signature such as 'serving_default'")
-    src = item.meta_graph
-    og = src.object_graph_def
-    if not og.nodes:
+    if not item.meta_graph.object_graph_def.nodes:
         raise InputError(f"{item.source}: no object graph (a TF1 SavedModel?); a serving export is made from a "
                          "TF2 SavedModel")
-    nodes = {n.name: n for n in src.graph_def.node}
-    sigmap = _signature_map(item, og)
+    return keys
 
-    # The graph nodes the signatures read, and the saved objects their calls are bound to.
+
+def _kept_nodes(item: GraphItem, keys: List[str], nodes) -> Tuple[Dict[str, None], Dict[str, int]]:
+    """The graph nodes the signatures ``keys`` read (an ordered set), and the saved objects
+    their calls are bound to (graph node, a handle or constant a call captures -> object
+    graph node id)."""
+    src = item.meta_graph
+    og = src.object_graph_def
     keep: Dict[str, None] = {}  # ordered set
-    bound: Dict[str, int] = {}  # graph node (a handle or constant a call captures) -> object graph node id
+    bound: Dict[str, int] = {}
     for key in keys:
         sd = src.signature_def[key]
         roots = [tensor_node(t.name) for t in list(sd.inputs.values()) + list(sd.outputs.values())]
@@ -158,7 +196,15 @@ def build_serving_proto(item: GraphItem) -> Tuple[saved_model_pb2.SavedModel, Li
                     if bound.setdefault(src_name, node_id) != node_id:
                         raise InputError(f"{item.source}: graph node {src_name!r} is bound to two saved objects; "
                                          "re-export the model")
-    # One handle per saved variable: the first graph node found for it (others share its name).
+    return keep, bound
+
+
+def _saved_objects(item: GraphItem, keep: Dict[str, None], nodes,
+                   bound: Dict[str, int]) -> Tuple[Dict[int, str], Dict[int, str]]:
+    """The saved variables and constants the kept nodes are bound to: variable's object id ->
+    its one handle (the first graph node found for it; others share its name), and constant's
+    object id -> its graph node. Anything else a signature captures is an ``InputError``."""
+    og = item.meta_graph.object_graph_def
     handle_of: Dict[int, str] = {}
     const_ids: Dict[int, str] = {}
     for name in keep:
@@ -175,20 +221,15 @@ def build_serving_proto(item: GraphItem) -> Tuple[saved_model_pb2.SavedModel, Li
         elif kind is not None:
             raise InputError(f"{item.source}: a serving signature captures a {kind} ({name!r}); a serving export "
                              "keeps variables and constants only")
+    return handle_of, const_ids
 
-    out = saved_model_pb2.SavedModel(saved_model_schema_version=item.saved_model.saved_model_schema_version or 1)
-    mg = out.meta_graphs.add()
-    graph = mg.graph_def
-    graph.versions.CopyFrom(src.graph_def.versions)
-    for name in keep:
-        node = graph.node.add()
-        node.CopyFrom(nodes[name])
-        node_id = bound.get(name)
-        if node.op == "VarHandleOp":  # every handle of one variable names the same resource
-            node.attr["shared_name"].s = handle_of[node_id].encode()
 
-    # The object graph: root -> 'variables' (a list) and 'signatures' (the signature map).
-    new_og = mg.object_graph_def
+def _object_graph(item: GraphItem, keys: List[str], sigmap: Dict[str, int], handle_of: Dict[int, str],
+                  const_ids: Dict[int, str], new_og) -> List[_Var]:
+    """Fill the export's object graph ``new_og``: root -> 'variables' (a list) and 'signatures'
+    (the signature map), then the kept variables, constants and signature functions, with the
+    functions' bound inputs renumbered. Returns the export's variables."""
+    og = item.meta_graph.object_graph_def
     root = new_og.nodes.add()
     root.user_object.CopyFrom(_user_object("_generic_user_object"))
     var_list = new_og.nodes.add()
@@ -219,29 +260,32 @@ def build_serving_proto(item: GraphItem) -> Tuple[saved_model_pb2.SavedModel, Li
             cf.CopyFrom(og.concrete_functions[fname])
             del cf.bound_inputs[:]
             cf.bound_inputs.extend(new_id[i] for i in og.concrete_functions[fname].bound_inputs)
+    return variables
 
-    # The library: only what the kept graph nodes reach.
-    library = {f.signature.name: f for f in src.graph_def.library.function}
+
+def _copy_library(item: GraphItem, keys: List[str], graph) -> set:
+    """Copy into ``graph`` only the library functions its nodes reach (in the source's order),
+    check its ops and that nothing the kept functions call was left behind; returns the names
+    reached."""
+    src_lib = item.meta_graph.graph_def.library
+    library = {f.signature.name: f for f in src_lib.function}
     reached = set()
     for node in graph.node:
         for fa in iter_func_attrs(node):
             reached.update(function_dependencies(fa.name, library))
-    for f in src.graph_def.library.function:  # in the source's order
+    for f in src_lib.function:  # in the source's order
         if f.signature.name in reached:
             graph.library.function.add().CopyFrom(f)
     _check_ops(item, keys, graph)
     kept = {f.signature.name: f for f in graph.library.function}
     for f in graph.library.function:  # nothing the kept functions call was left behind
         verify_function_def(f, kept)
+    return reached
 
-    if variables:
-        _add_saver(mg, graph, variables, new_og)
-    init = graph.node.add(name=_PREFIX + "init", op="NoOp")
-    for key in keys:
-        mg.signature_def[key].CopyFrom(src.signature_def[key])
-    mg.signature_def[INIT_OP_KEY].outputs[INIT_OP_KEY].name = init.name
-    mg.signature_def[INIT_OP_KEY].outputs[INIT_OP_KEY].tensor_shape.unknown_rank = True
 
+def _copy_meta_info(mg, src, reached: set, graph) -> None:
+    """The export's meta info: the source's, tagged ``serve`` only, with the function aliases
+    of the functions kept and the op list of ``graph``."""
     info = mg.meta_info_def
     info.CopyFrom(src.meta_info_def)
     del info.tags[:]
@@ -251,7 +295,6 @@ def build_serving_proto(item: GraphItem) -> Tuple[saved_model_pb2.SavedModel, Li
         if fname in reached:
             info.function_aliases[fname] = alias
     info.stripped_op_list.CopyFrom(_op_list(graph))
-    return out, variables
 
 
 def _signature_map(item: GraphItem, og) -> Dict[str, int]:

@@ -686,7 +686,8 @@ def _registered_stateful(op: str) -> bool:
     return bool(od and od.is_stateful)
 
 
-def _outline(g: FunctionGraph, name: str, outputs, new_args, keep_args, drop, side_effects, into) -> function_pb2.FunctionDef:
+def _outline(g: FunctionGraph, name: str, outputs, new_args, keep_args, drop, side_effects,
+             into) -> function_pb2.FunctionDef:
     """:meth:`FunctionGraph.outline`."""
     cut = {ref: arg_name for arg_name, ref in new_args}  # these tensors become arguments
     nodes = g.nodes
@@ -696,12 +697,49 @@ def _outline(g: FunctionGraph, name: str, outputs, new_args, keep_args, drop, si
         effects = [n for n in nodes if n not in drop and _stateful(g, n)]
         roots += effects
     kept = list(keep_args) if keep_args is not None else [a.name for a in g.header.signature.input_arg]
-    # Every kept node and output must still find what it reads (``drop`` and ``keep_args`` can
-    # take it away); output names and acyclicity carry over from ``g``, which was verified.
-    # One walk up from the roots: data inputs (except the new arguments), and control inputs
-    # with ``side_effects``; a node with an input that may need rewriting (it becomes an
-    # argument, or waits for a node perhaps left out) or is wrong is looked at again after.
     args = set(kept).union(cut.values())
+    keep, again = _outline_walk(g, roots, cut, args, drop, side_effects)
+    if side_effects:
+        effects = [n for n in effects if n in keep]
+    defined = keep.union(args)
+    # Only the kept nodes are copied (in one call); the inputs of those that read a new
+    # argument, or wait for a node left out, are rewritten after.
+    header = g.header  # its arguments, outputs and control outputs are replaced below
+    fdef = copy_header(header, into, skip=("arg_attr", "ret", "control_ret"))
+    order = [n for n in nodes if n in keep]
+    fdef.node_def.extend(nodes[n] for n in order)
+    _outline_inputs(g, name, fdef, order, again, cut, keep, defined)
+    sig = fdef.signature
+    sig.name = name
+    _outline_args(g, fdef, new_args, kept)
+    del sig.output_arg[:]
+    for out_name, ref in outputs:
+        a = sig.output_arg.add()
+        a.name = out_name
+        a.type = g.dtype(ref)
+        fdef.ret[out_name] = str(ref)
+    del sig.control_output[:]
+    for n in sorted(effects):
+        sig.control_output.append(n)
+        fdef.control_ret[n] = n
+    sig.is_stateful = True
+    if "_input_shapes" in fdef.attr:
+        del fdef.attr["_input_shapes"]
+    for k, v in fdef.ret.items():
+        if parse_input(v)[0].node not in defined:
+            raise VerifyError(f"{name}: output {k!r} refers to {v!r}, which was left out")
+    return fdef
+
+
+def _outline_walk(g: FunctionGraph, roots: List[str], cut, args: set, drop, side_effects: bool) -> Tuple[set, set]:
+    """The nodes an outlined function keeps, and those of them to look at again.
+
+    Every kept node and output must still find what it reads (``drop`` and ``keep_args`` can
+    take it away); output names and acyclicity carry over from ``g``, which was verified.
+    One walk up from the roots: data inputs (except the new arguments ``cut``), and control
+    inputs with ``side_effects``; a node with an input that may need rewriting (it becomes an
+    argument, or waits for a node perhaps left out) or is wrong is looked at again after."""
+    nodes = g.nodes
     keep: set = set()
     again: set = set()
     stack = [r for r in roots if r in nodes and r not in drop]
@@ -725,15 +763,14 @@ def _outline(g: FunctionGraph, name: str, outputs, new_args, keep_args, drop, si
                 continue
             if p not in keep:
                 stack.append(p)
-    if side_effects:
-        effects = [n for n in effects if n in keep]
-    defined = keep.union(args)
-    # Only the kept nodes are copied (in one call); the inputs of those that read a new
-    # argument, or wait for a node left out, are rewritten after.
-    header = g.header  # its arguments, outputs and control outputs are replaced below
-    fdef = copy_header(header, into, skip=("arg_attr", "ret", "control_ret"))
-    order = [n for n in nodes if n in keep]
-    fdef.node_def.extend(nodes[n] for n in order)
+    return keep, again
+
+
+def _outline_inputs(g: FunctionGraph, name: str, fdef: function_pb2.FunctionDef, order: List[str], again: set,
+                    cut, keep: set, defined: set) -> None:
+    """Rewrite the inputs of the copied nodes (``fdef.node_def``, in ``order``) that were
+    looked at again: a tensor cut becomes its new argument, a control input left out goes;
+    an input from nowhere in ``defined`` is a ``VerifyError``."""
     for k, n in enumerate(order):
         if n not in again:
             continue
@@ -751,8 +788,13 @@ def _outline(g: FunctionGraph, name: str, outputs, new_args, keep_args, drop, si
                        if not (ctl and t.node not in keep)]
             del inputs[:]
             inputs.extend(renamed)
+
+
+def _outline_args(g: FunctionGraph, fdef: function_pb2.FunctionDef, new_args, kept: List[str]) -> None:
+    """The arguments of an outlined function: the new ones (their dtype and known shape from
+    ``g``), then the ``kept`` arguments of ``g`` with their attributes."""
+    header = g.header
     sig = fdef.signature
-    sig.name = name
     old_args = {a.name: (i, a) for i, a in enumerate(header.signature.input_arg)}
     arg_attr = header.arg_attr
     del sig.input_arg[:]
@@ -770,23 +812,6 @@ def _outline(g: FunctionGraph, name: str, outputs, new_args, keep_args, drop, si
         sig.input_arg.add().CopyFrom(a)
         if i in arg_attr:
             fdef.arg_attr[len(sig.input_arg) - 1].CopyFrom(arg_attr[i])
-    del sig.output_arg[:]
-    for out_name, ref in outputs:
-        a = sig.output_arg.add()
-        a.name = out_name
-        a.type = g.dtype(ref)
-        fdef.ret[out_name] = str(ref)
-    del sig.control_output[:]
-    for n in sorted(effects):
-        sig.control_output.append(n)
-        fdef.control_ret[n] = n
-    sig.is_stateful = True
-    if "_input_shapes" in fdef.attr:
-        del fdef.attr["_input_shapes"]
-    for k, v in fdef.ret.items():
-        if parse_input(v)[0].node not in defined:
-            raise VerifyError(f"{name}: output {k!r} refers to {v!r}, which was left out")
-    return fdef
 
 
 def verify_function_def(fdef: function_pb2.FunctionDef,

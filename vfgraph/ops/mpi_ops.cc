@@ -549,6 +549,27 @@ absl::Status MpiFailure(const std::string& op, const std::string& node,
       " of ", comm.size, ": ", MpiErrorString(code)));
 }
 
+// The error of an op that `does` something over `stages` pipeline stages (a phrase), in
+// a process whose ranks are not split into that many stages.
+absl::Status StagesMismatch(const std::string& op, const std::string& node, const std::string& does,
+                            int stages) {
+  const CommState& state = State();
+  return absl::FailedPreconditionError(absl::StrCat(
+      op, " (node '", node, "'): ", does, ", but this process's ranks are ",
+      state.stages ? absl::StrCat("split into ", state.stages, " stages") : "not split into stages",
+      "; train the model with 'vfgraph train', or call "
+      "vfgraph.ops.set_communicator(comm, stages=", stages, ") first"));
+}
+
+// Sets `comm`'s rank and size from its communicator.
+absl::Status FindRankAndSize(const std::string& op, const std::string& node, Comm* comm) {
+  int rc = MPI_Comm_rank(comm->comm, &comm->rank);
+  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Comm_rank", rc, *comm);
+  rc = MPI_Comm_size(comm->comm, &comm->size);
+  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Comm_size", rc, *comm);
+  return absl::OkStatus();
+}
+
 // Checks that MPI can be used from this thread and returns the communicator in
 // use, its rank and size. The caller holds CollectiveMutex(). `stages` > 0: the
 // communicator of this rank's pipeline stage instead (the ranks equal to it modulo
@@ -583,12 +604,8 @@ absl::Status AcquireComm(const std::string& op, const std::string& node,
   comm.comm = state.user_comm ? state.comm : MPI_COMM_WORLD;
   if (stages > 0) {
     if (state.stages != stages) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          op, " (node '", node, "'): sums over the replicas of each of ", stages,
-          " pipeline stages, but this process's ranks are ",
-          state.stages ? absl::StrCat("split into ", state.stages, " stages") : "not split into stages",
-          "; train the model with 'vfgraph train', or call "
-          "vfgraph.ops.set_communicator(comm, stages=", stages, ") first"));
+      return StagesMismatch(op, node, absl::StrCat("sums over the replicas of each of ", stages, " pipeline stages"),
+                            stages);
     }
     comm.comm = state.stage_comm;
   }
@@ -599,10 +616,8 @@ absl::Status AcquireComm(const std::string& op, const std::string& node,
     }
     state.errhandler_set = true;
   }
-  int rc = MPI_Comm_rank(comm.comm, &comm.rank);
-  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Comm_rank", rc, comm);
-  rc = MPI_Comm_size(comm.comm, &comm.size);
-  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Comm_size", rc, comm);
+  absl::Status status = FindRankAndSize(op, node, &comm);
+  if (!status.ok()) return status;
   *out = comm;
   return absl::OkStatus();
 }
@@ -745,19 +760,11 @@ absl::Status AcquireReplicaComm(const std::string& op, const std::string& node, 
   if (!status.ok() || stages <= 0) return status;
   const CommState& state = State();
   if (state.stages != stages || state.replica_comm == MPI_COMM_NULL) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        op, " (node '", node, "'): runs among the ", stages, " pipeline stages of one replica, but this ",
-        "process's ranks are ",
-        state.stages ? absl::StrCat("split into ", state.stages, " stages") : "not split into stages",
-        "; train the model with 'vfgraph train', or call "
-        "vfgraph.ops.set_communicator(comm, stages=", stages, ") first"));
+    return StagesMismatch(op, node, absl::StrCat("runs among the ", stages, " pipeline stages of one replica"),
+                          stages);
   }
   comm->comm = state.replica_comm;
-  int rc = MPI_Comm_rank(comm->comm, &comm->rank);
-  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Comm_rank", rc, *comm);
-  rc = MPI_Comm_size(comm->comm, &comm->size);
-  if (rc != MPI_SUCCESS) return MpiFailure(op, node, "MPI_Comm_size", rc, *comm);
-  return absl::OkStatus();
+  return FindRankAndSize(op, node, comm);
 }
 
 // The communicator of AcquireReplicaComm, checking that `root` is one of its ranks.

@@ -222,28 +222,7 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
 
     orig = tf.saved_model.load(original, tags=tags) if tags else tf.saved_model.load(original)
     new = tf.saved_model.load(v4, tags=tags) if tags else tf.saved_model.load(v4)
-    key = _serving_key(orig)
-    if key:
-        inputs = sample(orig.signatures[key], SERVE_BATCH, 100)
-        want = _serve(orig.signatures[key], inputs)
-        got = _serve(new.signatures[key], inputs)
-        res.serving_error = _output_error(want, got)
-        fresh = _fresh_serve(v4, key, inputs, workdir, tags)  # runs while the export is written
-        if not tags:  # the serving export of the rewritten model, served without vfgraph
-            exported = vfgraph.export(v4, os.path.join(workdir, "serving"), force=True)
-            stock = _fresh_serve(exported, key, inputs, workdir, vfgraph=False)
-            try:
-                if c_api_client:
-                    res.export_c_api_error = _output_error(want, c_api.serve(c_api_client, exported, inputs, key))
-                res.export_error = _output_error(want, stock.result())
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
-                res.export_problem = str(e)
-        try:
-            res.fresh_load = _output_error(got, fresh.result()) < 1e-6
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            res.fresh_load, res.fresh_error = False, str(e)
-        if train_save:
-            _check_trained(res, v4, new.signatures["train"], key, inputs, os.path.join(workdir, "trained"), sample)
+    _check_serving(res, orig, new, v4, workdir, sample, tags, c_api_client, train_save)
     if not training:
         return res
     res.params = _param_count(orig.signatures["train"])
@@ -253,15 +232,7 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
     # the original as loaded above (only served so far: its variables are as saved); a signature
     # needs its object alive
     held = [orig, tf.saved_model.load(v1)]
-    a, b = (m.signatures["train"] for m in held)
-    la, lb = _steps(a, sample, 2), _steps(b, sample, 2)
-    va, vb = variable_values(a), variable_values(b)
-    res.v1_differing = sorted(n for n in va if n not in vb or not np.array_equal(va[n], vb[n]))
-    res.v1_identical = not res.v1_differing and la == lb
-    exact = None  # without Grappler's arithmetic optimizer, in a process of its own while V=4 runs here
-    if not res.v1_identical:
-        res.v1_error = max(rel_diff(va[n], vb[n]) for n in res.v1_differing if n in vb)
-        exact = _v1_fresh(original, v1, [sample(a, BATCH, s) for s in range(2)], workdir)
+    exact = _check_v1(res, original, v1, *(m.signatures["train"] for m in held), workdir, sample)
     try:
         _check_v4(res, original, v4, new, workdir, sample, optimizer, batch_stats, dropout, sgd_variant)
     finally:
@@ -271,6 +242,52 @@ def check_model(name: str, original: str, workdir: str, sample: Sample, *, optim
             except (RuntimeError, subprocess.TimeoutExpired):
                 res.v1_identical_without_arithmetic = False
     return res
+
+
+def _check_serving(res: CorpusResult, orig, new, v4: str, workdir: str, sample: Sample, tags: Optional[List[str]],
+                   c_api_client: str, train_save: bool) -> None:
+    """The serving checks of :func:`check_model`: the rewrite ``v4`` (loaded as ``new``) serves
+    as the original ``orig`` does, here and in a fresh process; its serving export (without
+    ``tags``) serves so without vfgraph (and through the C API with ``c_api_client``); with
+    ``train_save``, :func:`_check_trained`. Nothing without a serving signature."""
+    key = _serving_key(orig)
+    if not key:
+        return
+    inputs = sample(orig.signatures[key], SERVE_BATCH, 100)
+    want = _serve(orig.signatures[key], inputs)
+    got = _serve(new.signatures[key], inputs)
+    res.serving_error = _output_error(want, got)
+    fresh = _fresh_serve(v4, key, inputs, workdir, tags)  # runs while the export is written
+    if not tags:  # the serving export of the rewritten model, served without vfgraph
+        exported = vfgraph.export(v4, os.path.join(workdir, "serving"), force=True)
+        stock = _fresh_serve(exported, key, inputs, workdir, vfgraph=False)
+        try:
+            if c_api_client:
+                res.export_c_api_error = _output_error(want, c_api.serve(c_api_client, exported, inputs, key))
+            res.export_error = _output_error(want, stock.result())
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            res.export_problem = str(e)
+    try:
+        res.fresh_load = _output_error(got, fresh.result()) < 1e-6
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        res.fresh_load, res.fresh_error = False, str(e)
+    if train_save:
+        _check_trained(res, v4, new.signatures["train"], key, inputs, os.path.join(workdir, "trained"), sample)
+
+
+def _check_v1(res: CorpusResult, original: str, v1: str, a, b, workdir: str, sample: Sample) -> Optional[_Fresh]:
+    """The V=1 check of :func:`check_model`: two steps of the original's training signature
+    ``a`` and of its V=1 rewrite's ``b`` (saved at ``v1``) leave the same losses and variables.
+    Where they differ, returns the same comparison started in a process without Grappler's
+    arithmetic optimizer (:func:`_v1_fresh`), to run while the V=4 checks run here."""
+    la, lb = _steps(a, sample, 2), _steps(b, sample, 2)
+    va, vb = variable_values(a), variable_values(b)
+    res.v1_differing = sorted(n for n in va if n not in vb or not np.array_equal(va[n], vb[n]))
+    res.v1_identical = not res.v1_differing and la == lb
+    if res.v1_identical:
+        return None
+    res.v1_error = max(rel_diff(va[n], vb[n]) for n in res.v1_differing if n in vb)
+    return _v1_fresh(original, v1, [sample(a, BATCH, s) for s in range(2)], workdir)
 
 
 def _check_trained(res: CorpusResult, model: str, train_fn, key: str, inputs: Dict[str, np.ndarray], workdir: str,
