@@ -112,7 +112,7 @@ def _fused_buffers(header, shapes, limit: int) -> List[List[int]]:
     appearance, the same on every rank), then cut at ``limit`` bytes."""
     by_dtype: Dict[int, List[int]] = {}
     for i, a in enumerate(header.signature.input_arg):
-        if a.name.startswith("sum_"):
+        if a.name.startswith(VirtualNodes.SUMMED):
             by_dtype.setdefault(a.type, []).append(i)
     buffers: List[List[int]] = []
     for dtype, idx in by_dtype.items():
@@ -155,7 +155,7 @@ def reduce_functions(header, limit: int, library, new_function=None, stages: int
     shapes = arg_shapes(header)
     outs = [a.name for a in header.signature.output_arg]
     buffers = _fused_buffers(header, shapes, limit)
-    gathers = [i for i, n in enumerate(names) if n.startswith("gather_")]
+    gathers = [i for i, n in enumerate(names) if n.startswith(VirtualNodes.GATHERED)]
     i32 = types_pb2.DT_INT32
     over = {"stages": stages} if stages else {}
 
@@ -264,7 +264,7 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
     if sent:
         b.control_ret(b.op("VfBroadcastVariables", sent, name="broadcast", deps=[check], N=len(sent), root=0))
     item.set_function(b.finish())
-    name = f"{key}_broadcast"
+    name = Allreduce.broadcast_name(key)
     add_signature(item, name, fn, wrapper, takes_inputs=False)
     return name, [sig.variables[a].name for a in variables
                   if a in sig.variables and sig.variables[a].dtype not in _BROADCAST_TYPES]
