@@ -1,6 +1,7 @@
 """Records are the contract between the layers: a pass writes only the records it declares
 (the pass manager checks it), and what another layer reads of a rewrite (the step-wise and
-broadcast signatures' keys) it reads from the record, not from a naming convention."""
+broadcast signatures' keys) it reads from the record, not from a naming convention; the
+architecture document's table of records is generated from the declarations."""
 import ast
 import json
 import os
@@ -255,3 +256,21 @@ def test_no_reader_rebuilds_an_added_signature_name():
                     found += [f"{os.path.relpath(path, ROOT)}:{n}" for n in lines]
     assert not found, found
     assert _suffixed_names(ast.parse('a = f"{key}_broadcast"; b = key + "_apply"'), suffixes) == [1, 1]
+
+
+def test_the_architecture_documents_records_table_is_generated():
+    """docs/architecture.md holds what tools/architecture_doc.py writes from the declarations
+    (run the script when a pass's or a record's declaration changes)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("architecture_doc", os.path.join(ROOT, "tools",
+                                                                                   "architecture_doc.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with open(tool.DOC) as f:
+        text = f.read()
+    assert tool.render(text) == text, "docs/architecture.md is out of date: run python tools/architecture_doc.py"
+    table = tool.table()
+    assert "| `split-vnodes` | - | `VirtualNodes` | `Stages` | yes |" in table
+    assert "| `insert-allreduce` | `VirtualNodes` | `Allreduce` | - | yes |" in table
+    assert tool.render(text.replace(table, "| stale |\n")) == text
