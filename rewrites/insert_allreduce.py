@@ -112,7 +112,7 @@ def _fused_buffers(header, shapes, limit: int) -> List[List[int]]:
     appearance, the same on every rank), then cut at ``limit`` bytes."""
     by_dtype: Dict[int, List[int]] = {}
     for i, a in enumerate(header.signature.input_arg):
-        if a.name.startswith("sum_"):
+        if a.name.startswith(VirtualNodes.SUMMED):
             by_dtype.setdefault(a.type, []).append(i)
     buffers: List[List[int]] = []
     for dtype, idx in by_dtype.items():
@@ -152,7 +152,7 @@ def reduce_functions(header, limit: int, library, new_function=None, stages: int
     names = [a.name for a in header.signature.input_arg]
     shapes = arg_shapes(header)
     buffers = _fused_buffers(header, shapes, limit)
-    gathers = [i for i, n in enumerate(names) if n.startswith("gather_")]
+    gathers = [i for i, n in enumerate(names) if n.startswith(VirtualNodes.GATHERED)]
     over = {"stages": stages} if stages else {}
     multi = _reduce_all(header, library, new_function, shapes, buffers, gathers, over)
     one = new_function(f"{fn}_one") if new_function else function_pb2.FunctionDef()
@@ -295,7 +295,7 @@ def _add_broadcast(item: GraphItem, key: str, fingerprint: str):
     if sent:
         b.control_ret(b.op("VfBroadcastVariables", sent, name="broadcast", deps=[check], N=len(sent), root=0))
     item.set_function(b.finish())
-    name = f"{key}_broadcast"
+    name = Allreduce.broadcast_name(key)
     add_signature(item, name, fn, wrapper, takes_inputs=False)
     return name, [sig.variables[a].name for a in variables
                   if a in sig.variables and sig.variables[a].dtype not in _BROADCAST_TYPES]

@@ -16,12 +16,13 @@ node i: the virtual nodes are the pipeline's micro-batches. ``schedule=1f1b`` ke
 in flight (at most K virtual nodes' activations alive), ``schedule=gpipe`` all of them.
 
 Without ``devices`` the stages are MPI ranks: rank k of ``mpiexec -n K`` runs stage k+1. The
-pass then marks each op with its stage (the ``_vf_stage`` attribute, which TensorFlow
-ignores) instead of a device, and ``split-vnodes`` adds one training signature per stage
-(``train_stage_1`` ...) whose virtual-node loop runs that stage's ops only, receiving the
-tensors other stages compute with ``VfRecv`` and sending its own with ``VfSend``. A variable
-read by several stages is then held by each of them (its part lists it), each applying the
-same update from the same summed gradient (split-vnodes' stage updates). So is every variable
+pass then marks each op with its stage (the attribute ``Stages.MARK`` of
+:mod:`vfgraph.records`, which TensorFlow ignores) instead of a device, and ``split-vnodes``
+adds one training signature per stage (``train_stage_1`` ...) whose virtual-node loop runs
+that stage's ops only, receiving the tensors other stages compute with ``VfRecv`` and sending
+its own with ``VfSend``. A variable read by several stages is then held by each of them (its
+part lists it), each applying the same update from the same summed gradient (split-vnodes'
+stage updates). So is every variable
 that one conditional update writes with variables of other stages (a loss-scale optimizer's
 apply under its finite check, Keras' gradient accumulation, ``tf.cond`` on the gradients):
 each of those stages runs the whole conditional update on every gradient.
@@ -52,7 +53,6 @@ from vfgraph.records import StagePart, Stages, VirtualNodes
 
 SCHEDULES = ("1f1b", "gpipe")
 BALANCES = ("estimate", "profile")
-STAGE_ATTR = "_vf_stage"  # a node's stage (0-based) when the stages are MPI ranks
 
 
 @register
@@ -127,7 +127,7 @@ class PartitionStagesPass(Pass):
                 if devices:
                     node.device = devices[k - 1]
                 else:
-                    node.attr[STAGE_ATTR].i = k - 1
+                    node.attr[Stages.MARK].i = k - 1
                 ops[k - 1] += 1
         if devices:
             set_variable_devices(item, sig.key, {a: devices[k - 1] for a, k in owner.items()})
@@ -262,7 +262,3 @@ def _split_identity_n(item: GraphItem, function: str, plan: StagePlan, where: Di
     item.set_function(g.finish())
     return item.function(function)
 
-
-def stage_of(node) -> Optional[int]:
-    """The stage (0-based) partition-stages gave NodeDef ``node`` for MPI ranks, None when none."""
-    return node.attr[STAGE_ATTR].i if STAGE_ATTR in node.attr else None

@@ -616,8 +616,8 @@ def cmd_inspect(args) -> int:
         if rw:
             print(f"  virtual nodes: V={rw.vnodes} b={rw.vnode_batch or 'fed batch / V'}"
                   + ("; deterministic (exact) sums" if rw.deterministic else ""))
-            if rw.stepwise:
-                print(f"  step-wise: signatures {key + '_accumulate'!r} (repeat) and {key + '_apply'!r}")
+            if rw.accumulate_signature:
+                print(f"  step-wise: signatures {rw.accumulate_signature!r} (repeat) and {rw.apply_signature!r}")
             if rw.random_ops:
                 from vfgraph.analysis.random_ops import describe
 

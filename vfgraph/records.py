@@ -74,14 +74,20 @@ class VirtualNodes:
     """split-vnodes: training signature ``function`` runs ``vnodes`` virtual nodes of
     ``vnode_batch`` examples each (0: the fed batch / V) in a loop over
     ``vnode_function``, sums their gradients through ``reduce_functions`` and runs
-    ``update_function`` once. ``stepwise``: the ``<key>_accumulate`` / ``<key>_apply``
-    signatures were added; ``per_vnode_seeds``: the seed reads offset per virtual node;
-    ``deterministic``: floating-point sums are exact (fixed point), the same for any layout of
-    the virtual nodes over ranks; ``random_ops``: the random ops of the virtual-node function
-    and how each is keyed; ``index_function``: the function giving the global index of a
-    process's first virtual node (called when random ops are keyed)."""
+    ``update_function`` once. ``stepwise``: the step-wise signatures were added;
+    ``per_vnode_seeds``: the seed reads offset per virtual node; ``deterministic``:
+    floating-point sums are exact (fixed point), the same for any layout of the virtual nodes
+    over ranks; ``random_ops``: the random ops of the virtual-node function and how each is
+    keyed; ``index_function``: the function giving the global index of a process's first
+    virtual node (called when random ops are keyed); ``accumulate_signature``
+    and ``apply_signature``: the keys of the step-wise signatures ("" when not added; a record
+    written before they were recorded gets them from ``stepwise`` and its signature key).
+    A reduce function's arguments are named ``SUMMED`` + k (summed over processes) or
+    ``GATHERED`` + k (rows concatenated), which insert-allreduce reads."""
 
     PASS: ClassVar[str] = "split-vnodes"
+    SUMMED: ClassVar[str] = "sum_"
+    GATHERED: ClassVar[str] = "gather_"
     function: str
     vnodes: int = 1
     vnode_batch: int = 0
@@ -94,6 +100,14 @@ class VirtualNodes:
     deterministic: bool = False
     random_ops: Tuple[RandomOp, ...] = ()
     index_function: str = ""
+    accumulate_signature: str = ""
+    apply_signature: str = ""
+
+    @staticmethod
+    def stepwise_signatures(key: str) -> Tuple[str, str]:
+        """The keys split-vnodes gives the step-wise signatures of training signature ``key``:
+        (accumulate, apply)."""
+        return f"{key}_accumulate", f"{key}_apply"
 
     def to_json(self) -> dict:
         d = {"function": self.function, "vnodes": self.vnodes, "vnode_batch": self.vnode_batch,
@@ -106,15 +120,25 @@ class VirtualNodes:
             d["random_ops"] = [r.to_json() for r in self.random_ops]
         if self.index_function:
             d["index_function"] = self.index_function
+        if self.accumulate_signature:
+            d["accumulate_signature"] = self.accumulate_signature
+            d["apply_signature"] = self.apply_signature
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "VirtualNodes":
+    def from_json(cls, d: Mapping[str, Any], key: str = "") -> "VirtualNodes":
+        """The record as stored for signature ``key``; a step-wise record written before the
+        signatures' keys were recorded gets them from ``key``."""
+        stepwise = d.get("stepwise", False)
+        named = (d.get("accumulate_signature", ""), d.get("apply_signature", ""))
+        if stepwise and not named[0] and key:
+            named = cls.stepwise_signatures(key)
         return cls(d["function"], d.get("vnodes", 1), d.get("vnode_batch", 0), d.get("vnode_function", ""),
-                   d.get("update_function", ""), tuple(d.get("per_vnode_seeds", ())), d.get("stepwise", False),
+                   d.get("update_function", ""), tuple(d.get("per_vnode_seeds", ())), stepwise,
                    tuple(d.get("reduce_functions", ())), tuple(Gradient.from_json(g) for g in d.get("gradients", ())),
                    bool(d.get("deterministic", False)),
-                   tuple(RandomOp.from_json(r) for r in d.get("random_ops", ())), d.get("index_function", ""))
+                   tuple(RandomOp.from_json(r) for r in d.get("random_ops", ())), d.get("index_function", ""),
+                   *named)
 
 
 @dataclass(frozen=True)
@@ -131,12 +155,17 @@ class Allreduce:
     fingerprint: str = ""
     broadcast_signature: Optional[str] = None
 
+    @staticmethod
+    def broadcast_name(key: str) -> str:
+        """The key insert-allreduce gives the broadcast signature of training signature ``key``."""
+        return f"{key}_broadcast"
+
     def to_json(self) -> dict:
         return {"fusion_mb": self.fusion_mb, "buffers": [[list(b) for b in groups] for groups in self.buffers],
                 "fingerprint": self.fingerprint, "broadcast_signature": self.broadcast_signature}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Allreduce":
+    def from_json(cls, d: Mapping[str, Any], key: str = "") -> "Allreduce":
         buffers = tuple(tuple(tuple(b) for b in groups) for groups in d.get("buffers", ()))
         return cls(d["fusion_mb"], buffers, d.get("fingerprint", ""), d.get("broadcast_signature"))
 
@@ -159,7 +188,7 @@ class Microbatch:
                 "vnode_batch": self.vnode_batch, "executor": self.executor}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Microbatch":
+    def from_json(cls, d: Mapping[str, Any], key: str = "") -> "Microbatch":
         return cls(d["function"], d["vnode_batch"], d.get("loop_function", ""), d.get("body_function", ""),
                    d.get("executor", "default"))
 
@@ -199,9 +228,12 @@ class Stages:
     read, ``replicated`` those no stage owns (step counters, learning rates). On MPI ranks
     (no devices), ``signatures`` are the training signatures of stages 1..K (rank r runs
     stage r mod K + 1 of replica r // K), ``reduce_functions`` the reduce functions they call
-    (summed over a stage's replicas)."""
+    (summed over a stage's replicas): split-vnodes fills both in (``AMENDED_BY``). ``MARK``:
+    the node attribute holding an op's stage (from 0) when the stages are MPI ranks."""
 
     PASS: ClassVar[str] = "partition-stages"
+    AMENDED_BY: ClassVar[Tuple[str, ...]] = ("split-vnodes",)
+    MARK: ClassVar[str] = "_vf_stage"
     function: str
     parts: Tuple[StagePart, ...]
     schedule: str = "1f1b"
@@ -215,6 +247,18 @@ class Stages:
     @property
     def count(self) -> int:
         return len(self.parts)
+
+    @staticmethod
+    def signature_name(key: str, stage: int) -> str:
+        """The key split-vnodes gives the training signature of stage ``stage`` (from 0) of
+        training signature ``key`` when the stages are MPI ranks (read it from ``signatures``)."""
+        return f"{key}_stage_{stage + 1}"
+
+    @classmethod
+    def stage_of(cls, node: Any) -> Optional[int]:
+        """The stage (from 0) partition-stages marked NodeDef ``node`` with for MPI ranks, None
+        when it marked none."""
+        return node.attr[cls.MARK].i if cls.MARK in node.attr else None
 
     @property
     def on_ranks(self) -> bool:
@@ -235,7 +279,7 @@ class Stages:
                 "reduce_functions": list(self.reduce_functions)}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Stages":
+    def from_json(cls, d: Mapping[str, Any], key: str = "") -> "Stages":
         return cls(d["function"], tuple(StagePart.from_json(p) for p in d.get("parts", ())), d.get("schedule", "1f1b"),
                    tuple(d.get("split_at", ())), tuple(d.get("cut_bytes", ())), tuple(d.get("shared", ())),
                    tuple(d.get("replicated", ())), tuple(d.get("signatures", ())),
@@ -244,6 +288,18 @@ class Stages:
 
 Record = Union[VirtualNodes, Allreduce, Microbatch, Stages]
 R = TypeVar("R", VirtualNodes, Allreduce, Microbatch, Stages)
+KINDS: Tuple[Type, ...] = (VirtualNodes, Allreduce, Microbatch, Stages)
+
+
+def kind_of(pass_name: str) -> Optional[Type]:
+    """The record type stored under ``pass_name`` in the metadata (None: no record type is)."""
+    return next((k for k in KINDS if k.PASS == pass_name), None)
+
+
+def amended_by(pass_name: str) -> Tuple[Type, ...]:
+    """The record types another pass produces that pass ``pass_name`` may fill in (their
+    ``AMENDED_BY``)."""
+    return tuple(k for k in KINDS if pass_name in getattr(k, "AMENDED_BY", ()))
 
 
 def _metadata(source: Union["GraphItem", Mapping[str, Any], None]) -> Mapping[str, Any]:
@@ -260,8 +316,9 @@ def rewrites(source: Union["GraphItem", Mapping[str, Any], None]) -> Mapping[str
 
 def get(source: Union["GraphItem", Mapping[str, Any], None], kind: Type[R]) -> Dict[str, R]:
     """The records of type ``kind`` in an item or its metadata: signature key -> record
-    (empty when that pass rewrote no signature)."""
-    return {key: kind.from_json(d) for key, d in rewrites(source).get(kind.PASS, {}).items()}
+    (empty when that pass rewrote no signature). Each is read by ``kind.from_json(stored,
+    key)``: a record may derive what older versions did not store from its signature key."""
+    return {key: kind.from_json(d, key) for key, d in rewrites(source).get(kind.PASS, {}).items()}
 
 
 def put(target: Union["GraphItem", MutableMapping[str, Any]], key: str, record: Record) -> None:

@@ -70,8 +70,8 @@ def added_signatures(metadata: dict) -> Set[str]:
     alone."""
     keys = set()
     for key, rec in records.get(metadata, VirtualNodes).items():
-        if rec.stepwise:
-            keys |= {f"{key}_accumulate", f"{key}_apply"}
+        if rec.accumulate_signature:
+            keys |= {rec.accumulate_signature, rec.apply_signature}
     for rec in records.get(metadata, Allreduce).values():
         if rec.broadcast_signature:
             keys.add(rec.broadcast_signature)

@@ -2,14 +2,16 @@
 
 It owns copying (the caller's item is copied once, before the first pass that edits, unless
 the caller hands it over), checks each pass's ``requires`` before it runs and ``produces``
-after, names the failing pass (and the passes before it) in any error while keeping the
-error's cause, and, with ``verify_each``, checks after every pass what TensorFlow's loader
-would read (:func:`vfgraph.verification.verify`), so the pass that broke a graph is the one named.
+after (and that it wrote no record of a type it does not declare), names the failing pass
+(and the passes before it) in any error while keeping the error's cause, and, with
+``verify_each``, checks after every pass what TensorFlow's loader would read
+(:func:`vfgraph.verification.verify`), so the pass that broke a graph is the one named.
 """
 from __future__ import annotations
 
+import json
 import logging
-from typing import Callable, List, Optional, Sequence, Tuple, Type
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 from vfgraph import records
 from vfgraph.errors import InternalError, PipelineError, VfgraphError
@@ -53,6 +55,7 @@ class PassManager:
                 raise PipelineError(f"{where}: needs the {missing[0].__name__} record; {_remedy(missing[0])}")
             if p.edits and not owned:
                 item, owned = item.copy(), True
+            before = _stored_records(item)
             try:
                 result = p.call(item)
             except VfgraphError as e:
@@ -63,6 +66,7 @@ class PassManager:
                 raise InternalError(f"{where} returned another item than the one it was given")
             if result.modified and not p.edits:
                 raise InternalError(f"{where} declares edits = False but changed the item")
+            _check_writes(p, where, before, _stored_records(item))
             if result.modified:
                 absent = [r for r in p.produces if not records.get(item, r)]
                 if absent:
@@ -79,6 +83,27 @@ class PassManager:
             if self.after_each is not None:
                 self.after_each(p, item)
         return item, notes
+
+
+def _stored_records(item: GraphItem) -> Dict[str, str]:
+    """The records an item holds, by the name they are stored under, as canonical JSON text."""
+    return {name: json.dumps(stored, sort_keys=True) for name, stored in records.rewrites(item).items()}
+
+
+def _check_writes(p: Pass, where: str, before: Dict[str, str], after: Dict[str, str]) -> None:
+    """InternalError when pass ``p`` wrote a record it does not declare: one of a type neither
+    in its ``produces`` nor amended by it (:func:`records.amended_by`), or stored under a name
+    no record type has."""
+    allowed = set(p.produces) | set(records.amended_by(p.name))
+    for name in sorted(set(before) | set(after)):
+        if before.get(name) == after.get(name):
+            continue
+        kind = records.kind_of(name)
+        if kind is None:
+            raise InternalError(f"{where} wrote records under {name!r}, which no record type of vfgraph.records is "
+                                "stored under")
+        if kind not in allowed:
+            raise InternalError(f"{where} wrote the {kind.__name__} record, which it does not declare it produces")
 
 
 def _remedy(record: Type) -> str:

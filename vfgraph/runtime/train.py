@@ -161,6 +161,13 @@ def vnode_layout(model: str, signature: str) -> Tuple[int, bool]:
     return (rec.vnode_batch if rec else 0), signature in records.get(meta, Allreduce)
 
 
+def broadcast_signature(model: str, signature: str) -> Optional[str]:
+    """The key of the signature that starts the ranks from rank 0's variables, as the
+    all-reduce record of ``model`` names it (None: the rewrite added none)."""
+    rec = records.read(model, Allreduce).get(signature)
+    return rec.broadcast_signature if rec else None
+
+
 def check_batch(model: str, signature: str, batch_size: int, what: str = "") -> None:
     """A batch the rewritten step of ``model`` can take: a multiple of its virtual-node batch
     b, or of its V virtual nodes when it divides the fed batch itself. ``what`` names the batch
@@ -482,6 +489,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         return b, reduces, stages, schedule
 
     b, reduces, stages, schedule = first.agree(check)
+    broadcast = broadcast_signature(model, signature)  # its key in the Allreduce record (None: not added)
     ranked = stages is not None and stages.on_ranks and stages.count > 1  # one pipeline stage per rank
     inter = None
     if elastic is not None:
@@ -545,8 +553,8 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {data_path}")
         check_batch(model, signature, batch_size)
         per = [batch_size // b] if b else [1]
-        if (w.size > 1 or elastic) and not ranked and f"{signature}_broadcast" not in loaded.signatures:
-            raise InputError(f"{model}: no {signature}_broadcast signature to start the ranks from the same "
+        if (w.size > 1 or elastic) and not ranked and (broadcast is None or broadcast not in loaded.signatures):
+            raise InputError(f"{model}: no broadcast signature of {signature!r} to start the ranks from the same "
                              "variables; rewrite it with a SavedModel input and --allreduce mpi")
         if groups > 1 or (vnodes_per_rank and not ranked):
             if not b:
@@ -573,7 +581,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             w, joined_at = el.join(inter, elastic.started, fingerprint, scheduled)
             if w is None:  # the job ended first
                 return None
-            loaded.signatures[f"{signature}_broadcast"]()
+            loaded.signatures[broadcast]()
             per = shares(batch_size // b, w.size)
             group = w.rank
         else:
@@ -684,7 +692,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                 log.info("%d ranks, %d intra-op and %d inter-op TensorFlow threads each: %s", w.size, threads,
                          tf.config.threading.get_inter_op_parallelism_threads(), "; ".join(table))
             if not ranked:  # (stages read their variables from the same files, checked above)
-                loaded.signatures[f"{signature}_broadcast"]()  # same graph everywhere, then rank 0's variables
+                loaded.signatures[broadcast]()  # same graph everywhere, then rank 0's variables
         with _StopRequests() as stop:
             watching = w.size > 1
             if watching:  # (after the handlers of _StopRequests, which the signals then reach too)
@@ -706,7 +714,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                                 w, from_step = back
                                 group, joined_at = w.rank, from_step
                                 per, lo, hi, balancer = layout(w)
-                                loaded.signatures[f"{signature}_broadcast"]()  # rank 0's variables, as the others
+                                loaded.signatures[broadcast]()  # rank 0's variables, as the others
                                 log.info("rank %d came back at step %d", w.rank, from_step)
                                 break  # (on from that step)
                             if change and "refused" in change:
@@ -717,7 +725,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                                 if keeps:  # what the job goes back to if it loses ranks from here on
                                     memory = remember(step)
                                 if change["new"] > change["old"]:  # the new ranks take every variable of rank 0
-                                    loaded.signatures[f"{signature}_broadcast"]()
+                                    loaded.signatures[broadcast]()
                                 per, lo, hi, balancer = layout(w)
                                 if w.is_root:
                                     took = time.perf_counter() - change["began"]
@@ -796,7 +804,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                     group, joined_at = w.rank, None
                     per, lo, hi, balancer = layout(w)
                     if w.size > 1:  # they take rank 0's variables again
-                        loaded.signatures[f"{signature}_broadcast"]()
+                        loaded.signatures[broadcast]()
                     if w.is_root:
                         bar.n = from_step
                         bar.refresh()
