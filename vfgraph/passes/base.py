@@ -14,7 +14,7 @@ import pkgutil
 import re
 import typing
 from dataclasses import dataclass
-from typing import ClassVar, Dict, List, Optional, Tuple, TypeVar
+from typing import ClassVar, Dict, Iterable, List, Optional, Tuple, TypeVar, Union
 
 from vfgraph.errors import PipelineError
 from vfgraph.item import GraphItem
@@ -120,12 +120,20 @@ INT_MAX = 2 ** 31 - 1  # an int option is at most this: it becomes an int32 in t
 
 
 def option(default, help: str, low: Optional[float] = None, high: Optional[float] = None,
-           above: Optional[float] = None):
-    """A pass option: its default, a line of help (``vfgraph passes`` shows it) and, for a
-    number, its bounds (``low`` / ``high`` inclusive, ``above`` exclusive; an int is at most
-    :data:`INT_MAX`, a float is finite). The pass checks them when it is built
-    (:meth:`Pass.__post_init__`)."""
-    return dataclasses.field(default=default, metadata={"help": help, "low": low, "high": high, "above": above})
+           above: Optional[float] = None, flag: Union[bool, str] = False, metavar: Optional[str] = None,
+           choices: Optional[Tuple[str, ...]] = None):
+    """A pass option: its default, a line of help (``vfgraph passes`` and the flag's ``--help``
+    show it) and, for a number, its bounds (``low`` / ``high`` inclusive, ``above`` exclusive;
+    an int is at most :data:`INT_MAX`, a float is finite). The pass checks them when it is built
+    (:meth:`Pass.__post_init__`).
+
+    ``flag``: the command-line flag that sets it (:func:`flags`): True for ``--`` and the
+    option's kebab-case name, or its spelling (``"--x"``); options of several passes may share
+    one, which then sets each of them. ``metavar``: the flag's value in ``--help``.
+    ``choices``: the texts a str option takes (the flag refuses others at once; the pass when
+    it runs)."""
+    return dataclasses.field(default=default, metadata={"help": help, "low": low, "high": high, "above": above,
+                                                        "flag": flag, "metavar": metavar, "choices": choices})
 
 
 def _option_problem(value, typ: type, meta) -> str:
@@ -153,15 +161,97 @@ def _option_problem(value, typ: type, meta) -> str:
 
 def describe(cls: type) -> dict:
     """What ``vfgraph passes`` shows of pass class ``cls``: its name, a summary (the first
-    paragraph of its docstring), its options (type, default, help), the records it requires
-    and produces, and whether it edits the model."""
+    paragraph of its docstring), its options (type, default, help, command-line flag), the
+    records it requires and produces, and whether it edits the model."""
     doc = (cls.__doc__ or "").strip().split("\n\n")[0]
     types = option_types(cls)
     return {"name": cls.name, "summary": " ".join(doc.split()),
             "options": [{"name": f.name.replace("_", "-"), "type": types[f.name].__name__, "default": f.default,
-                         "help": f.metadata.get("help", "")} for f in dataclasses.fields(cls)],
+                         "help": f.metadata.get("help", ""), "flag": flag_of(f)} for f in dataclasses.fields(cls)],
             "requires": [r.__name__ for r in cls.requires], "produces": [r.__name__ for r in cls.produces],
             "edits": cls.edits}
+
+
+# ------------------------------------------------------------- command-line flags
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag made from the pass options that declare it (:func:`option`'s
+    ``flag``): its spelling, the argparse ``dest`` it fills, its type, the value's name and
+    choices, its help (the options' own), and the (pass name, option field) pairs it sets."""
+
+    flag: str
+    type: type
+    metavar: Optional[str]
+    choices: Optional[Tuple[str, ...]]
+    help: str
+    sets: Tuple[Tuple[str, str], ...]
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    def problem(self, value) -> Optional[OptionError]:
+        """The first option this flag sets that refuses ``value`` (its declaration's check,
+        the one :meth:`Pass.__post_init__` makes), as an :class:`OptionError`; None when
+        every one takes it."""
+        passes = registered()
+        for pass_name, field in self.sets:
+            cls = passes[pass_name]
+            f = next(f for f in dataclasses.fields(cls) if f.name == field)
+            problem = _option_problem(value, option_types(cls)[field], f.metadata)
+            if problem:
+                return OptionError(pass_name, field.replace("_", "-"), value, problem)
+        return None
+
+
+def flag_of(f: dataclasses.Field) -> Optional[str]:
+    """The command-line flag option field ``f`` declares (its spelling), or None."""
+    flag = f.metadata.get("flag")
+    return ("--" + f.name.replace("_", "-") if flag is True else flag) or None
+
+
+_FLAG = re.compile(r"--[a-z][a-z0-9]*(-[a-z0-9]+)*")
+
+
+def flags(passes: Optional[Iterable[str]] = None) -> List[Flag]:
+    """The command-line flags the options of the registered passes declare (of ``passes``
+    only, by name, when given), in the order of the passes and their options; a flag several
+    options declare appears once, with each one's help (named by its pass) and each one's
+    check."""
+    found: Dict[str, List[Tuple[type, dataclasses.Field]]] = {}
+    chosen = registered() if passes is None else {n: get_pass_class(n) for n in passes}
+    for cls in chosen.values():
+        for f in dataclasses.fields(cls):
+            if flag_of(f):
+                found.setdefault(flag_of(f), []).append((cls, f))
+    out = []
+    for flag, decls in found.items():
+        kinds = {(option_types(cls)[f.name], f.metadata.get("choices")) for cls, f in decls}
+        if len(kinds) > 1:
+            raise TypeError(f"flag {flag}: options {', '.join(f'{c.name}.{f.name}' for c, f in decls)} declare it "
+                            "with different types or choices")
+        helps = list(dict.fromkeys(f.metadata.get("help", "") for _, f in decls))
+        text = helps[0] if len(helps) == 1 else "; ".join(f"{c.name}: {f.metadata.get('help', '')}" for c, f in decls)
+        cls, f = decls[0]
+        out.append(Flag(flag, option_types(cls)[f.name], next((f.metadata.get("metavar") for _, f in decls
+                                                               if f.metadata.get("metavar")), None),
+                        f.metadata.get("choices"), text, tuple((c.name, f.name) for c, f in decls)))
+    return out
+
+
+def _check_flags(cls: type) -> None:
+    """The flags pass class ``cls`` declares are spelled as flags, a bool one is off by
+    default (giving it turns it on), and choices are a str option's."""
+    types = option_types(cls)
+    for f in dataclasses.fields(cls):
+        flag, choices = flag_of(f), f.metadata.get("choices")
+        if flag and not _FLAG.fullmatch(flag):
+            raise TypeError(f"{cls.__name__}.{f.name}: flag {flag!r}: give True or a kebab-case '--name'")
+        if flag and types[f.name] is bool and f.default is not False:
+            raise TypeError(f"{cls.__name__}.{f.name}: a bool option with a flag is false by default (the flag "
+                            "turns it on)")
+        if choices is not None and (types[f.name] is not str or f.default not in choices):
+            raise TypeError(f"{cls.__name__}.{f.name}: choices are a str option's, its default among them")
 
 
 def _fmt(v) -> str:
@@ -191,6 +281,7 @@ def register(cls: P) -> P:
     if other is not None and other.__qualname__ != cls.__qualname__:
         raise TypeError(f"{cls.__name__}: pass name {cls.name!r} is taken by {other.__module__}.{other.__qualname__}")
     option_types(cls)
+    _check_flags(cls)
     missing = [f.name for f in dataclasses.fields(cls)
                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
