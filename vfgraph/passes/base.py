@@ -337,28 +337,61 @@ def parse_pipeline(text: str) -> List[Pass]:
     A malformed spec is refused with the 1-based column of the problem and what was expected there."""
     if not text.strip():
         raise PipelineError("empty pipeline; give at least one pass, e.g. 'split-vnodes{vnodes=8}'")
-    n = len(text)
-    pos = 0
+    return _PipelineReader(text).passes()
 
-    def fail(at: int, problem: str) -> PipelineError:
-        return PipelineError(f"pipeline {text!r}, column {at + 1}: {problem}")
 
-    def skip() -> str:
+class _PipelineReader:
+    """Reads a pipeline's text left to right (:func:`parse_pipeline`); ``pos`` is where it is."""
+
+    def __init__(self, text: str):
+        self.text, self.n, self.pos = text, len(text), 0
+
+    def fail(self, at: int, problem: str) -> PipelineError:
+        return PipelineError(f"pipeline {self.text!r}, column {at + 1}: {problem}")
+
+    def skip(self) -> str:
         """Move past spaces; the character there ('' at the end)."""
-        nonlocal pos
-        while pos < n and text[pos].isspace():
-            pos += 1
-        return text[pos] if pos < n else ""
+        while self.pos < self.n and self.text[self.pos].isspace():
+            self.pos += 1
+        return self.text[self.pos] if self.pos < self.n else ""
 
+    @staticmethod
     def found(c: str) -> str:
         return f"found {c!r}" if c else "found the end of the pipeline"
 
-    def pass_name(comma: Optional[int]) -> str:
-        nonlocal pos
-        c = skip()
-        m = _NAME.match(text, pos)
+    def passes(self) -> List[Pass]:
+        """Every pass of the pipeline, built with its options."""
+        passes: List[Pass] = []
+        comma = None
+        while True:
+            name = self.pass_name(comma)
+            cls = get_pass_class(name)
+            braced = self.skip() == "{"
+            passes.append(cls(**(self.options(name, cls) if braced else {})))
+            c = self.skip()
+            if not c:
+                return passes
+            if c != ",":
+                raise self._after_pass(name, braced, c)
+            comma = self.pos
+            self.pos += 1
+
+    def _after_pass(self, name: str, braced: bool, c: str) -> PipelineError:
+        """The error for character ``c`` where a ',' (or a '{') should follow pass ``name``."""
+        if c == "}":
+            hint = "" if braced else f", or open the options of pass {name!r} with '{{'"
+            return self.fail(self.pos, f"'}}' without a '{{' before it; remove it{hint}")
+        what = f"after the options of pass {name!r}" if braced else f"after pass {name!r}"
+        expect = "','" if braced else "',' or '{'"
+        return self.fail(self.pos, f"expected {expect} {what}, {self.found(c)}; separate passes with ',' and give a "
+                                   "pass's options in one {key=value,...}")
+
+    def pass_name(self, comma: Optional[int]) -> str:
+        """The pass name here (``comma``: the column of the ',' before it, if any)."""
+        c = self.skip()
+        m = _NAME.match(self.text, self.pos)
         if m:
-            pos = m.end()
+            self.pos = m.end()
             return m.group(0)
         after = f" after the ',' at column {comma + 1}" if comma is not None else ""
         if c == "}":
@@ -369,47 +402,27 @@ def parse_pipeline(text: str) -> List[Pass]:
             hint = "remove the trailing ','"
         else:
             hint = "pass names are words joined by '-', e.g. split-vnodes"
-        raise fail(pos, f"expected a pass name{after}, {found(c)}; {hint}")
+        raise self.fail(self.pos, f"expected a pass name{after}, {self.found(c)}; {hint}")
 
-    def options(name: str, fields, types: Dict[str, type]) -> Dict[str, object]:
-        nonlocal pos
-        brace = pos
-        close = next((i for i in range(brace + 1, n) if text[i] in "{}"), n)
-        if close == n or text[close] == "{":
-            before = f" before the '{{' at column {close + 1}" if close < n else ""
-            raise fail(brace, f"the '{{' of pass {name!r} is not closed{before}; end its options with '}}', "
-                              f"e.g. {name}{{key=value}}")
-        pos = brace + 1
-        if skip() == "}":  # '{}': no options
-            pos += 1
+    def options(self, name: str, cls: type) -> Dict[str, object]:
+        """The ``{key=value,...}`` here of pass ``name`` (class ``cls``), as its options' values."""
+        text, brace = self.text, self.pos
+        close = next((i for i in range(brace + 1, self.n) if text[i] in "{}"), self.n)
+        if close == self.n or text[close] == "{":
+            before = f" before the '{{' at column {close + 1}" if close < self.n else ""
+            raise self.fail(brace, f"the '{{' of pass {name!r} is not closed{before}; end its options with '}}', "
+                                   f"e.g. {name}{{key=value}}")
+        self.pos = brace + 1
+        if self.skip() == "}":  # '{}': no options
+            self.pos += 1
             return {}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        types = option_types(cls)
         kwargs: Dict[str, object] = {}
         given: Dict[str, str] = {}
         comma = None
         while True:
-            c = skip()
-            m = _NAME.match(text, pos)
-            if not m:
-                after = f" after the ',' at column {comma + 1}" if comma is not None else ""
-                hint = ("separate options with one ','" if c == "," else
-                        "remove the trailing ','" if c == "}" else "give options as key=value")
-                raise fail(pos, f"expected an option (key=value) of pass {name!r}{after}, {found(c)}; {hint}")
-            k = m.group(0)
-            pos = m.end()
-            c = skip()
-            if c in (",", "}"):
-                raise fail(pos, f"pass {name!r}: option {k!r} needs a value (key=value), {found(c)}")
-            if c != "=":
-                raise fail(pos, f"pass {name!r}: expected '=' after option {k!r}, {found(c)}; give options as "
-                                "key=value")
-            pos += 1
-            skip()
-            start = pos
-            while pos < close and text[pos] != ",":
-                pos += 1
-            v = text[start:pos].strip()
-            if not v:
-                raise fail(start, f"pass {name!r}: option {k!r} needs a value after '=', {found(text[pos])}")
+            k, v = self.option(name, comma, close)
             key = k.replace("-", "_")
             if key not in fields:
                 raise PipelineError(f"pass {name!r} has no option {k!r}; options: "
@@ -418,34 +431,40 @@ def parse_pipeline(text: str) -> List[Pass]:
                 raise PipelineError(f"pass {name!r}: option {k!r} given twice ({given[key]} and {v}); give it once")
             given[key] = v
             kwargs[key] = _convert(name, k, v, fields[key], types[key])
-            if pos == close:
-                pos += 1
+            if self.pos == close:
+                self.pos += 1
                 return kwargs
-            comma = pos
-            pos += 1
+            comma = self.pos
+            self.pos += 1
 
-    passes: List[Pass] = []
-    comma = None
-    while True:
-        name = pass_name(comma)
-        cls = get_pass_class(name)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        types = option_types(cls)
-        braced = skip() == "{"
-        passes.append(cls(**(options(name, fields, types) if braced else {})))
-        c = skip()
-        if not c:
-            return passes
-        if c != ",":
-            if c == "}":
-                hint = "" if braced else f", or open the options of pass {name!r} with '{{'"
-                raise fail(pos, f"'}}' without a '{{' before it; remove it{hint}")
-            what = f"after the options of pass {name!r}" if braced else f"after pass {name!r}"
-            expect = "','" if braced else "',' or '{'"
-            raise fail(pos, f"expected {expect} {what}, {found(c)}; separate passes with ',' and give a pass's "
-                            "options in one {key=value,...}")
-        comma = pos
-        pos += 1
+    def option(self, name: str, comma: Optional[int], close: int) -> Tuple[str, str]:
+        """The ``key=value`` here, among the options of pass ``name`` that end at ``close``."""
+        text = self.text
+        c = self.skip()
+        m = _NAME.match(text, self.pos)
+        if not m:
+            after = f" after the ',' at column {comma + 1}" if comma is not None else ""
+            hint = ("separate options with one ','" if c == "," else
+                    "remove the trailing ','" if c == "}" else "give options as key=value")
+            raise self.fail(self.pos, f"expected an option (key=value) of pass {name!r}{after}, {self.found(c)}; "
+                                      f"{hint}")
+        k = m.group(0)
+        self.pos = m.end()
+        c = self.skip()
+        if c in (",", "}"):
+            raise self.fail(self.pos, f"pass {name!r}: option {k!r} needs a value (key=value), {self.found(c)}")
+        if c != "=":
+            raise self.fail(self.pos, f"pass {name!r}: expected '=' after option {k!r}, {self.found(c)}; give "
+                                      "options as key=value")
+        self.pos += 1
+        self.skip()
+        start = self.pos
+        while self.pos < close and text[self.pos] != ",":
+            self.pos += 1
+        v = text[start:self.pos].strip()
+        if not v:
+            raise self.fail(start, f"pass {name!r}: option {k!r} needs a value after '=', {self.found(text[self.pos])}")
+        return k, v
 
 
 _OPTION_TYPES = {bool: "true or false", int: "a whole number", float: "a number", str: "a name"}
