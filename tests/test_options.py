@@ -100,6 +100,18 @@ def test_inspect_takes_the_stage_planning_flags_of_partition_stages(capsys):
     assert "--devices" not in text and "--vnodes" not in text and "--schedule" not in text
 
 
+def test_train_has_no_flag_for_what_a_rewrite_recorded(capsys):
+    """V, b, the all-reduce and the stages of a rewritten model are in its records, which train
+    reads: none of the passes' flags is one of train's, even when the parser is asked for them."""
+    text = _help_text(capsys, "train")
+    assert "virtual-node batch b" in text
+    made = {f.flag for f in flags()}
+    for command in ("train", "verify"):
+        parser = cli._parser(command)._subparsers._group_actions[0].choices[command]
+        assert not made & {s for a in parser._actions for s in a.option_strings}, command
+    assert not made & set(text.split())
+
+
 def test_a_new_pass_option_is_a_flag_with_its_help_and_check(toy_pass, tmp_path, capsys):
     """A pass registered here, with options declared only in it, is a flag of ``vfgraph rewrite``
     (its help in --help and in ``vfgraph passes``) checked by its declaration; cli.py is not

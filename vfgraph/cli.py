@@ -90,6 +90,8 @@ def _pass_flags(p: argparse.ArgumentParser, command: str) -> None:
     option`), with their type, choices and help; checked by :func:`_check_pass_flags`."""
     from vfgraph.passes.base import flags
 
+    if command not in _PASS_COMMANDS:  # (train reads what a rewrite recorded from the model's records)
+        return
     made = flags() if command == "rewrite" else [f for f in flags(["partition-stages"])
                                                  if f.flag not in ("--devices", "--schedule")]
     group = p.add_argument_group("options of the passes", "(the options 'vfgraph passes' lists, as flags)")
