@@ -90,7 +90,8 @@ class PartitionStagesPass(Pass):
                               "one the model will train on) whose times the cuts balance, instead of a step profiled "
                               "here, with balance profile (which --profile implies); the same file gives the same "
                               "cuts", flag=True, metavar="FILE")
-    signature: str = option("", "the training signature (default: 'train', or the one found)")
+    signature: str = option("", "the training signature (default: 'train', or the one found to update variables)",
+                            flag="--train-signature", metavar="NAME")
 
     def differences(self, record: Stages) -> List[str]:
         """K, the schedule, the devices and the cuts (when given) against the record's."""

@@ -49,7 +49,8 @@ class SplitVnodesPass(Pass):
                          flag=True, metavar="V")
     vnode_batch: int = option(0, "examples per virtual node (b); 0: the static batch / V, or, for a model whose batch "
                                  "is not fixed, the fed batch / V at each step", low=0, flag=True, metavar="B")
-    signature: str = option("", "the training signature (default: 'train', or the one found)")
+    signature: str = option("", "the training signature (default: 'train', or the one found to update variables)",
+                            flag="--train-signature", metavar="NAME")
     stepwise: bool = option(True, "also add <key>_accumulate and <key>_apply signatures (one virtual node at a "
                                   "time, for a trainer that feeds them)")
     deterministic: bool = option(False, "sum the virtual nodes' gradients and outputs exactly (fixed point): any "

@@ -58,7 +58,7 @@ def test_every_flag_of_a_pass_option_is_made_from_its_declaration():
     the declaration's help, type and choices; the command line declares none of them itself."""
     made = {f.flag: f for f in flags()}
     assert {"--vnodes", "--vnode-batch", "--fusion-mb", "--stages", "--devices", "--split-at", "--schedule",
-            "--balance", "--profile-batch", "--profile", "--deterministic"} <= set(made)
+            "--balance", "--profile-batch", "--profile", "--deterministic", "--train-signature"} <= set(made)
     actions = {s: a for a in cli._parser("rewrite")._subparsers._group_actions[0].choices["rewrite"]._actions
                for s in a.option_strings}
     for flag, f in made.items():
@@ -77,6 +77,10 @@ def test_a_flag_several_passes_declare_sets_each_with_each_ones_help():
         declared = next(o for o in base.describe(registered()[pass_name])["options"] if o["name"] == "vnode-batch")
         assert f"{pass_name}: {declared['help']}" in vnode_batch.help
     assert vnode_batch.problem(-1).pass_name == "microbatch-inference" and vnode_batch.problem(4) is None
+    # one help where the passes declare the same text
+    signature = next(f for f in flags() if f.flag == "--train-signature")
+    assert signature.sets == (("partition-stages", "signature"), ("split-vnodes", "signature"))
+    assert signature.help == "the training signature (default: 'train', or the one found to update variables)"
 
 
 def test_rewrite_help_and_passes_show_the_same_help(capsys):
@@ -89,7 +93,8 @@ def test_rewrite_help_and_passes_show_the_same_help(capsys):
             if o["flag"] and o["flag"] != "--vnode-batch":  # (a shared flag names each pass: above)
                 assert f"{o['flag']}" in text and _words(o["help"]) in text, o
     assert listed["split-vnodes"]["options"][0]["flag"] == "--vnodes"
-    assert listed["split-vnodes"]["options"][2]["flag"] is None  # signature: not a flag
+    assert listed["split-vnodes"]["options"][2]["flag"] == "--train-signature"
+    assert listed["insert-allreduce"]["options"][1]["flag"] is None  # (its signature is not one of the flag's)
 
 
 def test_inspect_takes_the_stage_planning_flags_of_partition_stages(capsys):
@@ -105,7 +110,7 @@ def test_train_has_no_flag_for_what_a_rewrite_recorded(capsys):
     reads: none of the passes' flags is one of train's, even when the parser is asked for them."""
     text = _help_text(capsys, "train")
     assert "virtual-node batch b" in text
-    made = {f.flag for f in flags()}
+    made = {f.flag for f in flags()} - {"--train-signature"}  # (which signature to run: theirs to name)
     for command in ("train", "verify"):
         parser = cli._parser(command)._subparsers._group_actions[0].choices[command]
         assert not made & {s for a in parser._actions for s in a.option_strings}, command

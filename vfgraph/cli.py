@@ -116,8 +116,6 @@ def _rewrite_command(command) -> None:
     r.add_argument("--pipeline", help="pass pipeline instead of the default one, e.g. "
                                       "'split-vnodes{vnodes=8},microbatch-inference' (then give V and b there, "
                                       "not with --vnodes and --vnode-batch)")
-    r.add_argument("--train-signature", default="", metavar="NAME",
-                   help="the training signature (default: 'train', or the one found to update variables)")
     r.add_argument("--print-after-all", action="store_true", help="print the canonical graph after each pass")
     r.add_argument("--verify-each", action="store_true",
                    help="verify the model after every pass, not only at the end (names the pass that broke it)")
@@ -139,7 +137,6 @@ def _inspect_command(command) -> None:
                 "step into K pipeline stages: forward and backward ops, variables, optimizer state, estimated FLOPs "
                 "per stage and the bytes crossing each cut.")
     i.add_argument("model", help="a model, as for 'rewrite'")
-    i.add_argument("--train-signature", default="", metavar="NAME", help="the training signature (default: found)")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     _tf1_options(i)
     _keras_options(i, fine_tune=True)
@@ -502,10 +499,9 @@ def _rewrite(args) -> int:
         def after(p, item):
             print(f"// ----- after {p.spec()}")
             print(canonical_text(item))
-    item = vfgraph.rewrite(args.model, pipeline=args.pipeline, train_signature=args.train_signature, after_each=after,
-                           outputs=args.outputs.split(",") if args.outputs else None, allreduce=args.allreduce,
-                           checkpoint=args.checkpoint, loss=args.loss, verify_each=args.verify_each, **options,
-                           **_keras_args(args))
+    item = vfgraph.rewrite(args.model, pipeline=args.pipeline, after_each=after, allreduce=args.allreduce,
+                           outputs=args.outputs.split(",") if args.outputs else None, checkpoint=args.checkpoint,
+                           loss=args.loss, verify_each=args.verify_each, **options, **_keras_args(args))
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
@@ -547,8 +543,6 @@ def _rewrite_options(args, given: Dict[str, object]) -> dict:
     pass the rewrite runs only in a --pipeline is refused, naming the pipeline to give."""
     import inspect
 
-    from vfgraph.passes.base import flags
-
     takes = inspect.signature(vfgraph.rewrite).parameters
     for f in args.pass_flags:
         if f.dest in given and f.dest not in takes:
@@ -556,8 +550,8 @@ def _rewrite_options(args, given: Dict[str, object]) -> dict:
             raise InputError(f"{f.flag} {_flag_value(given[f.dest])}: 'vfgraph rewrite' runs pass {pass_name!r} "
                              f"only in a pipeline; give it there, e.g. --pipeline "
                              f"'{pass_name}{{{field.replace('_', '-')}={_flag_value(given[f.dest])}}}'")
-    staged = {f.dest for f in flags(["partition-stages"])}
-    options = {k: v for k, v in given.items() if k not in staged}
+    staged = {f.dest for f in args.pass_flags if {p for p, _ in f.sets} == {"partition-stages"}}
+    options = {k: v for k, v in given.items() if k not in staged}  # (partition-stages' own: below)
     options.update(_partition_options(args))
     return options
 

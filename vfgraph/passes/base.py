@@ -3,7 +3,9 @@
 A pass is a frozen dataclass with a kebab-case ``name`` and its options as fields, made
 known by :func:`register`; ``call(item)`` returns a :class:`PassResult`. A pipeline is a
 string users can paste: ``split-vnodes{vnodes=8},microbatch-inference{vnode-batch=16}``;
-:class:`vfgraph.passes.manager.PassManager` runs one.
+:class:`vfgraph.passes.manager.PassManager` runs one. An option declared with a flag
+(:func:`option`) is also a flag of ``vfgraph rewrite`` (:func:`flags`), with the same help and
+check: the one place an option is declared.
 """
 from __future__ import annotations
 
