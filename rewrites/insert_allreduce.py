@@ -51,8 +51,9 @@ class InsertAllreducePass(Pass):
     name: ClassVar[str] = "insert-allreduce"
     requires: ClassVar[tuple] = (VirtualNodes,)
     produces: ClassVar[tuple] = (Allreduce,)
-    fusion_mb: float = option(DEFAULT_FUSION_MB, "largest fused all-reduce buffer, MiB (above 0, at most 1048576)",
-                              above=0, high=1 << 20)
+    fusion_mb: float = option(DEFAULT_FUSION_MB, f"largest fused all-reduce buffer, MiB (above 0, at most 1048576; "
+                                                 f"default {DEFAULT_FUSION_MB:g})", above=0, high=1 << 20, flag=True,
+                              metavar="MIB")
     signature: str = option("", "the training signature (default: every signature split into virtual nodes)")
 
     def differences(self, record: Allreduce) -> List[str]:

@@ -52,8 +52,8 @@ class MicrobatchInferencePass(Pass):
 
     name: ClassVar[str] = "microbatch-inference"
     produces: ClassVar[tuple] = (Microbatch,)
-    vnode_batch: int = option(0, "the most examples one slice holds (0: the training rewrite's b; with none, "
-                                 "serving is left as it is)", low=0)
+    vnode_batch: int = option(0, "the most examples one serving slice holds (0: the training rewrite's b; with none, "
+                                 "serving is left as it is)", low=0, flag=True, metavar="B")
 
     def differences(self, record: Microbatch) -> List[str]:
         """The slice size (when given) against the record's."""

@@ -65,21 +65,33 @@ class PartitionStagesPass(Pass):
 
     name: ClassVar[str] = "partition-stages"
     produces: ClassVar[tuple] = (Stages,)
-    stages: int = option(2, "pipeline stages (K)", low=1)
-    devices: str = option("", "the device of each stage, separated by ';' (e.g. /GPU:0;/GPU:1); none: "
-                              "stage k runs on MPI rank k-1")
-    split_at: str = option("", "the forward ops that start stages 2..K, separated by ';' (default: the cuts that "
-                               "balance the estimated cost)")
-    schedule: str = option("1f1b", "1f1b: at most K virtual nodes in flight; gpipe: all of a step's")
-    balance: str = option("estimate", "what the cuts balance: estimate (each op's cost estimated from static shapes) "
-                                      "or profile (each op's time in a step run here, on this machine's CPU; the "
-                                      "cuts chosen are in the notes: give them as split-at to repeat the rewrite)")
-    profile_batch: int = option(32, "with balance=profile: the examples in the profiled step's batch (a virtual "
-                                    "node's batch, as the stages will run it)", low=1)
-    profile: str = option("", "with balance=profile: a step profile's JSON file ('vfgraph profile MODEL -o FILE', "
-                              "of this machine or the one the model will train on) whose times the cuts balance, "
-                              "instead of a step profiled here; the same file gives the same cuts")
-    signature: str = option("", "the training signature (default: 'train', or the one found)")
+    stages: int = option(2, "pipeline stages (K), for model parallelism: the training step cut into K stages, stage "
+                            "k on the k-th of devices, or without devices on MPI rank k-1 of 'mpiexec -n K vfgraph "
+                            "train'; its virtual nodes are the pipeline's micro-batches (a rewrite without stages, "
+                            "devices or split-at cuts nothing)", low=1, flag=True, metavar="K")
+    devices: str = option("", "the device of each stage, e.g. /GPU:0;/GPU:1 in a pipeline, /GPU:0,/GPU:1 on the "
+                              "command line (/CPU:0,/CPU:1: 'vfgraph train' makes logical CPU devices where there are "
+                              "fewer); none: stage k runs on MPI rank k-1", flag=True, metavar="D1,D2,...")
+    split_at: str = option("", "the forward ops that start stages 2..K, separated by ';' in a pipeline, by ',' on the "
+                               "command line (default: the cuts that balance the estimated cost; 'vfgraph inspect "
+                               "MODEL --stages K' shows them)", flag=True, metavar="OP,...")
+    schedule: str = option("1f1b", "1f1b (the default) keeps at most K virtual nodes in flight, so at most K virtual "
+                                   "nodes' activations; gpipe runs all of a step's at once", flag=True,
+                           choices=SCHEDULES)
+    balance: str = option("estimate", "what the cuts balance: estimate (the default: each op's cost estimated from "
+                                      "static shapes; the same cuts on any machine) or profile (each op's time in a "
+                                      "training step run here on a synthetic batch, on this machine's CPU, or the "
+                                      "times in profile; the cuts chosen are in the notes: give them as split-at to "
+                                      "repeat the rewrite)", flag=True, choices=BALANCES)
+    profile_batch: int = option(32, "with balance profile: the examples in the profiled step's batch, a virtual "
+                                    "node's batch as the stages will run it (on the command line, the default is "
+                                    "--vnode-batch where given)", low=1, flag=True, metavar="N")
+    profile: str = option("", "a step profile's JSON file ('vfgraph profile MODEL -o FILE', of this machine or the "
+                              "one the model will train on) whose times the cuts balance, instead of a step profiled "
+                              "here, with balance profile (which --profile implies); the same file gives the same "
+                              "cuts", flag=True, metavar="FILE")
+    signature: str = option("", "the training signature (default: 'train', or the one found to update variables)",
+                            flag="--train-signature", metavar="NAME")
 
     def differences(self, record: Stages) -> List[str]:
         """K, the schedule, the devices and the cuts (when given) against the record's."""

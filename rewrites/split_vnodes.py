@@ -46,14 +46,17 @@ class SplitVnodesPass(Pass):
 
     name: ClassVar[str] = "split-vnodes"
     produces: ClassVar[tuple] = (VirtualNodes,)
-    vnodes: int = option(1, "virtual nodes per step (V)", low=1)
-    vnode_batch: int = option(0, "examples per virtual node (b); 0: the static batch / V, or the fed batch / V "
-                                 "at run time", low=0)
-    signature: str = option("", "the training signature (default: 'train', or the one found)")
+    vnodes: int = option(1, "virtual nodes per training step (V; 1: the same step, ready to be split later)", low=1,
+                         flag=True, metavar="V")
+    vnode_batch: int = option(0, "examples per virtual node (b); 0: the static batch / V, or, for a model whose batch "
+                                 "is not fixed, the fed batch / V at each step", low=0, flag=True, metavar="B")
+    signature: str = option("", "the training signature (default: 'train', or the one found to update variables)",
+                            flag="--train-signature", metavar="NAME")
     stepwise: bool = option(True, "also add <key>_accumulate and <key>_apply signatures (one virtual node at a "
                                   "time, for a trainer that feeds them)")
-    deterministic: bool = option(False, "sum the virtual nodes' gradients and outputs exactly (fixed point), so "
-                                         "any layout of the virtual nodes over ranks gives bit-identical results")
+    deterministic: bool = option(False, "sum the virtual nodes' gradients and outputs exactly (fixed point): any "
+                                        "layout of the virtual nodes over ranks (1x8, 2x4, 5+3) trains bit-identical "
+                                        "parameters", flag=True)
 
     def differences(self, record: VirtualNodes) -> List[str]:
         """V, b (when given), deterministic and step-wise signatures against the record's."""

@@ -12,7 +12,7 @@ import tempfile
 import textwrap
 import time
 import traceback
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import vfgraph
 from vfgraph import records
@@ -55,9 +55,14 @@ EXIT_CODES = "exit codes: 0 ok, 1 the models differ (diff, verify), 2 a user err
              "3 an internal error (please report it), 75 train stalled (--stall-timeout), 130 interrupted"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="vfgraph", formatter_class=_Help, epilog=textwrap.fill(EXIT_CODES, 88),
-                                description=(
+_PASS_COMMANDS = ("rewrite", "inspect")  # the commands with flags made from the passes' options
+
+
+def _parser(flags_of: Optional[str] = None, parser_class: type = _Parser) -> argparse.ArgumentParser:
+    """vfgraph's command line. The flags made from the passes' options (:func:`_pass_flags`)
+    are added to command ``flags_of`` only: reading them imports the passes, and TensorFlow
+    with them, which the other commands (and a missing input) do without."""
+    p = parser_class(prog="vfgraph", formatter_class=_Help, epilog=textwrap.fill(EXIT_CODES, 88), description=(
         "Rewrite exported TensorFlow models: virtual nodes (large batches on small hardware, the same "
         "training on any hardware) and micro-batched serving."))
     p.add_argument("--version", action="version", version=f"vfgraph {__version__}")
@@ -69,26 +74,48 @@ def _parser() -> argparse.ArgumentParser:
                            epilog=textwrap.fill(EXIT_CODES, 88))
         c.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                        help="log each step; on an internal error, print the traceback")
+        if name == flags_of:
+            _pass_flags(c, name)
         return c
 
+    for add in (_rewrite_command, _inspect_command, _profile_command, _diff_command, _verify_command,
+                _train_command, _resize_command, _export_command, _other_commands):
+        add(command)
+    return p
+
+
+def _pass_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """The flags of command ``command`` (rewrite: every pass's; inspect: partition-stages'
+    that plan stages) made from the options that declare them (:func:`vfgraph.passes.base.
+    option`), with their type, choices and help; checked by :func:`_check_pass_flags`."""
+    from vfgraph.passes.base import flags
+
+    if command not in _PASS_COMMANDS:  # (train reads what a rewrite recorded from the model's records)
+        return
+    made = flags() if command == "rewrite" else [f for f in flags(["partition-stages"])
+                                                 if f.flag not in ("--devices", "--schedule")]
+    group = p.add_argument_group("options of the passes", "(the options 'vfgraph passes' lists, as flags)")
+    for f in made:
+        text = f.help.replace("%", "%%")
+        if f.type is bool:
+            group.add_argument(f.flag, dest=f.dest, action="store_true", help=text)
+        else:
+            group.add_argument(f.flag, dest=f.dest, type=f.type, metavar=f.metavar, choices=f.choices, help=text)
+    p.set_defaults(pass_flags=tuple(made))
+
+
+def _rewrite_command(command) -> None:
     r = command("rewrite", "rewrite a model with virtual nodes",
                 "Rewrite MODEL so each training step runs as V virtual nodes of b examples (gradients "
                 "accumulated, one update), with the all-reduce over MPI ranks, and serving micro-batched. The "
                 "input is only read; the output is written whole or not at all.")
     r.add_argument("model", help="SavedModel directory, compiled Keras 3 .keras file, frozen GraphDef (.pb, .pbtxt), "
                                  "or TF1 MetaGraphDef (.meta, or a checkpoint directory) with its checkpoint")
-    r.add_argument("--vnodes", type=int, metavar="V",
-                   help="virtual nodes per training step (default 1: the same step, ready to be split later)")
-    r.add_argument("--vnode-batch", type=int, metavar="B",
-                   help="examples per virtual node; default (or 0): the static batch / V, or, for a model whose "
-                        "batch is not fixed, the fed batch / V at each step")
     r.add_argument("-o", "--output", help="output SavedModel directory (a .pb/.pbtxt file for a GraphDef input); "
                                           "default: MODEL_vnodesV beside MODEL")
     r.add_argument("--pipeline", help="pass pipeline instead of the default one, e.g. "
                                       "'split-vnodes{vnodes=8},microbatch-inference' (then give V and b there, "
                                       "not with --vnodes and --vnode-batch)")
-    r.add_argument("--train-signature", default="", metavar="NAME",
-                   help="the training signature (default: 'train', or the one found to update variables)")
     r.add_argument("--print-after-all", action="store_true", help="print the canonical graph after each pass")
     r.add_argument("--verify-each", action="store_true",
                    help="verify the model after every pass, not only at the end (names the pass that broke it)")
@@ -100,41 +127,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="data-parallel all-reduce over MPI ranks in a TF2 training step (default mpi: the same "
                         "output on every machine; loading it needs vfgraph's ops, so serve a 'vfgraph export' of it; "
                         "none: no collectives)")
-    r.add_argument("--fusion-mb", type=float, metavar="MIB",
-                   help="largest fused all-reduce buffer, MiB (default 4)")
-    r.add_argument("--stages", type=int, metavar="K",
-                   help="model parallelism: cut the training step into K pipeline stages, stage k on the k-th of "
-                        "--devices, or without --devices on MPI rank k-1 of 'mpiexec -n K vfgraph train'; its "
-                        "virtual nodes are the pipeline's micro-batches (default 1: no cut)")
-    r.add_argument("--devices", metavar="D1,D2,...",
-                   help="with --stages: the device of each stage, e.g. /GPU:0,/GPU:1 (or /CPU:0,/CPU:1: "
-                        "'vfgraph train' makes logical CPU devices where there are fewer)")
-    r.add_argument("--split-at", metavar="OP,...",
-                   help="with --stages: the forward ops that start stages 2..K (default: the cuts that balance "
-                        "the estimated cost; 'vfgraph inspect MODEL --stages K' shows them)")
-    _balance_options(r)
-    r.add_argument("--schedule", choices=("1f1b", "gpipe"),
-                   help="with --stages: 1f1b (default) keeps at most K virtual nodes in flight, so at most K "
-                        "virtual nodes' activations; gpipe runs all of a step's at once")
-    r.add_argument("--deterministic", action="store_true",
-                   help="sum the virtual nodes' gradients exactly (fixed point): any layout of the virtual nodes "
-                        "over ranks (1x8, 2x4, 5+3) trains bit-identical parameters")
     _tf1_options(r)
     _keras_options(r, fine_tune=True)
 
-    i = command("inspect", "show what vfgraph detects in a model")
+
+def _inspect_command(command) -> None:
+    i = command("inspect", "show what vfgraph detects in a model",
+                "Show what vfgraph detects in MODEL; with --stages (or --split-at), also plan cutting the training "
+                "step into K pipeline stages: forward and backward ops, variables, optimizer state, estimated FLOPs "
+                "per stage and the bytes crossing each cut.")
     i.add_argument("model", help="a model, as for 'rewrite'")
-    i.add_argument("--train-signature", default="", metavar="NAME", help="the training signature (default: found)")
     i.add_argument("--json", action="store_true", help="machine-readable output")
-    i.add_argument("--stages", type=int, metavar="K",
-                   help="also plan cutting the training step into K pipeline stages: forward and backward ops, "
-                        "variables, optimizer state, estimated FLOPs per stage and the bytes crossing each cut")
-    i.add_argument("--split-at", metavar="OP,...",
-                   help="with --stages: the forward ops that start stages 2..K, instead of the balanced choice")
-    _balance_options(i)
     _tf1_options(i)
     _keras_options(i, fine_tune=True)
 
+
+def _profile_command(command) -> None:
     pr = command("profile", "time each op of a model's training step here, for --stages with --profile",
                  "Run MODEL's training step on a synthetic batch (normal floats, zero integers, true booleans) in "
                  "TensorFlow on this machine's CPU, one thread, and write each op's median time to OUTPUT, a JSON "
@@ -152,6 +160,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="the training signature (default: 'train', or the one found)")
     pr.add_argument("--force", action="store_true", help="replace OUTPUT if it is a profile vfgraph wrote")
 
+
+def _diff_command(command) -> None:
     d = command("diff", "canonical unified diff of two models, variables included (exit 1 when they differ)",
                 "Unified diff of the canonical graphs of A and B, then of their variables' values (exit 1 when they "
                 "differ). The graphs are compared as what they compute, not as when they were made: the numbers "
@@ -165,6 +175,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--graphs-only", action="store_true",
                    help="compare the canonical graphs only (generated names ignored, as above), not the variables")
 
+
+def _verify_command(command) -> None:
     v = command("verify", "run original and rewritten models on the same inputs and compare (exit 1 on a mismatch)",
                 "Run ORIGINAL and REWRITTEN on the same inputs: serving outputs, then --steps training steps, and "
                 "compare the parameters (exit 1 when they differ beyond --rtol, or an output or parameter is NaN or "
@@ -181,6 +193,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--rtol", type=float, default=1e-5,
                    help="largest relative parameter difference accepted (default 1e-5)")
 
+
+def _train_command(command) -> None:
     t = command("train", "train a SavedModel on arrays from an .npz file or TFRecord files",
                 "Train MODEL for --steps global batches and write the trained model to OUTPUT (and, to serve, "
                 "OUTPUT.serving/1/). Checkpoints go to OUTPUT.ckpt; Ctrl-C (or SIGTERM) stops after the step in "
@@ -212,6 +226,14 @@ def _parser() -> argparse.ArgumentParser:
                    "e.g. 5,3, or auto: shares planned from each rank's measured speed, again when it drifts by "
                    "more than 10%% (for ranks on uneven hardware; default: the global batch's virtual nodes split "
                    "evenly)")
+    _elastic_options(t)
+    _keras_options(t)
+    t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread "
+                   "(default: the CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
+
+
+def _elastic_options(t: argparse.ArgumentParser) -> None:
+    """train's options of a job under mpiexec: elastic ranks and the waits for other ranks."""
     t.add_argument("--max-ranks", type=int, metavar="N", help="elastic run: the most ranks the job may grow to "
                    "(with --elastic-schedule)")
     t.add_argument("--elastic-schedule", metavar="STEP:RANKS,...", help="elastic run under mpiexec: change the "
@@ -229,16 +251,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="under mpiexec: a wait for other ranks with no progress for this long ends the job with exit "
                         "code 75, keeping the last checkpoint for --resume (default 600; 0: wait for ever)")
     t.add_argument("--elastic-join", action="store_true", help=argparse.SUPPRESS)
-    _keras_options(t)
-    t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread (default: "
-                   "the CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
 
+
+def _resize_command(command) -> None:
     z = command("resize", "ask a running elastic job (vfgraph train --max-ranks N --elastic-schedule ...) for "
                           "another number of ranks: it takes the request at its next step or refuses it, and logs "
                           "which")
     z.add_argument("output", help="the job's output directory (its -o OUTPUT)")
     z.add_argument("ranks", type=int, help="the number of ranks to run on (1..the job's --max-ranks)")
 
+
+def _export_command(command) -> None:
     e = command("export", "write a serving-only SavedModel (TF Serving's OUTPUT/VERSION/ layout) that TensorFlow "
                           "serves without vfgraph")
     e.add_argument("model", help="SavedModel directory (an original model or a rewritten one), or a .keras file")
@@ -250,12 +273,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="replace OUTPUT/VERSION if it exists and vfgraph wrote it")
     _keras_options(e)
 
+
+def _other_commands(command) -> None:
     ps = command("passes", "list the passes a --pipeline can name, with their options")
     ps.add_argument("--json", action="store_true", help="machine-readable output")
 
     bo = command("build-ops", "build (or find) vfgraph's MPI ops for this TensorFlow and MPI")
     bo.add_argument("--force", action="store_true", help="build again even if the cache holds them")
-    return p
 
 
 def _tf1_options(p: argparse.ArgumentParser) -> None:
@@ -306,9 +330,45 @@ def _rank_role(args) -> str:
     return f"stage {rank % rec.count + 1} of {rec.count}, replica {rank // rec.count + 1}"
 
 
+class _Unparsed(Exception):
+    """What :class:`_TryParser` raises instead of reporting a usage mistake."""
+
+
+class _TryParser(_Parser):
+    """A parser that raises :class:`_Unparsed` where :class:`_Parser` would report a mistake."""
+
+    def error(self, message: str):
+        raise _Unparsed(message)
+
+
+def _parse(argv: List[str]):
+    """The arguments of command line ``argv``, or the exit code of a missing input named here.
+
+    A command with flags made from the passes (rewrite, inspect) reads them from the passes,
+    which imports TensorFlow (seconds); a command line that parses without them has its inputs
+    checked first, so that a missing one is named at once."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in _PASS_COMMANDS:
+        return _parser().parse_args(argv)
+    wants_help = any(a == "-h" or (a.startswith("--h") and "--help".startswith(a)) for a in argv)
+    try:
+        early = None if wants_help else _parser(parser_class=_TryParser).parse_args(argv)
+    except _Unparsed:  # (a flag of a pass, or a mistake the full parser reports)
+        early = None
+    if early is not None:
+        try:
+            _check_inputs_exist(early)
+        except VfgraphError as e:
+            _error(f"vfgraph {early.command}: {e.label}: {e}")
+            return e.exit_code
+    return _parser(command).parse_args(argv)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     _quiet_tf()
-    args = _parser().parse_args(argv)
+    args = _parse(sys.argv[1:] if argv is None else [str(a) for a in argv])
+    if isinstance(args, int):  # a missing input, named before the passes are read
+        return args
     if args.command == "train":
         if _elastic(args):
             from vfgraph.runtime.elastic import survivable_transports
@@ -417,12 +477,11 @@ def _rewrite(args) -> int:
         from vfgraph.passes.base import parse_pipeline
 
         parse_pipeline(args.pipeline)  # a malformed spec is reported before any work
-    vnodes = 1 if args.vnodes is None else args.vnodes  # (the passes check the numbers)
-    vnode_batch = args.vnode_batch or 0
-    partition = _partition_options(args)
+    options = _rewrite_options(args, _check_pass_flags(args))
     from vfgraph.io.keras_file import check_fine_tune_options
 
     check_fine_tune_options(args.keras_loss, args.keras_optimizer, args.label)  # before any work
+    vnodes = options.get("vnodes", _default("split-vnodes", "vnodes"))
     stem, ext = os.path.splitext(os.path.normpath(args.model))
     out = args.output or (stem + f"_vf{ext}" if ext in (".pb", ".pbtxt") else
                           stem + ("" if ext in (".meta", ".keras") else ext) + f"_vnodes{vnodes}")
@@ -440,12 +499,9 @@ def _rewrite(args) -> int:
         def after(p, item):
             print(f"// ----- after {p.spec()}")
             print(canonical_text(item))
-    item = vfgraph.rewrite(args.model, vnodes=vnodes, vnode_batch=vnode_batch,
-                           pipeline=args.pipeline, train_signature=args.train_signature, after_each=after,
-                           outputs=args.outputs.split(",") if args.outputs else None,
-                           allreduce=args.allreduce, fusion_mb=args.fusion_mb, checkpoint=args.checkpoint,
-                           loss=args.loss, verify_each=args.verify_each, deterministic=args.deterministic,
-                           **partition, **_keras_args(args))
+    item = vfgraph.rewrite(args.model, pipeline=args.pipeline, after_each=after, allreduce=args.allreduce,
+                           outputs=args.outputs.split(",") if args.outputs else None, checkpoint=args.checkpoint,
+                           loss=args.loss, verify_each=args.verify_each, **options, **_keras_args(args))
     path = vfgraph.save(item, out, force=args.force)
     for note in item.metadata.get("notes", []):
         print(f"note: {note}", file=sys.stderr)
@@ -454,24 +510,55 @@ def _rewrite(args) -> int:
     return 0
 
 
-def _balance_options(p) -> None:
-    p.add_argument("--balance", choices=("estimate", "profile"),
-                   help="with --stages: what the cuts balance: estimate (default: each op's cost estimated from "
-                        "static shapes; the same cuts on any machine) or profile (each op's time in a training step "
-                        "run here on a synthetic batch, on this machine's CPU, or the times in --profile)")
-    p.add_argument("--profile-batch", type=int, metavar="N",
-                   help="with --balance profile: the examples in the profiled step's batch, a virtual node's batch "
-                        "as the stages will run it (default: --vnode-batch where given, else 32)")
-    p.add_argument("--profile", metavar="FILE",
-                   help="with --stages: balance the times in FILE, a profile 'vfgraph profile' wrote (of this "
-                        "machine or the one the model will train on), instead of profiling a step here; the same "
-                        "file gives the same cuts (implies --balance profile)")
+def _default(pass_name: str, option: str):
+    """The default of pass ``pass_name``'s option ``option`` (its field's name), as declared."""
+    from vfgraph.passes.base import get_pass_class
+
+    return getattr(get_pass_class(pass_name), option)
+
+
+def _check_pass_flags(args) -> Dict[str, object]:
+    """The flags made from the passes' options (:func:`_pass_flags`) the command line gives,
+    as ``{dest: value}``, each checked by the declarations of the options it sets: a value one
+    refuses is an :class:`InputError` naming the flag (``--vnodes 0: out of range; ...``)."""
+    given = {}
+    for f in getattr(args, "pass_flags", ()):
+        value = getattr(args, f.dest)
+        if value is None or value is False:  # (not given)
+            continue
+        refused = f.problem(value)
+        if refused is not None:
+            raise InputError(f"{f.flag} {_flag_value(value)}: {refused.problem}")
+        given[f.dest] = value
+    return given
+
+
+def _flag_value(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _rewrite_options(args, given: Dict[str, object]) -> dict:
+    """:func:`vfgraph.rewrite`'s options from the passes' flags ``given``: each as the value of
+    the option it sets, partition-stages' as :func:`_partition_options` makes them. A flag of a
+    pass the rewrite runs only in a --pipeline is refused, naming the pipeline to give."""
+    import inspect
+
+    takes = inspect.signature(vfgraph.rewrite).parameters
+    for f in args.pass_flags:
+        if f.dest in given and f.dest not in takes:
+            pass_name, field = f.sets[0]
+            raise InputError(f"{f.flag} {_flag_value(given[f.dest])}: 'vfgraph rewrite' runs pass {pass_name!r} "
+                             f"only in a pipeline; give it there, e.g. --pipeline "
+                             f"'{pass_name}{{{field.replace('_', '-')}={_flag_value(given[f.dest])}}}'")
+    staged = {f.dest for f in args.pass_flags if {p for p, _ in f.sets} == {"partition-stages"}}
+    options = {k: v for k, v in given.items() if k not in staged}  # (partition-stages' own: below)
+    options.update(_partition_options(args))
+    return options
 
 
 def _check_balance(args, stages) -> None:
-    """Check --balance, --profile-batch and --profile (the profile read, so that a bad file is
-    named before any work); afterwards ``args.balance`` is "estimate" or "profile"."""
-    _stage_options(stages, args.profile_batch)
+    """Check --balance and --profile with --profile-batch and --stages (the profile read, so that
+    a bad file is named before any work); afterwards ``args.balance`` is "estimate" or "profile"."""
     if args.profile is not None:
         if args.balance == "estimate":
             raise InputError("--profile with --balance estimate: the cuts balance a profile's times with --balance "
@@ -481,7 +568,7 @@ def _check_balance(args, stages) -> None:
                              "measured with; leave out --profile-batch (or profile again with 'vfgraph profile "
                              "--batch N')")
         args.balance = "profile"
-    args.balance = args.balance or "estimate"
+    args.balance = args.balance or _default("partition-stages", "balance")
     if args.balance != "estimate" and stages is None:
         raise InputError(f"{'--profile' if args.profile is not None else '--balance profile'} without --stages: give "
                          "the number of pipeline stages to balance")
@@ -491,43 +578,30 @@ def _check_balance(args, stages) -> None:
         read_profile(args.profile)
 
 
-# the flag of each pass option the commands set from one (a refused value is named by its flag)
-_FLAGS = {("split-vnodes", "vnodes"): "--vnodes", ("split-vnodes", "vnode-batch"): "--vnode-batch",
-          ("microbatch-inference", "vnode-batch"): "--vnode-batch", ("insert-allreduce", "fusion-mb"): "--fusion-mb",
-          ("partition-stages", "stages"): "--stages", ("partition-stages", "profile-batch"): "--profile-batch"}
-
-
 @contextlib.contextmanager
 def _flags_named():
     """A pass option refused by its pass (:class:`OptionError`), set from a flag, is reported as
-    that flag: ``--vnodes 0: out of range; ...``."""
-    from vfgraph.passes.base import OptionError
+    that flag (the one the option declares): ``--vnodes 0: out of range; ...``."""
+    from vfgraph.passes.base import OptionError, flags
 
     try:
         yield
     except OptionError as e:
-        flag = _FLAGS.get((e.pass_name, e.option))
+        flag = next((f.flag for f in flags() if (e.pass_name, e.option.replace("-", "_")) in f.sets), None)
         if flag is None:
             raise
-        value = e.value if isinstance(e.value, int) else f"{e.value:g}"
-        raise InputError(f"{flag} {value}: {e.problem}") from None
+        raise InputError(f"{flag} {_flag_value(e.value)}: {e.problem}") from None
 
 
-def _stage_options(stages: Optional[int], profile_batch: Optional[int]) -> None:
-    """--stages and --profile-batch checked by partition-stages' own options (where they are
-    declared), for a command that plans stages without running the pass."""
-    given = {k: v for k, v in (("stages", stages), ("profile_batch", profile_batch)) if v is not None}
-    if given:
-        from vfgraph.passes.base import get_pass_class
-
-        get_pass_class("partition-stages")(**given)
+def _names(text: Optional[str]) -> List[str]:
+    """The names of a comma-separated flag's value (--devices, --split-at), spaces dropped."""
+    return [n.strip() for n in text.split(",") if n.strip()] if text else []
 
 
 def _partition_options(args) -> dict:
     """``vfgraph.rewrite``'s pipeline-stage options from --stages, --devices, --split-at and
     --schedule (checked before any work)."""
-    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else []
-    split_at = [op.strip() for op in args.split_at.split(",") if op.strip()] if args.split_at else []
+    devices, split_at = _names(args.devices), _names(args.split_at)
     _check_balance(args, args.stages if args.stages is not None or devices or split_at else None)
     if args.stages is None and not devices and not split_at:
         return {"schedule": args.schedule} if args.schedule else {}  # (refused by the rewrite: no stages)
@@ -549,107 +623,141 @@ def _partition_options(args) -> dict:
     except ValueError as e:
         raise InputError(f"--devices: {e}") from None
     return {"stages": stages, "devices": devices, "split_at": split_at, "schedule": args.schedule,
-            "balance": args.balance, "profile_batch": args.profile_batch or args.vnode_batch or 32,
-            "profile": args.profile or ""}
+            "balance": args.balance, "profile_batch": args.profile_batch or args.vnode_batch
+            or _default("partition-stages", "profile_batch"), "profile": args.profile or ""}
 
 
 def cmd_inspect(args) -> int:
-    from vfgraph.analysis.phases import train_steps
-    from vfgraph.ir.functions import function_dependencies
-    from vfgraph.ir.graph import FunctionGraph
-
-    split_at = [op.strip() for op in args.split_at.split(",") if op.strip()] if args.split_at else []
+    _check_pass_flags(args)
+    split_at = _names(args.split_at)
     stages = args.stages if args.stages is not None else (len(split_at) + 1 if split_at else None)
-    with _flags_named():
-        _check_balance(args, stages)
+    _check_balance(args, stages)
     item = vfgraph.load(args.model, checkpoint=args.checkpoint, loss=args.loss, **_keras_args(args))
-    lib = item.library
-    report = {"model": item.source, "signatures": {}, "rewrites": records.rewrites(item),
-              "history": item.metadata.get("history", [])}
-    split, reduced = records.get(item, VirtualNodes), records.get(item, Allreduce)
-    partitioned = records.get(item, Stages)
-    train = item.training_signature(args.train_signature or None)
-    if stages is not None:
-        _check_stage_target(args, item, train, split)
-    plan = None
-    for key, sig in sorted(item.signatures.items()):
-        g = FunctionGraph(lib[sig.function], lib)
-        hist = collections.Counter(n.op for f in function_dependencies(sig.function, lib) for n in lib[f].node_def)
-        entry = {
-            "function": sig.function,
-            "inputs": {sig.input_keys[a]: g.arg_shape(a) for a in sig.batch_args},
-            "outputs": {name: g.shape(ref) for name, ref in g.output_refs()},
-            "variables": [sig.variables[r].name for r in sig.resource_args],
-            "ops": dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))),
-        }
-        if train is not None and key == train.key and key not in split:
-            steps = train_steps(g, sig, stages=stages is not None)  # one per phase of dependent updates
-            step = steps[0]
-            entry["training"] = _training_entry(sig, steps)
-            if stages is not None:
-                from vfgraph.analysis.stages import plan_stages
-
-                profile = None
-                if args.balance == "profile":
-                    from vfgraph.analysis.profile import profile_of
-
-                    profile = profile_of(item.source, sig, args.profile_batch or 32, args.profile or "")
-                    if not split_at:  # the estimate's cuts, timed: how far they are from the measured balance
-                        cuts = plan_stages(g, step, stages).split_at
-                        report["stages_by_estimate"] = plan_stages(g, step, stages, cuts, profile).to_json()
-                plan = plan_stages(g, step, stages, split_at, profile)
-                report["stages"] = plan.to_json()
-        report["signatures"][key] = entry
+    report, plan = _inspect_report(args, item, stages, split_at)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
         return 0
     print(f"model: {item.source}")
     for r in report["history"]:
-        print(f"rewritten by vfgraph {r.get('vfgraph_version')}: {r['pipeline']} (source {str(r.get('source_fingerprint'))[:16]})")
+        print(f"rewritten by vfgraph {r.get('vfgraph_version')}: {r['pipeline']} (source "
+              f"{str(r.get('source_fingerprint'))[:16]})")
     for key, e in report["signatures"].items():
-        kind = "training" if "training" in e or key in split else "inference"
-        print(f"\nsignature {key!r} ({kind}) -> {e['function']}")
-        print(f"  inputs:  {', '.join(f'{k}{v}' for k, v in e['inputs'].items())}")
-        print(f"  outputs: {', '.join(f'{k}{v if v is not None else [-1]}' for k, v in e['outputs'].items())}")
-        print(f"  variables: {len(e['variables'])}")
-        rw = split.get(key)
-        if rw:
-            print(f"  virtual nodes: V={rw.vnodes} b={rw.vnode_batch or 'fed batch / V'}"
-                  + ("; deterministic (exact) sums" if rw.deterministic else ""))
-            if rw.accumulate_signature:
-                print(f"  step-wise: signatures {rw.accumulate_signature!r} (repeat) and {rw.apply_signature!r}")
-            if rw.random_ops:
-                from vfgraph.analysis.random_ops import describe
-
-                print(f"  random ops per virtual node: {len(rw.random_ops)}")
-                for line in describe(rw.random_ops):
-                    print(f"    {line}")
-        st = partitioned.get(key)
-        if st:
-            print(f"  pipeline stages: {st.count} ({st.schedule}: at most "
-                  f"{st.in_flight(rw.vnodes if rw else st.count)} virtual nodes in flight)")
-            size = outputs.size_text
-            for k, part in enumerate(st.parts, 1):
-                cut = f"; {size(st.cut_bytes[k - 1])}/example to stage {k + 1}" if k <= len(st.cut_bytes) else ""
-                where = part.device or f"MPI rank {k - 1} (and {k - 1} + {st.count} d for replica d)" + (
-                    f", signature {st.signatures[k - 1]!r}" if k <= len(st.signatures) else "")
-                print(f"    stage {k} on {where}: {part.ops} ops, {len(part.variables)} variables "
-                      f"({size(part.parameter_bytes)}), optimizer state {size(part.optimizer_state_bytes)}{cut}")
-        ar = reduced.get(key)
-        if ar:
-            fused = [b for b in ar.buffers[0] if b[0].startswith("sum_")]
-            print(f"  all-reduce over MPI ranks: {len(fused)} fused buffer(s) of at most {ar.fusion_mb:g} MiB "
-                  f"({sum(map(len, fused))} tensors), {len(ar.buffers[0]) - len(fused)} gathered; "
-                  f"start with signature {ar.broadcast_signature!r}; graph fingerprint {ar.fingerprint[:16]}")
-        elif rw:
-            print("  all-reduce: none (each process trains alone; rewrite with --allreduce mpi for mpiexec)")
-        if "training" in e:
-            _print_training(e["training"])
-        top = list(e["ops"].items())[:12]
-        print(f"  ops: {', '.join(f'{k} {v}' for k, v in top)}{' ...' if len(e['ops']) > 12 else ''}")
+        _print_signature(item, key, e)
     if plan is not None:
         _print_stages(plan, report.get("stages_by_estimate"))
     return 0
+
+
+def _inspect_report(args, item, stages: Optional[int], split_at: List[str]):
+    """inspect's report of ``item`` (its JSON) and the stage plan (None without --stages)."""
+    from vfgraph.analysis.phases import train_steps
+
+    report = {"model": item.source, "signatures": {}, "rewrites": records.rewrites(item),
+              "history": item.metadata.get("history", [])}
+    split = records.get(item, VirtualNodes)
+    train = item.training_signature(args.train_signature or None)
+    if stages is not None:
+        _check_stage_target(args, item, train, split)
+    plan = None
+    for key, sig in sorted(item.signatures.items()):
+        g, entry = _signature_entry(item, sig)
+        if train is not None and key == train.key and key not in split:
+            steps = train_steps(g, sig, stages=stages is not None)  # one per phase of dependent updates
+            entry["training"] = _training_entry(sig, steps)
+            if stages is not None:
+                plan = _plan(args, item, g, sig, steps[0], stages, split_at, report)
+        report["signatures"][key] = entry
+    return report, plan
+
+
+def _signature_entry(item, sig):
+    """A signature's function graph and inspect's JSON of it (inputs, outputs, variables, ops)."""
+    from vfgraph.ir.functions import function_dependencies
+    from vfgraph.ir.graph import FunctionGraph
+
+    lib = item.library
+    g = FunctionGraph(lib[sig.function], lib)
+    hist = collections.Counter(n.op for f in function_dependencies(sig.function, lib) for n in lib[f].node_def)
+    return g, {
+        "function": sig.function,
+        "inputs": {sig.input_keys[a]: g.arg_shape(a) for a in sig.batch_args},
+        "outputs": {name: g.shape(ref) for name, ref in g.output_refs()},
+        "variables": [sig.variables[r].name for r in sig.resource_args],
+        "ops": dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))),
+    }
+
+
+def _plan(args, item, g, sig, step, stages: int, split_at: List[str], report: dict):
+    """inspect --stages: the stage plan of training step ``step`` (in ``report`` too, with, for
+    a profile without --split-at, the estimate's cuts timed by it)."""
+    from vfgraph.analysis.stages import plan_stages
+
+    profile = None
+    if args.balance == "profile":
+        from vfgraph.analysis.profile import profile_of
+
+        profile = profile_of(item.source, sig, args.profile_batch or _default("partition-stages", "profile_batch"),
+                             args.profile or "")
+        if not split_at:  # the estimate's cuts, timed: how far they are from the measured balance
+            cuts = plan_stages(g, step, stages).split_at
+            report["stages_by_estimate"] = plan_stages(g, step, stages, cuts, profile).to_json()
+    plan = plan_stages(g, step, stages, split_at, profile)
+    report["stages"] = plan.to_json()
+    return plan
+
+
+def _print_signature(item, key: str, e: dict) -> None:
+    """inspect's text of signature ``key`` (its JSON entry ``e``) and of the records of it."""
+    rw = records.get(item, VirtualNodes).get(key)
+    kind = "training" if "training" in e or rw else "inference"
+    print(f"\nsignature {key!r} ({kind}) -> {e['function']}")
+    print(f"  inputs:  {', '.join(f'{k}{v}' for k, v in e['inputs'].items())}")
+    print(f"  outputs: {', '.join(f'{k}{v if v is not None else [-1]}' for k, v in e['outputs'].items())}")
+    print(f"  variables: {len(e['variables'])}")
+    if rw:
+        _print_vnodes(rw)
+    st = records.get(item, Stages).get(key)
+    if st:
+        _print_stage_parts(st, rw)
+    ar = records.get(item, Allreduce).get(key)
+    if ar:
+        fused = [b for b in ar.buffers[0] if b[0].startswith(VirtualNodes.SUMMED)]
+        print(f"  all-reduce over MPI ranks: {len(fused)} fused buffer(s) of at most {ar.fusion_mb:g} MiB "
+              f"({sum(map(len, fused))} tensors), {len(ar.buffers[0]) - len(fused)} gathered; "
+              f"start with signature {ar.broadcast_signature!r}; graph fingerprint {ar.fingerprint[:16]}")
+    elif rw:
+        print("  all-reduce: none (each process trains alone; rewrite with --allreduce mpi for mpiexec)")
+    if "training" in e:
+        _print_training(e["training"])
+    top = list(e["ops"].items())[:12]
+    print(f"  ops: {', '.join(f'{k} {v}' for k, v in top)}{' ...' if len(e['ops']) > 12 else ''}")
+
+
+def _print_vnodes(rw) -> None:
+    """inspect's text of a signature's virtual nodes (its :class:`VirtualNodes` record ``rw``)."""
+    print(f"  virtual nodes: V={rw.vnodes} b={rw.vnode_batch or 'fed batch / V'}"
+          + ("; deterministic (exact) sums" if rw.deterministic else ""))
+    if rw.accumulate_signature:
+        print(f"  step-wise: signatures {rw.accumulate_signature!r} (repeat) and {rw.apply_signature!r}")
+    if rw.random_ops:
+        from vfgraph.analysis.random_ops import describe
+
+        print(f"  random ops per virtual node: {len(rw.random_ops)}")
+        for line in describe(rw.random_ops):
+            print(f"    {line}")
+
+
+def _print_stage_parts(st, rw) -> None:
+    """inspect's text of a signature's pipeline stages (its :class:`Stages` record ``st``)."""
+    print(f"  pipeline stages: {st.count} ({st.schedule}: at most "
+          f"{st.in_flight(rw.vnodes if rw else st.count)} virtual nodes in flight)")
+    size = outputs.size_text
+    for k, part in enumerate(st.parts, 1):
+        cut = f"; {size(st.cut_bytes[k - 1])}/example to stage {k + 1}" if k <= len(st.cut_bytes) else ""
+        where = part.device or f"MPI rank {k - 1} (and {k - 1} + {st.count} d for replica d)" + (
+            f", signature {st.signatures[k - 1]!r}" if k <= len(st.signatures) else "")
+        print(f"    stage {k} on {where}: {part.ops} ops, {len(part.variables)} variables "
+              f"({size(part.parameter_bytes)}), optimizer state {size(part.optimizer_state_bytes)}{cut}")
 
 
 def _check_stage_target(args, item, train, split) -> None:
@@ -899,7 +1007,11 @@ def cmd_passes(args) -> int:
         print(("\n" if i else "") + d["name"] + (f"  ({'; '.join(contract)})" if contract else ""))
         print(textwrap.fill(d["summary"], 88, initial_indent="  ", subsequent_indent="  "))
         for o in d["options"]:
-            head = f"    {o['name']}={_option_text(o['default'])} ({o['type']})"
+            flag = f", {o['flag']}" if o["flag"] else ""
+            head = f"    {o['name']}={_option_text(o['default'])} ({o['type']}{flag})"
+            if len(head) > 34 and o["help"]:  # (the help on lines of its own)
+                print(head)
+                head = ""
             print(textwrap.fill(o["help"], 88, initial_indent=head.ljust(34) + " ", subsequent_indent=" " * 35,
                                 break_on_hyphens=False) if o["help"] else head)
     return 0

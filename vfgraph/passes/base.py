@@ -3,7 +3,9 @@
 A pass is a frozen dataclass with a kebab-case ``name`` and its options as fields, made
 known by :func:`register`; ``call(item)`` returns a :class:`PassResult`. A pipeline is a
 string users can paste: ``split-vnodes{vnodes=8},microbatch-inference{vnode-batch=16}``;
-:class:`vfgraph.passes.manager.PassManager` runs one.
+:class:`vfgraph.passes.manager.PassManager` runs one. An option declared with a flag
+(:func:`option`) is also a flag of ``vfgraph rewrite`` (:func:`flags`), with the same help and
+check: the one place an option is declared.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pkgutil
 import re
 import typing
 from dataclasses import dataclass
-from typing import ClassVar, Dict, List, Optional, Tuple, TypeVar
+from typing import ClassVar, Dict, Iterable, List, Optional, Tuple, TypeVar, Union
 
 from vfgraph.errors import PipelineError
 from vfgraph.item import GraphItem
@@ -120,12 +122,20 @@ INT_MAX = 2 ** 31 - 1  # an int option is at most this: it becomes an int32 in t
 
 
 def option(default, help: str, low: Optional[float] = None, high: Optional[float] = None,
-           above: Optional[float] = None):
-    """A pass option: its default, a line of help (``vfgraph passes`` shows it) and, for a
-    number, its bounds (``low`` / ``high`` inclusive, ``above`` exclusive; an int is at most
-    :data:`INT_MAX`, a float is finite). The pass checks them when it is built
-    (:meth:`Pass.__post_init__`)."""
-    return dataclasses.field(default=default, metadata={"help": help, "low": low, "high": high, "above": above})
+           above: Optional[float] = None, flag: Union[bool, str] = False, metavar: Optional[str] = None,
+           choices: Optional[Tuple[str, ...]] = None):
+    """A pass option: its default, a line of help (``vfgraph passes`` and the flag's ``--help``
+    show it) and, for a number, its bounds (``low`` / ``high`` inclusive, ``above`` exclusive;
+    an int is at most :data:`INT_MAX`, a float is finite). The pass checks them when it is built
+    (:meth:`Pass.__post_init__`).
+
+    ``flag``: the command-line flag that sets it (:func:`flags`): True for ``--`` and the
+    option's kebab-case name, or its spelling (``"--x"``); options of several passes may share
+    one, which then sets each of them. ``metavar``: the flag's value in ``--help``.
+    ``choices``: the texts a str option takes (the flag refuses others at once; the pass when
+    it runs)."""
+    return dataclasses.field(default=default, metadata={"help": help, "low": low, "high": high, "above": above,
+                                                        "flag": flag, "metavar": metavar, "choices": choices})
 
 
 def _option_problem(value, typ: type, meta) -> str:
@@ -153,15 +163,97 @@ def _option_problem(value, typ: type, meta) -> str:
 
 def describe(cls: type) -> dict:
     """What ``vfgraph passes`` shows of pass class ``cls``: its name, a summary (the first
-    paragraph of its docstring), its options (type, default, help), the records it requires
-    and produces, and whether it edits the model."""
+    paragraph of its docstring), its options (type, default, help, command-line flag), the
+    records it requires and produces, and whether it edits the model."""
     doc = (cls.__doc__ or "").strip().split("\n\n")[0]
     types = option_types(cls)
     return {"name": cls.name, "summary": " ".join(doc.split()),
             "options": [{"name": f.name.replace("_", "-"), "type": types[f.name].__name__, "default": f.default,
-                         "help": f.metadata.get("help", "")} for f in dataclasses.fields(cls)],
+                         "help": f.metadata.get("help", ""), "flag": flag_of(f)} for f in dataclasses.fields(cls)],
             "requires": [r.__name__ for r in cls.requires], "produces": [r.__name__ for r in cls.produces],
             "edits": cls.edits}
+
+
+# ------------------------------------------------------------- command-line flags
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag made from the pass options that declare it (:func:`option`'s
+    ``flag``): its spelling, the argparse ``dest`` it fills, its type, the value's name and
+    choices, its help (the options' own), and the (pass name, option field) pairs it sets."""
+
+    flag: str
+    type: type
+    metavar: Optional[str]
+    choices: Optional[Tuple[str, ...]]
+    help: str
+    sets: Tuple[Tuple[str, str], ...]
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    def problem(self, value) -> Optional[OptionError]:
+        """The first option this flag sets that refuses ``value`` (its declaration's check,
+        the one :meth:`Pass.__post_init__` makes), as an :class:`OptionError`; None when
+        every one takes it."""
+        passes = registered()
+        for pass_name, field in self.sets:
+            cls = passes[pass_name]
+            f = next(f for f in dataclasses.fields(cls) if f.name == field)
+            problem = _option_problem(value, option_types(cls)[field], f.metadata)
+            if problem:
+                return OptionError(pass_name, field.replace("_", "-"), value, problem)
+        return None
+
+
+def flag_of(f: dataclasses.Field) -> Optional[str]:
+    """The command-line flag option field ``f`` declares (its spelling), or None."""
+    flag = f.metadata.get("flag")
+    return ("--" + f.name.replace("_", "-") if flag is True else flag) or None
+
+
+_FLAG = re.compile(r"--[a-z][a-z0-9]*(-[a-z0-9]+)*")
+
+
+def flags(passes: Optional[Iterable[str]] = None) -> List[Flag]:
+    """The command-line flags the options of the registered passes declare (of ``passes``
+    only, by name, when given), in the order of the passes and their options; a flag several
+    options declare appears once, with each one's help (named by its pass) and each one's
+    check."""
+    found: Dict[str, List[Tuple[type, dataclasses.Field]]] = {}
+    chosen = registered() if passes is None else {n: get_pass_class(n) for n in passes}
+    for cls in chosen.values():
+        for f in dataclasses.fields(cls):
+            if flag_of(f):
+                found.setdefault(flag_of(f), []).append((cls, f))
+    out = []
+    for flag, decls in found.items():
+        kinds = {(option_types(cls)[f.name], f.metadata.get("choices")) for cls, f in decls}
+        if len(kinds) > 1:
+            raise TypeError(f"flag {flag}: options {', '.join(f'{c.name}.{f.name}' for c, f in decls)} declare it "
+                            "with different types or choices")
+        helps = list(dict.fromkeys(f.metadata.get("help", "") for _, f in decls))
+        text = helps[0] if len(helps) == 1 else "; ".join(f"{c.name}: {f.metadata.get('help', '')}" for c, f in decls)
+        cls, f = decls[0]
+        out.append(Flag(flag, option_types(cls)[f.name], next((f.metadata.get("metavar") for _, f in decls
+                                                               if f.metadata.get("metavar")), None),
+                        f.metadata.get("choices"), text, tuple((c.name, f.name) for c, f in decls)))
+    return out
+
+
+def _check_flags(cls: type) -> None:
+    """The flags pass class ``cls`` declares are spelled as flags, a bool one is off by
+    default (giving it turns it on), and choices are a str option's."""
+    types = option_types(cls)
+    for f in dataclasses.fields(cls):
+        flag, choices = flag_of(f), f.metadata.get("choices")
+        if flag and not _FLAG.fullmatch(flag):
+            raise TypeError(f"{cls.__name__}.{f.name}: flag {flag!r}: give True or a kebab-case '--name'")
+        if flag and types[f.name] is bool and f.default is not False:
+            raise TypeError(f"{cls.__name__}.{f.name}: a bool option with a flag is false by default (the flag "
+                            "turns it on)")
+        if choices is not None and (types[f.name] is not str or f.default not in choices):
+            raise TypeError(f"{cls.__name__}.{f.name}: choices are a str option's, its default among them")
 
 
 def _fmt(v) -> str:
@@ -191,6 +283,7 @@ def register(cls: P) -> P:
     if other is not None and other.__qualname__ != cls.__qualname__:
         raise TypeError(f"{cls.__name__}: pass name {cls.name!r} is taken by {other.__module__}.{other.__qualname__}")
     option_types(cls)
+    _check_flags(cls)
     missing = [f.name for f in dataclasses.fields(cls)
                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -246,28 +339,61 @@ def parse_pipeline(text: str) -> List[Pass]:
     A malformed spec is refused with the 1-based column of the problem and what was expected there."""
     if not text.strip():
         raise PipelineError("empty pipeline; give at least one pass, e.g. 'split-vnodes{vnodes=8}'")
-    n = len(text)
-    pos = 0
+    return _PipelineReader(text).passes()
 
-    def fail(at: int, problem: str) -> PipelineError:
-        return PipelineError(f"pipeline {text!r}, column {at + 1}: {problem}")
 
-    def skip() -> str:
+class _PipelineReader:
+    """Reads a pipeline's text left to right (:func:`parse_pipeline`); ``pos`` is where it is."""
+
+    def __init__(self, text: str):
+        self.text, self.n, self.pos = text, len(text), 0
+
+    def fail(self, at: int, problem: str) -> PipelineError:
+        return PipelineError(f"pipeline {self.text!r}, column {at + 1}: {problem}")
+
+    def skip(self) -> str:
         """Move past spaces; the character there ('' at the end)."""
-        nonlocal pos
-        while pos < n and text[pos].isspace():
-            pos += 1
-        return text[pos] if pos < n else ""
+        while self.pos < self.n and self.text[self.pos].isspace():
+            self.pos += 1
+        return self.text[self.pos] if self.pos < self.n else ""
 
+    @staticmethod
     def found(c: str) -> str:
         return f"found {c!r}" if c else "found the end of the pipeline"
 
-    def pass_name(comma: Optional[int]) -> str:
-        nonlocal pos
-        c = skip()
-        m = _NAME.match(text, pos)
+    def passes(self) -> List[Pass]:
+        """Every pass of the pipeline, built with its options."""
+        passes: List[Pass] = []
+        comma = None
+        while True:
+            name = self.pass_name(comma)
+            cls = get_pass_class(name)
+            braced = self.skip() == "{"
+            passes.append(cls(**(self.options(name, cls) if braced else {})))
+            c = self.skip()
+            if not c:
+                return passes
+            if c != ",":
+                raise self._after_pass(name, braced, c)
+            comma = self.pos
+            self.pos += 1
+
+    def _after_pass(self, name: str, braced: bool, c: str) -> PipelineError:
+        """The error for character ``c`` where a ',' (or a '{') should follow pass ``name``."""
+        if c == "}":
+            hint = "" if braced else f", or open the options of pass {name!r} with '{{'"
+            return self.fail(self.pos, f"'}}' without a '{{' before it; remove it{hint}")
+        what = f"after the options of pass {name!r}" if braced else f"after pass {name!r}"
+        expect = "','" if braced else "',' or '{'"
+        return self.fail(self.pos, f"expected {expect} {what}, {self.found(c)}; separate passes with ',' and give a "
+                                   "pass's options in one {key=value,...}")
+
+    def pass_name(self, comma: Optional[int]) -> str:
+        """The pass name here (``comma``: the column of the ',' before it, if any)."""
+        c = self.skip()
+        m = _NAME.match(self.text, self.pos)
         if m:
-            pos = m.end()
+            self.pos = m.end()
             return m.group(0)
         after = f" after the ',' at column {comma + 1}" if comma is not None else ""
         if c == "}":
@@ -278,47 +404,27 @@ def parse_pipeline(text: str) -> List[Pass]:
             hint = "remove the trailing ','"
         else:
             hint = "pass names are words joined by '-', e.g. split-vnodes"
-        raise fail(pos, f"expected a pass name{after}, {found(c)}; {hint}")
+        raise self.fail(self.pos, f"expected a pass name{after}, {self.found(c)}; {hint}")
 
-    def options(name: str, fields, types: Dict[str, type]) -> Dict[str, object]:
-        nonlocal pos
-        brace = pos
-        close = next((i for i in range(brace + 1, n) if text[i] in "{}"), n)
-        if close == n or text[close] == "{":
-            before = f" before the '{{' at column {close + 1}" if close < n else ""
-            raise fail(brace, f"the '{{' of pass {name!r} is not closed{before}; end its options with '}}', "
-                              f"e.g. {name}{{key=value}}")
-        pos = brace + 1
-        if skip() == "}":  # '{}': no options
-            pos += 1
+    def options(self, name: str, cls: type) -> Dict[str, object]:
+        """The ``{key=value,...}`` here of pass ``name`` (class ``cls``), as its options' values."""
+        text, brace = self.text, self.pos
+        close = next((i for i in range(brace + 1, self.n) if text[i] in "{}"), self.n)
+        if close == self.n or text[close] == "{":
+            before = f" before the '{{' at column {close + 1}" if close < self.n else ""
+            raise self.fail(brace, f"the '{{' of pass {name!r} is not closed{before}; end its options with '}}', "
+                                   f"e.g. {name}{{key=value}}")
+        self.pos = brace + 1
+        if self.skip() == "}":  # '{}': no options
+            self.pos += 1
             return {}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        types = option_types(cls)
         kwargs: Dict[str, object] = {}
         given: Dict[str, str] = {}
         comma = None
         while True:
-            c = skip()
-            m = _NAME.match(text, pos)
-            if not m:
-                after = f" after the ',' at column {comma + 1}" if comma is not None else ""
-                hint = ("separate options with one ','" if c == "," else
-                        "remove the trailing ','" if c == "}" else "give options as key=value")
-                raise fail(pos, f"expected an option (key=value) of pass {name!r}{after}, {found(c)}; {hint}")
-            k = m.group(0)
-            pos = m.end()
-            c = skip()
-            if c in (",", "}"):
-                raise fail(pos, f"pass {name!r}: option {k!r} needs a value (key=value), {found(c)}")
-            if c != "=":
-                raise fail(pos, f"pass {name!r}: expected '=' after option {k!r}, {found(c)}; give options as "
-                                "key=value")
-            pos += 1
-            skip()
-            start = pos
-            while pos < close and text[pos] != ",":
-                pos += 1
-            v = text[start:pos].strip()
-            if not v:
-                raise fail(start, f"pass {name!r}: option {k!r} needs a value after '=', {found(text[pos])}")
+            k, v = self.option(name, comma, close)
             key = k.replace("-", "_")
             if key not in fields:
                 raise PipelineError(f"pass {name!r} has no option {k!r}; options: "
@@ -327,34 +433,40 @@ def parse_pipeline(text: str) -> List[Pass]:
                 raise PipelineError(f"pass {name!r}: option {k!r} given twice ({given[key]} and {v}); give it once")
             given[key] = v
             kwargs[key] = _convert(name, k, v, fields[key], types[key])
-            if pos == close:
-                pos += 1
+            if self.pos == close:
+                self.pos += 1
                 return kwargs
-            comma = pos
-            pos += 1
+            comma = self.pos
+            self.pos += 1
 
-    passes: List[Pass] = []
-    comma = None
-    while True:
-        name = pass_name(comma)
-        cls = get_pass_class(name)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        types = option_types(cls)
-        braced = skip() == "{"
-        passes.append(cls(**(options(name, fields, types) if braced else {})))
-        c = skip()
-        if not c:
-            return passes
-        if c != ",":
-            if c == "}":
-                hint = "" if braced else f", or open the options of pass {name!r} with '{{'"
-                raise fail(pos, f"'}}' without a '{{' before it; remove it{hint}")
-            what = f"after the options of pass {name!r}" if braced else f"after pass {name!r}"
-            expect = "','" if braced else "',' or '{'"
-            raise fail(pos, f"expected {expect} {what}, {found(c)}; separate passes with ',' and give a pass's "
-                            "options in one {key=value,...}")
-        comma = pos
-        pos += 1
+    def option(self, name: str, comma: Optional[int], close: int) -> Tuple[str, str]:
+        """The ``key=value`` here, among the options of pass ``name`` that end at ``close``."""
+        text = self.text
+        c = self.skip()
+        m = _NAME.match(text, self.pos)
+        if not m:
+            after = f" after the ',' at column {comma + 1}" if comma is not None else ""
+            hint = ("separate options with one ','" if c == "," else
+                    "remove the trailing ','" if c == "}" else "give options as key=value")
+            raise self.fail(self.pos, f"expected an option (key=value) of pass {name!r}{after}, {self.found(c)}; "
+                                      f"{hint}")
+        k = m.group(0)
+        self.pos = m.end()
+        c = self.skip()
+        if c in (",", "}"):
+            raise self.fail(self.pos, f"pass {name!r}: option {k!r} needs a value (key=value), {self.found(c)}")
+        if c != "=":
+            raise self.fail(self.pos, f"pass {name!r}: expected '=' after option {k!r}, {self.found(c)}; give "
+                                      "options as key=value")
+        self.pos += 1
+        self.skip()
+        start = self.pos
+        while self.pos < close and text[self.pos] != ",":
+            self.pos += 1
+        v = text[start:self.pos].strip()
+        if not v:
+            raise self.fail(start, f"pass {name!r}: option {k!r} needs a value after '=', {self.found(text[self.pos])}")
+        return k, v
 
 
 _OPTION_TYPES = {bool: "true or false", int: "a whole number", float: "a number", str: "a name"}
