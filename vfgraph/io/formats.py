@@ -16,17 +16,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from vfgraph.errors import InputError
 from vfgraph.io import files, graphdef, keras_file, metagraph, savedmodel
 from vfgraph.item import GraphItem
 
-# load options a format may not read, with the flag that gives each and what it names; any other
-# option is read where it applies and otherwise left alone (imports; a label without a loss)
-_NAMED_OPTIONS = {"outputs": ("--outputs", "a frozen GraphDef's output tensors"),
-                  "checkpoint": ("--checkpoint", "a TF1 MetaGraphDef's checkpoint"),
-                  "loss": ("--loss", "a TF1 MetaGraphDef's loss tensor")}
+
+def _not_read(flag: str, what: str) -> Callable[[str, str], InputError]:
+    return lambda path, kind: InputError(f"{path}: {flag} names {what}, and this is {kind}; leave it out")
+
+
+# load options a format may not read -> the error for one given to a format that does not read it
+# (path, the format's kind); any other option is read where it applies and otherwise left alone
+# (imports; a label without a loss)
+_REFUSED: Dict[str, Callable[[str, str], InputError]] = {
+    "keras_loss": lambda path, kind: keras_file.fine_tune_refused(path),  # (the optimizer comes with it)
+    "outputs": _not_read("--outputs", "a frozen GraphDef's output tensors"),
+    "checkpoint": _not_read("--checkpoint", "a TF1 MetaGraphDef's checkpoint"),
+    "loss": _not_read("--loss", "a TF1 MetaGraphDef's loss tensor"),
+}
 FINE_TUNE_OPTIONS = ("keras_loss", "keras_optimizer", "label")  # read together, given with a loss
 
 
@@ -34,28 +43,22 @@ FINE_TUNE_OPTIONS = ("keras_loss", "keras_optimizer", "label")  # read together,
 class Format:
     """One model format: ``name`` (short, unique), ``description`` (what the user gives, for
     messages: "a frozen GraphDef (.pb, .pbtxt)"), ``kind`` (what the model is, for messages:
-    "a frozen GraphDef"), ``detect(path)`` (whether ``path`` is one, without raising),
-    ``reader(path, **options)`` (the item; given only the options in ``reads``)."""
+    "a frozen GraphDef"), ``sniff(path)`` (whether ``path`` is one; never raises),
+    ``reader(path, **options)`` (the item; given only the options named in ``reads``)."""
 
     name: str
     description: str
     kind: str
-    detect: Callable[[str], bool]
+    sniff: Callable[[str], bool]
     reader: Callable[..., GraphItem]
     reads: Tuple[str, ...] = ()
 
-    def sniff(self, path: str) -> bool:
-        """Whether ``path`` is a model of this format."""
-        return self.detect(path)
-
     def load(self, path: str, **options) -> GraphItem:
-        """The model at ``path`` (one of this format's), read with ``options``: load options
-        this format does not read are refused when given."""
-        if options.get("keras_loss") and "keras_loss" not in self.reads:
-            raise keras_file.fine_tune_refused(path)
-        for name, (flag, what) in _NAMED_OPTIONS.items():
+        """The model at ``path`` (one of this format's), read with ``options``: a load option
+        this format does not read is refused when given."""
+        for name, refusal in _REFUSED.items():
             if options.get(name) and name not in self.reads:
-                raise InputError(f"{path}: {flag} names {what}, and this is {self.kind}; leave it out")
+                raise refusal(path, self.kind)
         return self.reader(path, **{k: v for k, v in options.items() if k in self.reads})
 
 
@@ -70,7 +73,7 @@ def _saved_model(path: str, imports: Sequence[str] = (), keras_loss: str = "", k
     return savedmodel.load_saved_model(path)
 
 
-def _meta_graph(path: str, checkpoint: Optional[os.PathLike] = None, loss: str = "") -> GraphItem:
+def _meta_graph(path: str, checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "") -> GraphItem:
     return metagraph.load_meta_graph(path, os.fspath(checkpoint) if checkpoint else None, loss)
 
 
