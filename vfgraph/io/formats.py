@@ -128,7 +128,8 @@ def load(path: str, **options) -> GraphItem:
     ``options``: ``outputs``, ``checkpoint``, ``loss``, ``imports``, ``keras_loss``,
     ``keras_optimizer``, ``label`` (:func:`vfgraph.api.load`'s)."""
     files.check_readable(path)
-    keras_file.check_fine_tune_options(*(options.get(k, d) for k, d in zip(FINE_TUNE_OPTIONS, ("", "", "label"))))
+    keras_file.check_fine_tune_options(options.get("keras_loss", ""), options.get("keras_optimizer", ""),
+                                       options.get("label", "label"))
     fmt = format_of(path)
     if fmt is None:
         if options.get("keras_loss"):
