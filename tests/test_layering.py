@@ -3,13 +3,18 @@
 The import graph is read from the source (``vfgraph/`` and ``rewrites/``, installed as
 ``vfgraph.rewrites``) with :mod:`ast`, imports inside functions included: a cycle hidden by a
 function-local import is a cycle all the same, only one that breaks later. Imports under
-``if TYPE_CHECKING:`` are left out (they never run). Nothing here imports TensorFlow.
+``if TYPE_CHECKING:`` count too (they never run, but a type one layer takes from a higher one
+ties it to that layer all the same). Nothing here imports TensorFlow.
 
 The layers, from the bottom: ``vfgraph.errors`` and ``vfgraph.version`` (import no vfgraph
 module); ``vfgraph.ir`` (imports only itself and those); ``vfgraph.io`` (reading and writing
 models: never passes, rewrites, the runtime, the command line, the API or the test helpers);
 ``vfgraph.passes`` and ``vfgraph.rewrites`` (never the command line, the runtime, the API or
-the test helpers). The package itself (``vfgraph/__init__.py``) is the API: it imports
+the test helpers); above them the API, the runtime and the rest of the test helpers
+(``vfgraph.testing``: comparing models, the corpus, which the command line's ``compare`` uses;
+they never import the command line); then the command line, ``vfgraph.cli``, imported only
+by the top layer, ``vfgraph.testing.cli`` (running the command line in tests), which nothing
+of vfgraph imports. The package itself (``vfgraph/__init__.py``) is the API: it imports
 :mod:`vfgraph.api` when one of its functions is first looked up, so nothing that
 :mod:`vfgraph.api` imports may import the package (``import vfgraph``, ``from vfgraph import
 __version__``; the version is :mod:`vfgraph.version`'s).
@@ -33,9 +38,11 @@ class Import(NamedTuple):
     path: str    # the importing file, relative to the repository
     line: int
     local: bool  # inside a function: runs when the function is first called
+    typed: bool = False  # under ``if TYPE_CHECKING:``: for the types only, never run
 
     def where(self) -> str:
-        return f"{self.path}:{self.line}{', in a function' if self.local else ''}"
+        return (f"{self.path}:{self.line}{', in a function' if self.local else ''}"
+                f"{', for types only' if self.typed else ''}")
 
 
 def modules() -> Dict[str, str]:
@@ -58,25 +65,27 @@ def _is_type_checking(test: ast.expr) -> bool:
             or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _statements(tree: ast.AST) -> Iterator[Tuple[ast.AST, bool]]:
+def _statements(tree: ast.AST) -> Iterator[Tuple[ast.AST, bool, bool]]:
     """Every import statement of a module (and ``importlib.import_module("literal")`` call),
-    with whether it is inside a function; the bodies of ``if TYPE_CHECKING:`` are skipped."""
-    def walk(node: ast.AST, local: bool):
+    with whether it is inside a function and whether it is under ``if TYPE_CHECKING:``."""
+    def walk(node: ast.AST, local: bool, typed: bool):
         if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                yield from walk(child, local, True)
             for child in node.orelse:
-                yield from walk(child, local)
+                yield from walk(child, local, typed)
             return
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node, local
+            yield node, local, typed
         elif (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
               and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            yield node, local
+            yield node, local, typed
         inner = local or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         for child in ast.iter_child_nodes(node):
-            yield from walk(child, inner)
+            yield from walk(child, inner, typed)
 
-    yield from walk(tree, False)
+    yield from walk(tree, False, False)
 
 
 def _known(name: str, known: Dict[str, str]) -> Optional[str]:
@@ -94,7 +103,7 @@ def imports_of(module: str, path: str, known: Dict[str, str]) -> List[Import]:
         tree = ast.parse(f.read(), path)
     package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
     found = []
-    for node, local in _statements(tree):
+    for node, local, typed in _statements(tree):
         targets: List[Optional[str]] = []
         if isinstance(node, ast.Import):
             targets = [_known(a.name, known) for a in node.names]
@@ -111,7 +120,7 @@ def imports_of(module: str, path: str, known: Dict[str, str]) -> List[Import]:
             targets = [_known(node.args[0].value, known)]
         for t in targets:
             if t is not None and t != module:
-                found.append(Import(module, t, path, node.lineno, local))
+                found.append(Import(module, t, path, node.lineno, local, typed))
     return found
 
 
@@ -192,16 +201,19 @@ def describe(chain: Sequence[Import]) -> str:
     return chain[0].source + "".join(f" -> {i.target} ({i.where()})" for i in chain)
 
 
-def test_the_graph_sees_function_local_imports():
+def test_the_graph_sees_function_local_and_type_only_imports():
     """The reader itself: it finds the package's lazy import of its API (inside
-    ``__getattr__``), module-level imports, and leaves ``TYPE_CHECKING`` imports out."""
+    ``__getattr__``), module-level imports, and the imports under ``if TYPE_CHECKING:``, as
+    such (the records' import of the item, for its type)."""
     graph = import_graph()
     assert {"vfgraph", "vfgraph.api", "vfgraph.io.savedmodel", "vfgraph.rewrites.split_vnodes"} <= set(graph)
     lazy = [i for i in graph["vfgraph"] if i.target == "vfgraph.api"]
     assert lazy and all(i.local for i in lazy), graph["vfgraph"]
     assert any(i.target == "vfgraph.errors" and not i.local for i in graph["vfgraph"]), graph["vfgraph"]
     assert any(i.target == "vfgraph.passes.base" for i in graph["vfgraph.rewrites.split_vnodes"])
-    assert not any(i.target == "vfgraph.item" for i in graph["vfgraph.records"]), graph["vfgraph.records"]
+    typed = [i for i in graph["vfgraph.records"] if i.target == "vfgraph.item"]
+    assert typed and all(i.typed and not i.local for i in typed), graph["vfgraph.records"]
+    assert not any(i.typed for i in graph["vfgraph.api"]), graph["vfgraph.api"]
 
 
 def test_no_import_cycle():
@@ -247,6 +259,21 @@ def test_passes_and_rewrites_import_no_runtime_or_command_line():
     bad = _violations(import_graph(), ["vfgraph.passes", "vfgraph.rewrites"],
                       forbidden=["vfgraph", "vfgraph.api", "vfgraph.cli", "vfgraph.runtime", "vfgraph.testing"])
     assert not bad, "a pass imports a higher layer:\n" + "\n".join(bad)
+
+
+TOP = "vfgraph.testing.cli"  # running the command line in tests
+
+
+def test_only_the_top_layer_imports_the_command_line():
+    bad = [f"{m} imports vfgraph.cli ({i.where()})" for m, found in import_graph().items() if m != TOP
+           for i in found if i.target == "vfgraph.cli"]
+    assert not bad, "the command line is imported below the top layer (vfgraph.testing.cli):\n" + "\n".join(bad)
+    assert any(i.target == "vfgraph.cli" for i in import_graph()[TOP])  # the one it runs
+
+
+def test_nothing_imports_the_top_layer():
+    bad = [f"{m} imports {TOP} ({i.where()})" for m, found in import_graph().items() for i in found if i.target == TOP]
+    assert not bad, f"{TOP} is the top layer; nothing of vfgraph may import it:\n" + "\n".join(bad)
 
 
 def test_import_vfgraph_loads_only_its_package():

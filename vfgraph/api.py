@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 from vfgraph.version import __version__
 from vfgraph.errors import InputError, InternalError, VfgraphError
-from vfgraph.io import files, graphdef, keras_file, metagraph, objectgraph, outputs, savedmodel
+from vfgraph.io import formats, graphdef, keras_file, objectgraph, outputs, savedmodel
 from vfgraph.item import GraphItem
 from vfgraph.passes.base import parse_pipeline
 from vfgraph.passes.manager import AfterEach, PassManager
@@ -20,7 +20,9 @@ ModelLike = Union[str, os.PathLike, GraphItem]
 def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None,
          checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", imports: Sequence[str] = (),
          keras_loss: str = "", keras_optimizer: str = "", label: str = "label") -> GraphItem:
-    """Load an exported model without modifying it: a SavedModel directory; a Keras 3 ``.keras``
+    """Load an exported model without modifying it, read by the first of the formats of
+    :mod:`vfgraph.io.formats` that recognises it (an option the model's format does not read
+    is refused; a path none recognises names them all): a SavedModel directory; a Keras 3 ``.keras``
     file (compiled: its training step is built as ``fit`` runs it; ``imports`` names modules to
     import first, for custom layers); a frozen GraphDef (.pb / .pbtxt; ``outputs`` names its
     output tensors, default: unconsumed nodes); or a TF1 MetaGraphDef (.meta, or a checkpoint
@@ -29,56 +31,8 @@ def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None,
     ``keras_optimizer`` gets a training step over its serving function, the label fed as the
     input ``label`` (:mod:`vfgraph.io.keras_file`)."""
     with _gc_paused():
-        return _load(os.fspath(path), outputs, checkpoint, loss, tuple(imports), (keras_loss, keras_optimizer, label))
-
-
-def _load(path: str, outputs, checkpoint, loss, imports=(), fine_tune=("", "", "label")) -> GraphItem:
-    files.check_readable(path)
-    keras_file.check_fine_tune_options(*fine_tune)
-    tuned = bool(fine_tune[0])
-    if tuned and not savedmodel.is_saved_model_dir(path):
-        raise InputError(f"{path}: {keras_file.LOSS_FLAG} and {keras_file.OPTIMIZER_FLAG} give an inference "
-                         "SavedModel directory a training step; a .keras file brings its own compiled loss and "
-                         "optimizer: leave them out")
-    if keras_file.is_keras_file(path):
-        _only_for(path, "a Keras file", outputs=outputs, checkpoint=checkpoint, loss=loss)
-        return keras_file.load_keras_file(path, imports)
-    if savedmodel.is_saved_model_dir(path):
-        _only_for(path, "a SavedModel", outputs=outputs, checkpoint=checkpoint, loss=loss)
-        return keras_file.fine_tuned(path, *fine_tune, imports) if tuned else savedmodel.load_saved_model(path)
-    if path.endswith(".meta") and os.path.isfile(path) or metagraph.is_checkpoint_dir(path):
-        _only_for(path, "a TF1 MetaGraphDef", outputs=outputs)
-        return metagraph.load_meta_graph(path, os.fspath(checkpoint) if checkpoint else None, loss)
-    if os.path.isfile(path) and path.endswith((".pb", ".pbtxt")):
-        if path.endswith(".pbtxt") and _is_saved_model_text(path):
-            _only_for(path, "a SavedModel", outputs=outputs, checkpoint=checkpoint, loss=loss)
-            return savedmodel.load_saved_model_text(path)
-        _only_for(path, "a frozen GraphDef", checkpoint=checkpoint, loss=loss)
-        return graphdef.load_graph_def(path, outputs)
-    if os.path.isdir(path):
-        raise InputError(f"{path}: not a SavedModel directory (no saved_model.pb) or TF1 checkpoint directory (no "
-                         "'checkpoint' file); give the directory tf.saved_model.save or model.export() wrote")
-    raise InputError(f"{path}: not a model vfgraph can read; give a SavedModel directory, a Keras 3 .keras "
-                     "file, a frozen GraphDef (.pb, .pbtxt) or a TF1 MetaGraphDef (.meta) with its checkpoint")
-
-
-_LOAD_OPTIONS = {"outputs": ("--outputs", "a frozen GraphDef's output tensors"),
-                 "checkpoint": ("--checkpoint", "a TF1 MetaGraphDef's checkpoint"),
-                 "loss": ("--loss", "a TF1 MetaGraphDef's loss tensor")}
-
-
-def _only_for(path: str, kind: str, **given) -> None:
-    """Refuse a load option ``kind`` of model does not read (it would be silently ignored)."""
-    for name, value in given.items():
-        if value:
-            flag, what = _LOAD_OPTIONS[name]
-            raise InputError(f"{path}: {flag} names {what}, and this is {kind}; leave it out")
-
-
-def _is_saved_model_text(path: str) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(4096)
-    return b"meta_graphs" in head or b"saved_model_schema_version" in head
+        return formats.load(os.fspath(path), outputs=outputs, checkpoint=checkpoint, loss=loss, imports=tuple(imports),
+                            keras_loss=keras_loss, keras_optimizer=keras_optimizer, label=label)
 
 
 def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "",

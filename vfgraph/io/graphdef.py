@@ -19,6 +19,7 @@ from vfgraph.ir.tracing import annotate_shapes
 from vfgraph.errors import InputError
 from vfgraph.io import outputs
 from vfgraph.io.files import GRAPH_CALL, GRAPH_FUNCTION, read_graph_def
+from vfgraph.io.savedmodel import is_saved_model_text
 from vfgraph.ir.functions import function_dependencies
 from vfgraph.ir.names import is_tensor_name, tensor_name, tensor_node
 from vfgraph.item import GraphItem, SignatureInfo
@@ -31,6 +32,12 @@ def graph_outputs(gd: graph_pb2.GraphDef) -> List[str]:
     """Output tensors of a frozen graph: output 0 of every node nothing else consumes."""
     consumed = {tensor_node(s) for n in gd.node for s in n.input}
     return [f"{n.name}:0" for n in gd.node if n.name not in consumed and n.op not in _NOT_OUTPUTS]
+
+
+def is_graph_def(path: str) -> bool:
+    """Whether ``path`` is a frozen GraphDef file by its name: ``.pb`` (binary) or ``.pbtxt``
+    (text; one holding a SavedModel is not)."""
+    return os.path.isfile(path) and path.endswith((".pb", ".pbtxt")) and not is_saved_model_text(path)
 
 
 def load_graph_def(path: str, outputs: Optional[Sequence[str]] = None) -> GraphItem:

@@ -75,6 +75,13 @@ def check_fine_tune_options(loss: str, optimizer: str, label: str = "label") -> 
     _keras_optimizer(optimizer)
 
 
+def fine_tune_refused(path: str) -> InputError:
+    """The error for the fine-tuning options given with a model other than a SavedModel
+    directory."""
+    return InputError(f"{path}: {LOSS_FLAG} and {OPTIMIZER_FLAG} give an inference SavedModel directory a training "
+                      "step; a .keras file brings its own compiled loss and optimizer: leave them out")
+
+
 def _keras_loss(name: str):
     import keras
 

@@ -31,6 +31,11 @@ def is_checkpoint_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "checkpoint"))
 
 
+def is_meta_graph(path: str) -> bool:
+    """Whether ``path`` is a TF1 MetaGraphDef: a ``.meta`` file, or a checkpoint directory."""
+    return path.endswith(".meta") and os.path.isfile(path) or is_checkpoint_dir(path)
+
+
 def meta_path_of(path: str) -> str:
     """The .meta file for ``path``: itself, or the latest checkpoint's in a checkpoint directory."""
     if not os.path.isdir(path):

@@ -29,6 +29,19 @@ def is_saved_model_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, SAVED_MODEL_PB))
 
 
+def is_saved_model_text(path: str) -> bool:
+    """Whether ``path`` is a ``.pbtxt`` file holding a SavedModel (not a GraphDef): its first
+    4 KiB name a SavedModel's fields."""
+    if not (path.endswith(".pbtxt") and os.path.isfile(path)):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return b"meta_graphs" in head or b"saved_model_schema_version" in head
+
+
 def read_saved_model_proto(path: str) -> saved_model_pb2.SavedModel:
     pb = os.path.join(path, SAVED_MODEL_PB)
     data = read_bytes(pb)

@@ -77,59 +77,16 @@ def convert(sm: saved_model_pb2.SavedModel, path: str, skip: Set[str] = frozense
 
 
 def _signature_function(path, key, sig, nodes, shapes, library):
-    feeds = {}
-    for k, t in sorted(sig.inputs.items()):
-        name = tensor_node(t.name)
-        if nodes.get(name) is None or nodes[name].op != "Placeholder":
-            raise InputError(f"{path}: signature {key!r} input {k!r} ({t.name}) is not a placeholder")
-        feeds[name] = k
+    """The library function of TF1 signature ``key`` (the subgraph from its placeholders and
+    variables to its outputs) and its :class:`SignatureInfo`."""
+    feeds = _feeds(path, key, sig, nodes)
     outs = [(k, t.name) for k, t in sorted(sig.outputs.items())]
-    body: List[str] = []
-    variables: List[str] = []
-
-    def inside(node) -> bool:  # placeholders and variables become arguments: their inputs stay out
-        return node.op != "Placeholder" and node.op not in _VARIABLE_OPS
-
-    for n in walk(nodes, [tensor_node(t) for _, t in outs], follow=inside):
-        node = nodes.get(n)
-        if node is None:
-            raise InputError(f"{path}: signature {key!r} refers to missing node {n!r}")
-        if node.op in _REF_VARIABLES:
-            raise InputError(f"{path}: signature {key!r} uses reference variable {n!r}; vfgraph needs resource "
-                             "variables (create them with use_resource=True or under TF2 behaviour)")
-        if node.op == "Placeholder":
-            if n not in feeds:
-                raise InputError(f"{path}: signature {key!r} depends on placeholder {n!r} that is not one of its "
-                                 "inputs; add it to the signature")
-            continue
-        if node.op in _VARIABLE_OPS:
-            variables.append(n)
-            continue
-        body.append(n)
+    body, variables = _subgraph(path, key, nodes, feeds, [t for _, t in outs])
     placeholders = sorted(feeds, key=lambda n: feeds[n])
-    variables.sort()
-    args = {n: _arg_name(n) for n in placeholders}
-    used = set(args.values())
-    for v in variables:
-        a = _arg_name(v) + "_resource"
-        while a in used:
-            a += "_"
-        used.add(a)
-        args[v] = a
+    args = _argument_names(placeholders, variables)
+    fdef = _function_def(key, nodes, feeds, placeholders + variables, args)
 
-    fdef = function_pb2.FunctionDef()
-    fdef.signature.name = function_name(key)
-    fdef.signature.is_stateful = True
-    for i, n in enumerate(placeholders + variables):
-        a = fdef.signature.input_arg.add()
-        a.name = args[n]
-        if n in feeds:
-            a.type = nodes[n].attr["dtype"].type
-            fdef.arg_attr[i].attr["_output_shapes"].list.shape.add().CopyFrom(nodes[n].attr["shape"].shape)
-        else:
-            a.type = types_pb2.DT_RESOURCE
-
-    def ref(s: str) -> Optional[str]:
+    def ref(s: str) -> Optional[str]:  # an input of the graph as the function names it (None: dropped)
         ctl = is_control(s)
         name = tensor_node(s)
         if name in args:
@@ -140,15 +97,7 @@ def _signature_function(path, key, sig, nodes, shapes, library):
         return f"{name}:{arg}:{k}"
 
     for n in sorted(body):
-        node = fdef.node_def.add()
-        node.CopyFrom(nodes[n])
-        node.ClearField("device")
-        inputs = [r for r in (ref(s) for s in nodes[n].input) if r is not None]
-        del node.input[:]
-        node.input.extend(inputs)
-        if n in shapes and "_output_shapes" not in node.attr:
-            for s in shapes[n]:
-                node.attr["_output_shapes"].list.shape.add().CopyFrom(s.as_proto())
+        _copy_node(fdef, nodes[n], shapes.get(n), ref)
     for k, t in outs:
         a = fdef.signature.output_arg.add()
         a.name = _arg_name(k)
@@ -167,6 +116,89 @@ def _signature_function(path, key, sig, nodes, shapes, library):
                          resource_args=[args[v] for v in variables], variables=variables_info,
                          call_inputs=placeholders + variables, output_keys=[k for k, _ in outs])
     return fdef, info
+
+
+def _feeds(path, key, sig, nodes) -> Dict[str, str]:
+    """The placeholders signature ``key`` feeds: node name -> input key."""
+    feeds = {}
+    for k, t in sorted(sig.inputs.items()):
+        name = tensor_node(t.name)
+        if nodes.get(name) is None or nodes[name].op != "Placeholder":
+            raise InputError(f"{path}: signature {key!r} input {k!r} ({t.name}) is not a placeholder")
+        feeds[name] = k
+    return feeds
+
+
+def _subgraph(path, key, nodes, feeds, outputs: List[str]):
+    """The nodes between the signature's inputs and ``outputs``: (the body's nodes, the
+    variables it reads, sorted); placeholders and variables become arguments."""
+    body: List[str] = []
+    variables: List[str] = []
+
+    def inside(node) -> bool:  # placeholders and variables become arguments: their inputs stay out
+        return node.op != "Placeholder" and node.op not in _VARIABLE_OPS
+
+    for n in walk(nodes, [tensor_node(t) for t in outputs], follow=inside):
+        node = nodes.get(n)
+        if node is None:
+            raise InputError(f"{path}: signature {key!r} refers to missing node {n!r}")
+        if node.op in _REF_VARIABLES:
+            raise InputError(f"{path}: signature {key!r} uses reference variable {n!r}; vfgraph needs resource "
+                             "variables (create them with use_resource=True or under TF2 behaviour)")
+        if node.op == "Placeholder":
+            if n not in feeds:
+                raise InputError(f"{path}: signature {key!r} depends on placeholder {n!r} that is not one of its "
+                                 "inputs; add it to the signature")
+            continue
+        if node.op in _VARIABLE_OPS:
+            variables.append(n)
+            continue
+        body.append(n)
+    return body, sorted(variables)
+
+
+def _argument_names(placeholders: List[str], variables: List[str]) -> Dict[str, str]:
+    """The function's argument for each placeholder and variable node, unique."""
+    args = {n: _arg_name(n) for n in placeholders}
+    used = set(args.values())
+    for v in variables:
+        a = _arg_name(v) + "_resource"
+        while a in used:
+            a += "_"
+        used.add(a)
+        args[v] = a
+    return args
+
+
+def _function_def(key, nodes, feeds, inputs: List[str], args: Dict[str, str]) -> function_pb2.FunctionDef:
+    """The function's signature: an argument for each of ``inputs`` (placeholders with their
+    dtype and shape, variables as resources), no outputs yet."""
+    fdef = function_pb2.FunctionDef()
+    fdef.signature.name = function_name(key)
+    fdef.signature.is_stateful = True
+    for i, n in enumerate(inputs):
+        a = fdef.signature.input_arg.add()
+        a.name = args[n]
+        if n in feeds:
+            a.type = nodes[n].attr["dtype"].type
+            fdef.arg_attr[i].attr["_output_shapes"].list.shape.add().CopyFrom(nodes[n].attr["shape"].shape)
+        else:
+            a.type = types_pb2.DT_RESOURCE
+    return fdef
+
+
+def _copy_node(fdef: function_pb2.FunctionDef, original, shapes, ref) -> None:
+    """``original`` into ``fdef``'s body: no device, inputs as ``ref`` names them (those it
+    drops left out), its output shapes (``shapes``) where it has none recorded."""
+    node = fdef.node_def.add()
+    node.CopyFrom(original)
+    node.ClearField("device")
+    inputs = [r for r in (ref(s) for s in original.input) if r is not None]
+    del node.input[:]
+    node.input.extend(inputs)
+    if shapes is not None and "_output_shapes" not in node.attr:
+        for s in shapes:
+            node.attr["_output_shapes"].list.shape.add().CopyFrom(s.as_proto())
 
 
 def emit(item: GraphItem) -> saved_model_pb2.SavedModel:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import TYPE_CHECKING, Dict, Iterable, List
+from typing import Collection, Dict, Iterable, List, Mapping, Protocol
 
 from google.protobuf import text_format
 from tensorflow.core.framework import function_pb2, graph_pb2
@@ -26,9 +26,6 @@ from vfgraph.ir.functions import function_dependencies, iter_func_attrs
 
 from vfgraph.ir.graph import FunctionGraph
 from vfgraph.ir.names import control_inputs, data_inputs
-
-if TYPE_CHECKING:
-    from vfgraph.item import GraphItem
 
 LARGE_TENSOR_BYTES = 64
 _TRACED = re.compile(r"^__(?:inference|forward|backward)_.+?((?:_\d+)+)$")  # tracing's number at the end
@@ -61,7 +58,28 @@ def canonical_function(fdef: function_pb2.FunctionDef, library: Dict[str, functi
     return out
 
 
-def canonical_text(item: GraphItem, roots: Iterable[str] = (), generated_names: bool = False) -> str:
+class Signature(Protocol):
+    """What :func:`canonical_text` reads of a signature: the library function it calls."""
+
+    @property
+    def function(self) -> str: ...
+
+
+class Model(Protocol):
+    """What :func:`canonical_text` reads of a model (a :class:`vfgraph.item.GraphItem` is one):
+    its functions by name, its signatures by key, and the functions kept for the runtime."""
+
+    @property
+    def library(self) -> Dict[str, function_pb2.FunctionDef]: ...
+
+    @property
+    def signatures(self) -> Mapping[str, Signature]: ...
+
+    @property
+    def preserve(self) -> Collection[str]: ...
+
+
+def canonical_text(item: Model, roots: Iterable[str] = (), generated_names: bool = False) -> str:
     """Text of every function reachable from the signatures and the functions passes added
     for the runtime (or from ``roots``), canonicalised; ``generated_names``: generated names
     replaced as the module's docstring says."""

@@ -1,5 +1,10 @@
 """Running the command line in tests as users run it, and what such tests compare: a tree's
-digest (to show an input or an earlier output is untouched) and the one error line."""
+digest (to show an input or an earlier output is untouched) and the one error line.
+
+The top of vfgraph's layers: it runs :mod:`vfgraph.cli`, and nothing of vfgraph imports it
+(tests/test_layering.py). The command line is imported when a command is first run in this
+process, so the helpers that run it in a new process, or compare what it left, import no
+more than they use."""
 from __future__ import annotations
 
 import hashlib
@@ -7,8 +12,6 @@ import os
 import subprocess
 import sys
 from typing import Callable, List, Optional, Tuple
-
-from vfgraph import cli
 
 # TensorFlow quiet, and no oneDNN reordering (results the same on every machine)
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_ENABLE_ONEDNN_OPTS="0")
@@ -24,6 +27,8 @@ def vf(*args, cwd=None, env: Optional[dict] = None, preexec_fn: Optional[Callabl
 def run_in_process(capsys, *argv) -> Tuple[int, List[str]]:
     """``vfgraph ARGV`` through :func:`vfgraph.cli.main` in this process (one TensorFlow import
     for many cases), with pytest's ``capsys``: (exit code, non-empty stderr lines)."""
+    from vfgraph import cli
+
     capsys.readouterr()
     try:
         code = cli.main([str(a) for a in argv])
