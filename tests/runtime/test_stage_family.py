@@ -18,10 +18,10 @@ pytestmark = pytest.mark.mpi
 V, B = 8, 2  # virtual nodes of B examples: a batch of 16
 
 
-def _train(ranks, model, data, out, steps=2):
+def _train(ranks, model, data, out, steps=2, batch=V * B):
     cmd = ([MPIEXEC, "-n", str(ranks)] if ranks else []) + [
         sys.executable, "-m", "vfgraph.cli", "train", model, "--data", data, "--steps", str(steps),
-        "--batch-size", str(V * B), "-o", out, "--no-progress"]
+        "--batch-size", str(batch), "-o", out, "--no-progress"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
 
@@ -102,6 +102,27 @@ def test_an_assign_sub_module_trains_on_stage_ranks_as_in_one_process(sources, d
     one, ranks = str(tmp_path / "one"), str(tmp_path / "ranks")
     _train(0, model, data["flat"], one)
     _train(2, model, data["flat"], ranks)
+    assert_same_params(one, ranks, 1e-6)
+    assert losses(ranks) == pytest.approx(losses(one), rel=1e-6)
+
+
+@pytest.mark.parametrize("split_at,schedule,vnode_batch", [("Relu", "1f1b", 8), ("MatMul_1", "gpipe", B)])
+def test_an_assign_sub_module_trains_on_stage_ranks_at_other_cuts(sources, data, tmp_path, split_at, schedule,
+                                                                   vnode_batch):
+    """The same step cut after the first layer's activation and before the second layer's
+    matmul, under both schedules, with 2 and 8 examples per virtual node: the stage ranks
+    train what one process trains."""
+    import vfgraph
+    from vfgraph import records
+    from vfgraph.records import Stages
+
+    model = str(tmp_path / "model")
+    vfgraph.save(vfgraph.rewrite(sources["module"], vnodes=V, vnode_batch=vnode_batch, stages=2,
+                                 split_at=[split_at], schedule=schedule), model)
+    assert tuple(records.read(model, Stages)["train"].split_at) == (split_at,)
+    one, ranks = str(tmp_path / "one"), str(tmp_path / "ranks")
+    _train(0, model, data["flat"], one, batch=V * vnode_batch)
+    _train(2, model, data["flat"], ranks, batch=V * vnode_batch)
     assert_same_params(one, ranks, 1e-6)
     assert losses(ranks) == pytest.approx(losses(one), rel=1e-6)
 
