@@ -183,12 +183,7 @@ def _step_function(item: GraphItem, g: FunctionGraph, step: TrainStep, loop: Vno
     original = item.function(sig.function)
     lib = item.library
     fb, args = FunctionGraph.like(original, lib)
-    by = dict(zip(g.arg_names, args))
-    res = [by[a] for a in sig.invariant_args]
-    outs, sums, fused, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
-    outs, sums, count = loop.reduce(fb, outs, sums, fused, nv, reduce_fn)
-    results = loop.outputs(fb, outs, count, nv)
-    call, updated = call_update(fb, udef, mean_gradients(fb, step, sums, count), res, after=[done])
+    results, call, updated = loop.run_step(fb, dict(zip(g.arg_names, args)), reduce_fn, udef)
     for o, a, r in zip(step.outputs, original.signature.output_arg, assemble_outputs(step, results, updated)):
         fb.ret(a.name, fb.op("Identity", [r], name="result", deps=[call], T=type_attr(a.type),
                              shapes=[g.shape(o.ref)])[0], a.type)

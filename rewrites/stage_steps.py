@@ -20,8 +20,7 @@ from vfgraph.ir.graph import FunctionGraph, TensorRef, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
 from vfgraph.records import Stages
-from vfgraph.rewrites.vnode_loop import (MESSAGE_BASE, ForwardBackward, VnodeLoop, call_update, mean_gradients,
-                                         reduce_function, reduce_specs)
+from vfgraph.rewrites.vnode_loop import MESSAGE_BASE, ForwardBackward, VnodeLoop, reduce_function, reduce_specs
 
 class _StageCut(NamedTuple):
     """The virtual-node function of a step cut into its stages' parts: ``owners`` (by output
@@ -161,12 +160,7 @@ def _add_stage_step(item: GraphItem, g: FunctionGraph, step: TrainStep, view: Tr
     fn = function_name(sig.function, tag, "0")
     header = entry_header(g, fn, list(wrapper.args), (), list(wrapper.outputs), [g.dtype(o.ref) for o in step.outputs])
     fb, args = FunctionGraph.like(header, lib, into=item.new_function(fn))
-    by = dict(zip(wrapper.args, args))
-    res = [by[a] for a in sig.invariant_args]
-    outs, sums, fused, nv, done = loop.emit(fb, [by[a] for a in sig.batch_args], res)
-    outs, sums, count = loop.reduce(fb, outs, sums, fused, nv, reduce_s)
-    results = loop.outputs(fb, outs, count, nv)
-    call, updated = call_update(fb, udef_s, mean_gradients(fb, view, sums, count), res, after=[done])
+    results, call, updated = loop.run_step(fb, dict(zip(wrapper.args, args)), reduce_s, udef_s)
     _stage_returns(fb, g, step, header, owners, s, results, call, updated)
     verify_function_def(fb.finish(), lib)
     add_signature(item, key, fn, wrapper, takes_inputs=True)

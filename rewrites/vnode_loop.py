@@ -6,7 +6,7 @@ step, its step-wise signatures and the steps of pipeline stages on MPI ranks
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -265,6 +265,19 @@ class VnodeLoop:
                     every[k] = fb.op("Reshape", [part, fb.const(shape, I32, "shape")[0]], name="sum",
                                      T=type_attr(t), Tshape=type_attr(I32), shapes=[shape])[0]
         return every[:n_out], every[n_out:], got[-1]
+
+    def run_step(self, fb: FunctionGraph, by: Dict[str, TensorRef], reduce_fn: str, udef):
+        """A training step's body in ``fb`` (``by``: its arguments by name): every virtual node
+        of the fed batch, their sums reduced by ``reduce_fn`` and averaged, then the update
+        ``udef`` once, after the loop; returns (the per-virtual-node outputs, the update's
+        call, its outputs)."""
+        sig = self.step.signature
+        res = [by[a] for a in sig.invariant_args]
+        outs, sums, fused, nv, done = self.emit(fb, [by[a] for a in sig.batch_args], res)
+        outs, sums, count = self.reduce(fb, outs, sums, fused, nv, reduce_fn)
+        results = self.outputs(fb, outs, count, nv)
+        call, updated = call_update(fb, udef, mean_gradients(fb, self.step, sums, count), res, after=[done])
+        return results, call, updated
 
 
 class ForwardBackward(NamedTuple):

@@ -37,6 +37,24 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)  # (closing the files releases both)
 
 
+@pytest.fixture
+def toy_passes():
+    """A decorator registering a test's passes for that test only (the registry is
+    process-wide): they are unregistered after it."""
+    from vfgraph.passes import base
+
+    names = []
+
+    def add(cls):
+        base.register(cls)
+        names.append(cls.name)
+        return cls
+
+    yield add
+    for n in names:
+        base.unregister(n)
+
+
 @pytest.fixture(scope="session")
 def update_goldens(request):
     return request.config.getoption("--update-goldens")

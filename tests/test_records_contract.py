@@ -16,28 +16,12 @@ import pytest
 
 from vfgraph import records
 from vfgraph.errors import InternalError
-from vfgraph.passes import base
-from vfgraph.passes.base import Pass, PassResult, register
+from vfgraph.passes.base import Pass, PassResult
 from vfgraph.passes.manager import PassManager
 from vfgraph.records import Allreduce, Microbatch, Stages, VirtualNodes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "tests", "goldens", "split-vnodes", "linear_manual.before.pbtxt")
-
-
-@pytest.fixture
-def toy_passes():
-    """Registers the test's passes for one test only (the registry is process-wide)."""
-    names = []
-
-    def add(cls):
-        register(cls)
-        names.append(cls.name)
-        return cls
-
-    yield add
-    for n in names:
-        base.unregister(n)
 
 
 def _writer(toy_passes, pass_name: str, declared: tuple, stored_under: str = ""):

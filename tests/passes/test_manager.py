@@ -21,21 +21,6 @@ GOLDENS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODEL = os.path.join(GOLDENS, "split-vnodes", "linear_manual.before.pbtxt")
 
 
-@pytest.fixture
-def toy_passes():
-    """Registers the test's passes for one test only (the registry is process-wide)."""
-    names = []
-
-    def add(cls):
-        register(cls)
-        names.append(cls.name)
-        return cls
-
-    yield add
-    for n in names:
-        base.unregister(n)
-
-
 def _rename_pass(toy_passes):
     @toy_passes
     @dataclass(frozen=True)
