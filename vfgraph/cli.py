@@ -689,7 +689,9 @@ def _signature_entry(item, sig):
 
 def _plan(args, item, g, sig, step, stages: int, split_at: List[str], report: dict):
     """inspect --stages: the stage plan of training step ``step`` (in ``report`` too, with, for
-    a profile without --split-at, the estimate's cuts timed by it)."""
+    a profile without --split-at, the estimate's cuts timed by it): the plan ``rewrite --stages``
+    makes, with its stages on MPI ranks (no cut where a tensor crosses that messages between
+    ranks cannot carry)."""
     from vfgraph.analysis.stages import plan_stages
 
     profile = None
@@ -699,9 +701,9 @@ def _plan(args, item, g, sig, step, stages: int, split_at: List[str], report: di
         profile = profile_of(item.source, sig, args.profile_batch or _default("partition-stages", "profile_batch"),
                              args.profile or "")
         if not split_at:  # the estimate's cuts, timed: how far they are from the measured balance
-            cuts = plan_stages(g, step, stages).split_at
-            report["stages_by_estimate"] = plan_stages(g, step, stages, cuts, profile).to_json()
-    plan = plan_stages(g, step, stages, split_at, profile)
+            cuts = plan_stages(g, step, stages, ranks=True).split_at
+            report["stages_by_estimate"] = plan_stages(g, step, stages, cuts, profile, ranks=True).to_json()
+    plan = plan_stages(g, step, stages, split_at, profile, ranks=True)
     report["stages"] = plan.to_json()
     return plan
 

@@ -4,6 +4,7 @@ the messages cannot carry: a plain ``tf.Module`` step updating its variables wit
 process trains; a bidirectional LSTM, whose recurrent loops pass TensorLists (variants), is
 cut where only numbers cross and trains the same; and the stage functions' messages are
 checked at rewrite time, so a plan whose ranks would wait forever is refused instead."""
+import json
 import os
 import subprocess
 import sys
@@ -138,6 +139,7 @@ def test_a_bilstm_is_cut_where_only_numbers_cross_and_trains_the_same(sources, d
     from vfgraph.analysis.train_step import training_signature
     from vfgraph.ir.graph import FunctionGraph, parse_input
     from vfgraph.records import Stages
+    from vfgraph.testing.cli import vf
 
     item = vfgraph.load(sources["bilstm"])
     sig = training_signature(item, "")
@@ -153,6 +155,9 @@ def test_a_bilstm_is_cut_where_only_numbers_cross_and_trains_the_same(sources, d
     model = str(tmp_path / "model")
     vfgraph.save(vfgraph.rewrite(sources["bilstm"], vnodes=V, vnode_batch=B, stages=2), model)
     assert records.read(model, Stages)["train"].split_at == on_ranks.split_at
+    shown = vf("inspect", sources["bilstm"], "--stages", 2, "--json")  # inspect previews that cut
+    assert shown.returncode == 0, shown.stderr
+    assert [c["before"] for c in json.loads(shown.stdout)["stages"]["cuts"]] == list(on_ranks.split_at)
     one, ranks = str(tmp_path / "one"), str(tmp_path / "ranks")
     _train(0, model, data["seq"], one)
     _train(2, model, data["seq"], ranks)
