@@ -7,6 +7,7 @@ import inspect
 import os
 import pydoc
 import re
+import sys
 
 import pytest
 
@@ -18,6 +19,7 @@ from vfgraph.testing.cli import error_line, run_in_process
 
 MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "goldens", "split-vnodes",
                      "linear_manual.before.pbtxt")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _declared(pass_name: str, field: str) -> dataclasses.Field:
@@ -144,3 +146,18 @@ def test_export_slices_are_checked_by_microbatch_inference(capsys, tmp_path):
     assert code == 2 and error_line(err) == f"vfgraph rewrite: error: --vnode-batch -2: {problem}", err
     assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
 
+
+def test_bench_pipeline_reads_the_stage_signatures_from_the_record(models, tmp_path, monkeypatch):
+    from vfgraph import records
+    from vfgraph.records import Stages
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "tools"))
+    sys.modules.pop("bench_pipeline", None)
+    import bench_pipeline
+
+    out = str(tmp_path / "staged")
+    item = vfgraph.rewrite(models("mlp:sgd"), vnodes=4, vnode_batch=8, stages=2)
+    vfgraph.save(item, out)
+    names = records.read(out, Stages)["train"].signatures
+    assert len(names) == 2 and set(names) <= set(item.meta_graph.signature_def)
+    assert [bench_pipeline.stage_signature(out, rank) for rank in range(4)] == [*names, *names]
