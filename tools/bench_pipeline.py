@@ -74,6 +74,16 @@ def export_model(path: str, layers: int, width: int, optimizer: str = "sgd", lr:
     tf.saved_model.save(m, path, signatures={"train": m.train, "serving_default": m.serve})
 
 
+def stage_signature(model: str, rank: int) -> str:
+    """The training signature MPI rank ``rank`` runs of the stages of ``model``: the one the
+    Stages record names for stage ``rank mod K + 1`` (as 'vfgraph train' runs them)."""
+    from vfgraph import records
+    from vfgraph.records import Stages
+
+    signatures = records.read(model, Stages)["train"].signatures
+    return signatures[rank % len(signatures)]
+
+
 def worker(args) -> None:
     """One configuration, in this process: prints a JSON line of step times and memory."""
     import numpy as np
@@ -101,7 +111,7 @@ def worker(args) -> None:
     from vfgraph.io.savedmodel import load_to_run
 
     loaded = load_to_run(args.model, variable_devices=args.mode in ("1f1b", "gpipe"))
-    fn = loaded.signatures[f"train_stage_{rank + 1}" if ranks else "train"]
+    fn = loaded.signatures[stage_signature(args.model, rank) if ranks else "train"]
     rng = np.random.default_rng(0)
     n = args.vnodes * args.vnode_batch
     feed = {"x": tf.constant(rng.normal(size=(n, args.inputs)).astype(np.float32)),

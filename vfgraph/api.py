@@ -3,15 +3,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import os
-from typing import Optional, Sequence, Union
+import textwrap
+from typing import Dict, Optional, Sequence, Union
 
 from vfgraph.version import __version__
 from vfgraph.errors import InputError, InternalError, VfgraphError
 from vfgraph.io import formats, graphdef, keras_file, objectgraph, outputs, savedmodel
 from vfgraph.item import GraphItem
-from vfgraph.passes.base import parse_pipeline
+from vfgraph.passes.base import Flag, flags, parse_pipeline
 from vfgraph.passes.manager import AfterEach, PassManager
+from vfgraph.rewrites.insert_allreduce import InsertAllreducePass
+from vfgraph.rewrites.microbatch_inference import MicrobatchInferencePass
+from vfgraph.rewrites.partition_stages import PartitionStagesPass
+from vfgraph.rewrites.split_vnodes import SplitVnodesPass
 from vfgraph.verification import verify
 
 ModelLike = Union[str, os.PathLike, GraphItem]
@@ -35,117 +41,177 @@ def load(path: Union[str, os.PathLike], outputs: Optional[Sequence[str]] = None,
                             keras_loss=keras_loss, keras_optimizer=keras_optimizer, label=label)
 
 
-def default_pipeline(vnodes: int, vnode_batch: int = 0, train_signature: str = "",
-                     has_training: bool = True, allreduce: bool = False, fusion_mb: float = 4,
-                     stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
-                     schedule: str = "1f1b", deterministic: bool = False, balance: str = "estimate",
-                     profile_batch: int = 32, profile: str = "") -> str:
-    """The pipeline :func:`rewrite` runs without one given: ``stages`` other than 1 (or devices, or
-    split_at) cut the step into stages, then split-vnodes (and insert-allreduce) where the model
-    trains, then microbatch-inference. Every option given reaches its pass, which checks it."""
-    parts = []
-    if has_training and (stages != 1 or devices or split_at):
-        opts = [f"stages={stages}"] + (["devices=" + ";".join(devices)] if devices else [])
-        opts += ["split-at=" + ";".join(split_at)] if split_at else []
-        opts += [f"schedule={schedule}"] if schedule != "1f1b" else []
-        opts += [f"balance={balance}"] if balance != "estimate" else []
-        measure = balance != "estimate" and not profile  # a step profiled where the pass runs
-        opts += [f"profile-batch={profile_batch}"] if measure and profile_batch != 32 else []
-        opts += [f"profile={profile}"] if profile else []
-        opts += [f"signature={train_signature}"] if train_signature else []
-        parts.append("partition-stages{" + ",".join(opts) + "}")
-    if has_training:
-        opts = [f"vnodes={vnodes}"] + ([f"vnode-batch={vnode_batch}"] if vnode_batch else [])
-        if train_signature:
-            opts.append(f"signature={train_signature}")
-        if deterministic:
-            opts.append("deterministic=true")
-        parts.append("split-vnodes{" + ",".join(opts) + "}")
-        if allreduce:
-            parts.append("insert-allreduce" + (f"{{fusion-mb={fusion_mb:g}}}" if fusion_mb != 4 else ""))
-    parts.append("microbatch-inference" + (f"{{vnode-batch={vnode_batch}}}" if vnode_batch else ""))
-    return ",".join(parts)
+#: The passes of the pipeline :func:`rewrite` runs without one given, in their order: their
+#: options with a command-line flag (:func:`vfgraph.passes.base.option`) are its keywords.
+DEFAULT_PASSES = (PartitionStagesPass, SplitVnodesPass, InsertAllreducePass, MicrobatchInferencePass)
+_LISTS = ("devices", "split_at")  # str options a Python caller gives as a list of names (';'-joined in a pipeline)
 
 
-def rewrite(model: ModelLike, vnodes: int = 1, vnode_batch: int = 0, pipeline: Optional[str] = None,
-            train_signature: str = "", after_each: Optional[AfterEach] = None,
+def pass_options() -> Dict[str, Flag]:
+    """The pass options :func:`rewrite` takes as keywords, by keyword (the flag's ``dest``): those
+    of :data:`DEFAULT_PASSES` that declare a command-line flag, each with its declaration's
+    default, check and help (a keyword several passes declare, such as ``vnode_batch``, sets
+    each of them)."""
+    return {f.dest: f for f in flags(DEFAULT_PASSES)}
+
+
+def _given_options(options: dict) -> Dict[str, object]:
+    """The pass options given to :func:`rewrite` (None, or False for a switch: not given), in
+    their declarations' order and type (a list of names as one ';'-separated text, a path as
+    text), each checked by its declaration (:meth:`Flag.problem`, the check the command line
+    makes): a value one refuses raises its pass's :class:`OptionError`, an unknown keyword a
+    TypeError naming the known ones."""
+    known = pass_options()
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the pass options are "
+                        f"{', '.join(known)} (and {', '.join(_OWN_KEYWORDS)})")
+    given: Dict[str, object] = {}
+    for key, flag in known.items():
+        value = options.get(key)
+        if value is None or value is False:
+            continue
+        if key in _LISTS and isinstance(value, (list, tuple)):
+            value = ";".join(value)
+        elif isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        refused = flag.problem(value)
+        if refused is not None:
+            raise refused
+        given[key] = value
+    return given
+
+
+def _staged(given: dict) -> bool:
+    """Whether the default pipeline cuts the training step into stages: more than one stage
+    (``stages=1`` is the step as it is), devices or cuts given."""
+    return given.get("stages") not in (None, 1) or bool(given.get("devices")) or bool(given.get("split_at"))
+
+
+def default_pipeline(has_training: bool = True, allreduce: bool = False, **options) -> str:
+    """The pipeline :func:`rewrite` runs without one given, for its pass options ``options``
+    (:func:`pass_options`; those left out keep their passes' defaults): partition-stages where
+    the step is cut into stages (``stages`` other than 1, or ``devices``, or ``split_at``; with
+    these alone, ``stages=1``), then split-vnodes (and insert-allreduce, with ``allreduce``)
+    where the model trains (``has_training``), then microbatch-inference. Each pass gets the
+    options that declare its flags and checks them; ``profile_batch`` only reaches
+    partition-stages where it profiles a step (``balance="profile"`` without ``profile``)."""
+    given = _given_options(options)
+    if given.get("balance") != "profile" or given.get("profile"):
+        given.pop("profile_batch", None)  # (no step profiled here)
+    runs = [cls for cls, on in zip(DEFAULT_PASSES, (has_training and _staged(given), has_training,
+                                                    has_training and allreduce, True)) if on]
+    if runs[0] is PartitionStagesPass:
+        given.setdefault("stages", 1)  # (cut by devices or split_at alone)
+    known = pass_options()
+    passes = [cls(**{field: given[key] for key, f in known.items() if key in given
+                     for name, field in f.sets if name == cls.name}) for cls in runs]
+    return ",".join(p.spec() for p in passes)
+
+
+def rewrite(model: ModelLike, *, pipeline: Optional[str] = None, after_each: Optional[AfterEach] = None,
             outputs: Optional[Sequence[str]] = None, allreduce: Optional[str] = None,
-            fusion_mb: Optional[float] = None,
             checkpoint: Optional[Union[str, os.PathLike]] = None, loss: str = "", in_place: bool = False,
-            verify_each: bool = False, stages: int = 1, devices: Sequence[str] = (), split_at: Sequence[str] = (),
-            schedule: Optional[str] = None, deterministic: bool = False, balance: str = "estimate",
-            profile_batch: int = 32, profile: Union[str, os.PathLike] = "", imports: Sequence[str] = (),
-            keras_loss: str = "", keras_optimizer: str = "", label: str = "label") -> GraphItem:
+            verify_each: bool = False, imports: Sequence[str] = (), keras_loss: str = "", keras_optimizer: str = "",
+            label: str = "label", **options) -> GraphItem:
     """Rewrite ``model`` with virtual nodes; returns a new item (the input is not changed).
     With ``in_place``, a loaded item is rewritten itself and returned, without the copy (a
     model's size in memory and the time to copy it): for an item loaded only to be rewritten
     (a pass that fails leaves it partly rewritten).
 
+    ``options`` are the passes' options, listed below (:func:`pass_options`): each keyword is
+    the option of the default pipeline's passes (:func:`default_pipeline`) that declares the
+    ``vfgraph rewrite`` flag of that name, with its default, check and help; one left out (or
+    None) keeps its pass's default, a value its pass refuses raises the pass's
+    :class:`~vfgraph.passes.base.OptionError`, an unknown keyword a TypeError. ``devices`` and
+    ``split_at`` are lists of names here, ``profile`` a path.
+
     ``allreduce``: "mpi" (the default for a TF2 SavedModel's training step) adds the all-reduce
-    over MPI ranks of at most ``fusion_mb`` MiB per fused buffer (default 4; on one process it is
-    skipped at run time; loading the model then needs vfgraph's ops, see :func:`export` for
-    serving), "none" leaves it out. The output depends only on the input and the options: where
-    the ops cannot be built, "mpi" is an error. An option that would change nothing is refused
-    (an all-reduce for a model without a TF2 training step, ``fusion_mb`` without one, a
-    ``schedule`` without stages, any of these with a ``pipeline``, which holds its own). ``after_each(pass, item)``
-    sees each pass's result before the next pass edits it in place (``item.copy()`` keeps one).
-    ``verify_each``: verify after every pass, not only at the end (names the pass that broke
-    the graph; costs a verify per pass).
+    over MPI ranks of at most ``fusion_mb`` MiB per fused buffer (on one process it is skipped
+    at run time; loading the model then needs vfgraph's ops, see :func:`export` for serving),
+    "none" leaves it out. The output depends only on the input and the options: where the ops
+    cannot be built, "mpi" is an error. An option that would change nothing is refused (an
+    all-reduce for a model without a TF2 training step, ``fusion_mb`` without one, a
+    ``schedule`` without stages, any of the passes' options with a ``pipeline``, which holds
+    its own). ``after_each(pass, item)`` sees each pass's result before the next pass edits it
+    in place (``item.copy()`` keeps one). ``verify_each``: verify after every pass, not only at
+    the end (names the pass that broke the graph; costs a verify per pass).
 
     ``stages`` > 1 cuts the training step into that many pipeline stages (partition-stages),
     stage k placed on ``devices[k]``, or without ``devices`` run by MPI rank k of
-    ``mpiexec -n stages`` (``train_stage_<k+1>`` signatures); ``split_at`` names the forward
-    ops that start stages 2..K, ``schedule`` "1f1b" keeps at most K virtual nodes in flight,
-    "gpipe" all. Without ``split_at`` the cuts balance each op's estimated cost, or with
-    ``balance="profile"`` its measured time in a step of ``profile_batch`` examples run here
-    (on this machine's CPU; the notes name the cuts chosen, to repeat the rewrite exactly), or
-    the times in ``profile``, a file ``vfgraph profile`` wrote (implies ``balance="profile"``;
-    the same file gives the same rewrite).
-
-    ``deterministic`` sums the virtual nodes' gradients and outputs exactly (fixed point), so
-    that any layout of the V virtual nodes over ranks (1x8, 2x4, 5+3) trains bit-identical
-    parameters.
+    ``mpiexec -n stages`` (the Stages record names their signatures); ``split_at`` names the
+    forward ops that start stages 2..K. Without ``split_at`` the cuts balance each op's
+    estimated cost, or with ``balance="profile"`` its measured time in a step of
+    ``profile_batch`` examples run here, or the times in ``profile`` (which implies
+    ``balance="profile"``).
 
     ``imports``, ``keras_loss``, ``keras_optimizer`` and ``label`` are :func:`load`'s, for a model
     given by its path (a .keras file; an inference SavedModel to fine-tune)."""
     if allreduce not in (None, "mpi", "none"):
         raise InputError(f"allreduce={allreduce!r}: choose 'mpi' or 'none'")
-    _check_applies(pipeline, vnodes, vnode_batch, allreduce, fusion_mb, stages, devices, split_at, schedule,
-                   balance, profile)
-    profile = os.fspath(profile)
-    if profile:
-        if any(c in profile for c in ",{}"):
-            raise InputError(f"profile {profile!r}: a pipeline option cannot hold ',', '{{' or '}}'; give the "
-                             "profile's path without them (move or link the file)")
-        balance = "profile"
+    given = _given_options(options)
+    _check_applies(pipeline, given, allreduce)
+    if given.get("profile"):
+        if any(c in given["profile"] for c in ",{}"):
+            raise InputError(f"profile {given['profile']!r}: a pipeline option cannot hold ',', '{{' or '}}'; give "
+                             "the profile's path without them (move or link the file)")
+        given["balance"] = "profile"
     with _gc_paused():
-        return _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce,
-                        fusion_mb, checkpoint, loss, in_place, verify_each,
-                        dict(stages=stages, devices=tuple(devices), split_at=tuple(split_at), schedule=schedule,
-                             deterministic=deterministic, balance=balance, profile_batch=profile_batch,
-                             profile=profile), dict(imports=tuple(imports), keras_loss=keras_loss,
-                                                    keras_optimizer=keras_optimizer, label=label))
+        return _rewrite(model, pipeline, given, allreduce, after_each, verify_each, in_place,
+                        dict(outputs=outputs, checkpoint=checkpoint, loss=loss, imports=tuple(imports),
+                             keras_loss=keras_loss, keras_optimizer=keras_optimizer, label=label))
 
 
-def _check_applies(pipeline, vnodes, vnode_batch, allreduce, fusion_mb, stages, devices, split_at, schedule,
-                   balance, profile) -> None:
+def _options_doc() -> str:
+    """The part of :func:`rewrite`'s docstring that lists its pass options, from their declarations."""
+    lines = ["", "", "    The passes' options (:func:`pass_options`; partition-stages runs only with ``stages``",
+             "    other than 1, ``devices`` or ``split_at``, insert-allreduce only with the all-reduce):", ""]
+    for key, f in pass_options().items():
+        where = ", ".join(f"{p}.{o.replace('_', '-')}" for p, o in f.sets)
+        kind = "list of str" if key in _LISTS else f.type.__name__
+        lines += textwrap.wrap(f"``{key}`` ({kind}, default {f.default!r}; {where}): {f.help}", 96,
+                               initial_indent="    - ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+def _signature() -> inspect.Signature:
+    """:func:`rewrite`'s signature with its pass options as keywords (None: the pass's default)."""
+    sig = inspect.signature(rewrite)
+    params = list(sig.parameters.values())[:-1]  # (without **options)
+    params += [inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                 annotation=f"Optional[{'Sequence[str]' if key in _LISTS else f.type.__name__}]")
+               for key, f in pass_options().items()]
+    return sig.replace(parameters=params)
+
+
+_OWN_KEYWORDS = tuple(inspect.signature(rewrite).parameters)[1:-1]  # rewrite's keywords that are not pass options
+rewrite.__signature__ = _signature()  # (what help() and the command line read)
+if rewrite.__doc__:  # (none under python -OO)
+    rewrite.__doc__ += _options_doc()
+
+
+def _as_flag(key: str, value) -> str:
+    """A pass option given to :func:`rewrite` as its command-line flag gives it: ``--vnodes 8``."""
+    flag = pass_options()[key].flag
+    if isinstance(value, bool):
+        return flag
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"{flag} {text.replace(';', ',') if key in _LISTS else text}"
+
+
+def _check_applies(pipeline: Optional[str], given: dict, allreduce: Optional[str]) -> None:
     """Refuse options the rewrite would ignore, before any work (those that depend on the model's
     kind are checked once it is loaded, by :func:`_check_model_applies`)."""
-    staged = stages != 1 or bool(devices) or bool(split_at)
     if pipeline is not None:
-        given = [f"--{n.replace('_', '-')} {v if isinstance(v, (int, float, str)) else ','.join(v)}" for n, v, unset in (
-            ("vnodes", vnodes, 1), ("vnode_batch", vnode_batch, 0), ("allreduce", allreduce, None),
-            ("fusion_mb", fusion_mb, None), ("stages", stages, 1), ("devices", tuple(devices), ()),
-            ("split_at", tuple(split_at), ()), ("schedule", schedule, None), ("balance", balance, "estimate"),
-            ("profile", os.fspath(profile), "")) if v != unset]
-        if given:
-            raise InputError(f"{', '.join(given)} with a pipeline: the pipeline holds its passes' options; give them "
+        named = [_as_flag(k, v) for k, v in given.items()] + ([f"--allreduce {allreduce}"] if allreduce else [])
+        if named:
+            raise InputError(f"{', '.join(named)} with a pipeline: the pipeline holds its passes' options; give them "
                              "in it, e.g. 'split-vnodes{vnodes=8},insert-allreduce{fusion-mb=8}'")
-    if fusion_mb is not None and allreduce == "none":
-        raise InputError(f"--fusion-mb {fusion_mb:g} with --allreduce none: there is no all-reduce to fuse; leave "
-                         "out one of them")
-    if schedule is not None and not staged and pipeline is None:
-        raise InputError(f"--schedule {schedule} without --stages: the schedule orders pipeline stages; give "
+    if "fusion_mb" in given and allreduce == "none":
+        raise InputError(f"{_as_flag('fusion_mb', given['fusion_mb'])} with --allreduce none: there is no all-reduce "
+                         "to fuse; leave out one of them")
+    if "schedule" in given and not _staged(given) and pipeline is None:
+        raise InputError(f"--schedule {given['schedule']} without --stages: the schedule orders pipeline stages; give "
                          "--stages K (or --devices, --split-at), or leave out --schedule")
 
 
@@ -179,27 +245,22 @@ def _gc_paused():
             gc.enable()
 
 
-def _rewrite(model, vnodes, vnode_batch, pipeline, train_signature, after_each, outputs, allreduce, fusion_mb,
-             checkpoint, loss, in_place, verify_each, partition=None, keras=None) -> GraphItem:
+def _rewrite(model, pipeline, given, allreduce, after_each, verify_each, in_place, loading) -> GraphItem:
+    """:func:`rewrite` with its pass options ``given`` checked (:func:`_given_options`), and
+    :func:`load`'s arguments ``loading``."""
     owned = in_place or not isinstance(model, GraphItem)  # loaded here: held by nothing else
-    if pipeline is not None and (partition or {}).get("deterministic"):
-        raise InputError("deterministic with a pipeline: give split-vnodes the option instead, "
-                         "e.g. 'split-vnodes{vnodes=8,deterministic=true}'")
-    part = {k: v for k, v in (partition or {}).items() if v is not None}  # (None: the default)
-    fusion = 4 if fusion_mb is None else fusion_mb
-    if pipeline is None:
-        parse_pipeline(default_pipeline(vnodes, vnode_batch, train_signature, True, allreduce != "none", fusion,
-                                        **part))  # every option checked by its pass, before the load
+    if pipeline is None:  # every option checked by its pass, before the load
+        parse_pipeline(default_pipeline(True, allreduce != "none", **given))
     else:
         parse_pipeline(pipeline)
-    item = model if isinstance(model, GraphItem) else load(model, outputs, checkpoint, loss, **(keras or {}))
+    item = model if isinstance(model, GraphItem) else load(model, **loading)
     if pipeline is None:
-        staged = part.get("stages", 1) != 1 or part.get("devices") or part.get("split_at")
-        serving_only = vnodes == 1 and bool(vnode_batch) and not staged and not part.get("deterministic")
-        has_training = _has_training(item, train_signature, serving_only)
-        _check_model_applies(item, has_training, allreduce, fusion_mb)
+        serving_only = (given.get("vnodes") in (None, 1) and bool(given.get("vnode_batch")) and not _staged(given)
+                        and "deterministic" not in given)
+        has_training = _has_training(item, given.get("train_signature", ""), serving_only)
+        _check_model_applies(item, has_training, allreduce, given.get("fusion_mb"))
         reduced = allreduce != "none" and item.kind == "saved_model"  # TF1 and GraphDef outputs: one process
-        pipeline = default_pipeline(vnodes, vnode_batch, train_signature, has_training, reduced, fusion, **part)
+        pipeline = default_pipeline(has_training, reduced, **given)
     source_fingerprint = savedmodel.source_fingerprint(item.source, keras_file.variables_read(item))
     seq = PassManager(parse_pipeline(pipeline), verify_each=verify_each, after_each=after_each)
     out, notes = seq.run(item, owned=owned)
@@ -254,15 +315,18 @@ def export(model: ModelLike, out: Union[str, os.PathLike], version: int = 1, vno
     read; no training functions and none of vfgraph's ops, so TensorFlow loads and serves it
     without vfgraph (Python, the C API, TF Serving).
 
-    Serving is micro-batched in slices of ``vnode_batch`` examples, or of the training rewrite's
-    b when the model records one; a model whose serving is already micro-batched keeps its
-    slices; with no slice size known, the serving functions are kept as they are. The input is
+    Serving is micro-batched in slices of ``vnode_batch`` examples (microbatch-inference's
+    option, checked by its declaration), or of the training rewrite's b when the model records
+    one; a model whose serving is already micro-batched keeps its slices; with no slice size
+    known, the serving functions are kept as they are. The input is
     not changed; the output is written atomically (an existing version only with ``force``).
     ``imports``: :func:`load`'s, for a .keras file with custom layers."""
     from vfgraph.io import serving
 
-    if not isinstance(vnode_batch, int) or vnode_batch < 0:
-        raise InputError(f"--vnode-batch {vnode_batch}: give the examples per slice (0: the model's own)")
+    (slices,) = [f for f in flags([MicrobatchInferencePass]) if f.dest == "vnode_batch"]
+    refused = slices.problem(vnode_batch)  # (microbatch-inference's check, as 'vfgraph rewrite --vnode-batch')
+    if refused is not None:
+        raise InputError(f"{slices.flag} {vnode_batch}: {refused.problem}")
     sources = savedmodel.input_paths(model) if isinstance(model, GraphItem) else [os.fspath(model)]
     outputs.lock(os.fspath(out), sources)
     serving.prepare_target(os.fspath(out), version, force, sources)

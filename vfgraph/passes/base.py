@@ -179,7 +179,8 @@ def describe(cls: type) -> dict:
 class Flag:
     """A command-line flag made from the pass options that declare it (:func:`option`'s
     ``flag``): its spelling, the argparse ``dest`` it fills, its type, the value's name and
-    choices, its help (the options' own), and the (pass name, option field) pairs it sets."""
+    choices, its help (the options' own), the (pass name, option field) pairs it sets, and the
+    default they declare."""
 
     flag: str
     type: type
@@ -187,6 +188,7 @@ class Flag:
     choices: Optional[Tuple[str, ...]]
     help: str
     sets: Tuple[Tuple[str, str], ...]
+    default: object = None  # the declared default of the first option it sets
 
     @property
     def dest(self) -> str:
@@ -201,6 +203,8 @@ class Flag:
             cls = passes[pass_name]
             f = next(f for f in dataclasses.fields(cls) if f.name == field)
             problem = _option_problem(value, option_types(cls)[field], f.metadata)
+            if not problem and self.choices and value not in self.choices:  # (argparse's check, for Python)
+                problem = f"choose {' or '.join(self.choices)}"
             if problem:
                 return OptionError(pass_name, field.replace("_", "-"), value, problem)
         return None
@@ -215,13 +219,14 @@ def flag_of(f: dataclasses.Field) -> Optional[str]:
 _FLAG = re.compile(r"--[a-z][a-z0-9]*(-[a-z0-9]+)*")
 
 
-def flags(passes: Optional[Iterable[str]] = None) -> List[Flag]:
+def flags(passes: Optional[Iterable[Union[str, type]]] = None) -> List[Flag]:
     """The command-line flags the options of the registered passes declare (of ``passes``
-    only, by name, when given), in the order of the passes and their options; a flag several
-    options declare appears once, with each one's help (named by its pass) and each one's
-    check."""
+    only, by name or class, when given), in the order of the passes and their options; a flag
+    several options declare appears once, with each one's help (named by its pass) and each
+    one's check."""
     found: Dict[str, List[Tuple[type, dataclasses.Field]]] = {}
-    chosen = registered() if passes is None else {n: get_pass_class(n) for n in passes}
+    chosen = registered() if passes is None else {
+        getattr(p, "name", p): p if isinstance(p, type) else get_pass_class(p) for p in passes}
     for cls in chosen.values():
         for f in dataclasses.fields(cls):
             if flag_of(f):
@@ -237,7 +242,7 @@ def flags(passes: Optional[Iterable[str]] = None) -> List[Flag]:
         cls, f = decls[0]
         out.append(Flag(flag, option_types(cls)[f.name], next((f.metadata.get("metavar") for _, f in decls
                                                                if f.metadata.get("metavar")), None),
-                        f.metadata.get("choices"), text, tuple((c.name, f.name) for c, f in decls)))
+                        f.metadata.get("choices"), text, tuple((c.name, f.name) for c, f in decls), f.default))
     return out
 
 
