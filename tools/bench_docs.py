@@ -453,6 +453,17 @@ def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
             num(x["rise_bytes"] / one["rise_bytes"])]
 
 
+def render_wait_backoff(r: dict) -> str:
+    """tools/bench_wait_backoff.py: pipeline stages on two bound ranks, this tree against a baseline checkout."""
+    c = r["config"]
+    rows = [[str(x["vnodes"]), num(x["baseline_step_s"], 3) + " s", num(x["this_step_s"], 3) + " s", num(x["ratio"])]
+            for x in r["results"]]
+    return (f"{c['layers']} Dense layers of {c['width']}, {c['vnode_batch']} examples per virtual node, 2 stages "
+            f"(1F1B) on 2 bound ranks; the slower rank's median step of {c['steps']}, the median of {c['rounds']} "
+            f"alternating rounds; baseline {c['baseline'][:7]}.\n\n"
+            + table(["M", "baseline step", "this tree", "this / baseline (target <= 1.05)"], rows))
+
+
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
@@ -461,6 +472,7 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     "deterministic": render_deterministic,
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
     "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,
+    "wait-backoff": render_wait_backoff,
 }
 
 

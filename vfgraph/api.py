@@ -199,6 +199,18 @@ def _as_flag(key: str, value) -> str:
     return f"{flag} {text.replace(';', ',') if key in _LISTS else text}"
 
 
+def _pipeline_example(given: dict) -> str:
+    """A pipeline holding the pass options ``given`` (and 8 virtual nodes), for a message."""
+    known = pass_options()
+    parts: Dict[str, Dict[str, str]] = {"split-vnodes": {"vnodes": "8"}}
+    for key, value in given.items():
+        text = "true" if value is True else f"{value:g}" if isinstance(value, float) else str(value)
+        for pass_name, field in known[key].sets:
+            parts.setdefault(pass_name, {})[field.replace("_", "-")] = text
+    return ",".join(f"{cls.name}{{{','.join(f'{k}={v}' for k, v in parts[cls.name].items())}}}"
+                    for cls in DEFAULT_PASSES if cls.name in parts)
+
+
 def _check_applies(pipeline: Optional[str], given: dict, allreduce: Optional[str]) -> None:
     """Refuse options the rewrite would ignore, before any work (those that depend on the model's
     kind are checked once it is loaded, by :func:`_check_model_applies`)."""
@@ -206,7 +218,7 @@ def _check_applies(pipeline: Optional[str], given: dict, allreduce: Optional[str
         named = [_as_flag(k, v) for k, v in given.items()] + ([f"--allreduce {allreduce}"] if allreduce else [])
         if named:
             raise InputError(f"{', '.join(named)} with a pipeline: the pipeline holds its passes' options; give them "
-                             "in it, e.g. 'split-vnodes{vnodes=8},insert-allreduce{fusion-mb=8}'")
+                             f"in it, e.g. '{_pipeline_example(given)}'")
     if "fusion_mb" in given and allreduce == "none":
         raise InputError(f"{_as_flag('fusion_mb', given['fusion_mb'])} with --allreduce none: there is no all-reduce "
                          "to fuse; leave out one of them")
