@@ -2,137 +2,42 @@
 ``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
 from __future__ import annotations
 
-import atexit
-import collections
 import glob
-import hashlib
-import json
 import logging
 import math
 import os
 import re
-import shutil
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
 from vfgraph import records
-from vfgraph.errors import InputError, OutputError, Quiet, VfgraphError
-from vfgraph.io import outputs, savedmodel, serving
+from vfgraph.errors import InputError, Quiet
+from vfgraph.io import outputs, savedmodel
 from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.ops import blocked_seconds, set_step, watch
 from vfgraph.runtime import elastic as el
 from vfgraph.runtime import world as world_module
 from vfgraph.runtime.balance import Balancer, text
+from vfgraph.runtime.checkpoints import (HISTORY, LossHistory, changed_config, kept_note, plan_outputs,  # noqa: F401
+                                         write_checkpoint, write_part)
+from vfgraph.runtime.data import (batches_for, cast_exactly, check_batch, check_data, data_digest,  # noqa: F401
+                                  data_fingerprint, load_data, load_npz, rank_rows)
 from vfgraph.runtime.devices import prepare_devices, stages_of
 from vfgraph.runtime.elastic import ElasticOptions
+from vfgraph.runtime.save import collect_stages, save_trained
+from vfgraph.runtime.stops import (NONFINITE, STOP, STOP_GRACE, Interrupted, NonFiniteLoss, Stalled,  # noqa: F401
+                                   StopRequests, TrainingError, WatchedExchanges, end_before_finalize)
 from vfgraph.runtime.world import (RankLost, World, launched_world, place_threads, resident_bytes, same_everywhere,
                                    shares, world)
 
+# (the names tests and tools import from here, from before the runtime was split)
+_StopRequests, _WatchedExchanges = StopRequests, WatchedExchanges
+
 log = logging.getLogger("vfgraph.train")
-
-
-def load_npz(path: str) -> Dict[str, np.ndarray]:
-    """The arrays of the .npz file at ``path``; one line for a missing, truncated or damaged file."""
-    import zipfile
-
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such data file") from None
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise InputError(f"{path}: not a readable .npz file ({str(e).strip() or type(e).__name__}); if it was "
-                         "copied or written by a run that stopped, write it again") from None
-
-
-class TrainingError(VfgraphError):
-    """Training stopped: the ranks disagree or a collective failed."""
-
-
-TFRECORD = (".tfrecord", ".tfrecords", ".tfr")
-
-
-def load_data(path: str, specs) -> Dict[str, np.ndarray]:
-    """The training arrays: an .npz file, or TFRecord files of ``tf.train.Example`` records
-    (a path or a glob pattern) whose features are named like the signature's inputs
-    (``specs``: name -> TensorSpec) and hold one example each."""
-    if not path.endswith(TFRECORD) and not glob.has_magic(path):
-        return load_npz(path)
-    import tensorflow as tf
-
-    files = sorted(glob.glob(path))
-    if not files:
-        raise InputError(f"{path}: no such TFRecord file")
-    features = {}
-    for k, spec in specs.items():
-        dtype = tf.float32 if spec.dtype.is_floating else tf.string if spec.dtype == tf.string else tf.int64
-        if not spec.shape[1:].is_fully_defined():
-            raise InputError(f"input {k!r} has shape {spec.shape}: TFRecord features need a fixed per-example "
-                             "shape; convert the data to .npz")
-        features[k] = tf.io.FixedLenFeature(spec.shape[1:], dtype)
-    parts: Dict[str, list] = {k: [] for k in specs}
-    try:
-        for batch in tf.data.TFRecordDataset(files).batch(4096).map(lambda r: tf.io.parse_example(r, features)):
-            for k, v in batch.items():
-                parts[k].append(v.numpy())
-    except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as e:
-        raise InputError(f"{path}: records do not hold the features {sorted(specs)} of the training signature "
-                         f"({e.message.splitlines()[0]})") from None
-    if not parts or not next(iter(parts.values())):
-        raise InputError(f"{path}: no records")
-    return {k: np.concatenate(v) for k, v in parts.items()}
-
-
-HISTORY = 1000  # the losses a run keeps: the first step's and those of the last HISTORY steps
-
-
-class LossHistory:
-    """The losses of a run, bounded: the first step's and those of the last ``HISTORY`` steps,
-    so a run of any length writes a small checkpoint record and output record; restored from
-    the record it is what it was (a resumed run writes what an uninterrupted one writes)."""
-
-    def __init__(self, steps: int = 0, first: Optional[float] = None, recent: Sequence[float] = ()):
-        self.steps, self.first = steps, first   # steps done; the loss of step 0
-        self.recent: Deque[float] = collections.deque(recent, maxlen=HISTORY)
-
-    @property
-    def recent_from(self) -> int:
-        """The step whose loss is ``recent[0]``."""
-        return self.steps - len(self.recent)
-
-    def append(self, loss: float) -> None:
-        if self.steps == 0:
-            self.first = loss
-        self.recent.append(loss)
-        self.steps += 1
-
-    def rollback(self, steps: int) -> None:
-        """Back to the history after ``steps`` steps (a job that lost ranks repeats the later ones)."""
-        while self.steps > steps and self.recent:
-            self.recent.pop()
-            self.steps -= 1
-        self.steps = min(self.steps, steps)
-        if self.steps == 0:
-            self.first = None
-
-    def record(self) -> dict:
-        """What the checkpoint's progress.json and the output's "training" record hold."""
-        return {"steps": self.steps, "first_loss": self.first, "losses_from": self.recent_from,
-                "losses": list(self.recent)}
-
-    @classmethod
-    def from_record(cls, state: dict) -> "LossHistory":
-        """The history of a progress record (``step`` steps; a record of an earlier version holds
-        every step's loss in ``losses``)."""
-        losses = list(state.get("losses") or [])
-        first = state.get("first_loss", losses[0] if losses and "losses_from" not in state else None)
-        return cls(int(state["step"]), first, losses[-HISTORY:])
 
 
 @dataclass
@@ -141,16 +46,6 @@ class TrainResult:
     steps: int
     losses: LossHistory
     metrics: Dict[str, float] = field(default_factory=dict)  # the last step's, besides the loss
-
-
-def batches_for(data: Dict[str, np.ndarray], keys: List[str], batch_size: int, step: int, seed: int = 0):
-    """The ``step``-th batch of a deterministic shuffled order (a new permutation per epoch)."""
-    n = len(next(iter(data.values())))
-    per_epoch = n // batch_size
-    epoch, k = divmod(step, per_epoch)
-    order = np.random.default_rng(seed + epoch).permutation(n)
-    idx = np.sort(order[k * batch_size:(k + 1) * batch_size])
-    return {key: data[key][idx] for key in keys}
 
 
 def vnode_layout(model: str, signature: str) -> Tuple[int, bool]:
@@ -166,271 +61,6 @@ def broadcast_signature(model: str, signature: str) -> Optional[str]:
     all-reduce record of ``model`` names it (None: the rewrite added none)."""
     rec = records.read(model, Allreduce).get(signature)
     return rec.broadcast_signature if rec else None
-
-
-def check_batch(model: str, signature: str, batch_size: int, what: str = "") -> None:
-    """A batch the rewritten step of ``model`` can take: a multiple of its virtual-node batch
-    b, or of its V virtual nodes when it divides the fed batch itself. ``what`` names the batch
-    in the message (default: the --batch-size option)."""
-    rec = records.read(model, VirtualNodes).get(signature)
-    if not rec:
-        return
-    what = what or f"--batch-size {batch_size}"
-    b, v = int(rec.vnode_batch or 0), int(rec.vnodes or 1)
-    if b and batch_size % b:
-        raise InputError(f"{what}: not a multiple of the virtual-node batch b={b} of {model}; give a multiple of {b}")
-    if not b and batch_size % v:
-        raise InputError(f"{what}: not a multiple of the vnodes={v} virtual nodes of {model} (each step splits the "
-                         f"batch into {v} equal slices); give a multiple of {v}")
-
-
-def check_data(data: Dict[str, np.ndarray], specs, data_path: str, signature: str) -> Dict[str, np.ndarray]:
-    """The arrays the signature takes (``specs``: name -> TensorSpec), cast to its dtypes when
-    the cast changes no value (:func:`cast_exactly`); one line naming the array for a missing
-    input, a wrong example shape or dtype, a value its dtype cannot hold, or arrays of different
-    lengths."""
-    missing = [k for k in specs if k not in data]
-    if missing:
-        raise InputError(f"{data_path}: arrays {missing} are missing; the {signature!r} signature takes "
-                         f"{sorted(specs)} (have {sorted(data)})")
-    out = {}
-    for k in sorted(specs):
-        arr, want = data[k], specs[k].shape[1:]
-        if want.rank is not None and (arr.ndim != want.rank + 1 or not want.is_compatible_with(arr.shape[1:])):
-            raise InputError(f"{data_path}: array {k!r} holds examples of shape {list(arr.shape[1:])}, the "
-                             f"{signature!r} signature takes {[d if d is not None else -1 for d in want.as_list()]} "
-                             f"(the array's shape is {list(arr.shape)}, examples first)")
-        out[k] = cast_exactly(arr, specs[k].dtype.as_numpy_dtype, k, data_path, signature)
-    lengths = {k: len(v) for k, v in out.items()}
-    if len(set(lengths.values())) > 1:
-        raise InputError(f"{data_path}: arrays have different lengths {lengths}")
-    return out
-
-
-def cast_exactly(arr: np.ndarray, dtype, key: str, data_path: str, signature: str) -> np.ndarray:
-    """``arr`` (input ``key`` of ``data_path``) as ``dtype`` when every value survives the cast
-    unchanged (an integer that fits, a float that is a whole number where an integer is
-    expected, a float the narrower float holds exactly); otherwise one line naming the input,
-    the dtypes, the first row that does not survive, its value and the fix."""
-    want, what = np.dtype(dtype), f"{data_path}: array {key!r}"
-    if arr.dtype == want:
-        return arr
-    try:
-        with np.errstate(invalid="ignore", over="ignore"):
-            out = arr.astype(want)
-    except (TypeError, ValueError):
-        raise InputError(f"{what} has dtype {arr.dtype}, the {signature!r} signature takes {want.name}") from None
-    if arr.dtype.kind not in "biuf" or want.kind not in "biuf":
-        return out
-    with np.errstate(invalid="ignore", over="ignore"):
-        back = out.astype(arr.dtype)
-        changed = back != arr
-    if arr.dtype.kind == "f":
-        changed &= ~(np.isnan(arr) & np.isnan(back))
-    if not changed.any():
-        return out
-    first = np.argwhere(changed)[0]
-    value = arr[tuple(first)].item()
-    at = f"row {first[0]}" + (f" (element {[int(i) for i in first[1:]]})" if len(first) > 1 else "")
-    takes = f"{what} holds {arr.dtype.name} values, the {signature!r} signature takes {want.name}"
-    if want.kind in "iu" and arr.dtype.kind == "f" and (not math.isfinite(value) or value != int(value)):
-        raise InputError(f"{takes}: {at} holds {value!r}, not a whole number, and casting would truncate it; "
-                         f"give whole numbers (save the array as {want.name} once they are)")
-    if want.kind in "iub":
-        info = np.iinfo(want) if want.kind in "iu" else None
-        room = f"lie between {info.min} and {info.max}" if info else "be 0 or 1"
-        raise InputError(f"{takes}: {at} holds {value!r}, which {want.name} cannot hold (values must {room}); "
-                         "check the data, or give the model an input of a wider dtype")
-    if math.isfinite(value) and not np.isfinite(out[tuple(first)]):
-        raise InputError(f"{takes}: {at} holds {value!r}, beyond the largest {want.name} ({np.finfo(want).max}); "
-                         f"check the data, or give the model {arr.dtype.name} inputs")
-    raise InputError(f"{takes}: {at} holds {value!r}, which {want.name} does not hold exactly; if that precision "
-                     f"is enough, save it as {want.name}: {key}.astype({want.name!r}) (or give the model "
-                     f"{arr.dtype.name} inputs)")
-
-
-def data_fingerprint(data: Dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(data):
-        a = np.ascontiguousarray(data[k])
-        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
-        h.update(memoryview(a).cast("B"))
-    return h.hexdigest()
-
-
-STOP, NONFINITE = 1, 2  # what a rank saw in a step (bits)
-
-
-class NonFiniteLoss(TrainingError):
-    """The loss of a step was NaN or infinite (``--allow-nonfinite`` trains on)."""
-
-
-class Interrupted(TrainingError):
-    """Stopped by SIGINT or SIGTERM after a whole step, with a checkpoint of it."""
-
-    exit_code = 130
-    label = "interrupted"
-
-
-class Stalled(TrainingError):
-    """A wait for other ranks made no progress for ``--stall-timeout`` seconds."""
-
-    exit_code = 75  # EX_TEMPFAIL: the job can be resumed from its last checkpoint
-    label = "stalled"
-
-
-class _StopRequests:
-    """While training: SIGINT and SIGTERM ask the run to stop after the step in progress (with
-    a checkpoint) instead of killing it mid-step. A second signal, a second or more after the
-    first (one Ctrl-C can reach a process twice, directly and through a launcher), stops at
-    once."""
-
-    def __init__(self):
-        self.first: Optional[float] = None
-        self._old: Dict[int, object] = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.first is not None
-
-    def _handle(self, signum, frame):
-        now = time.monotonic()
-        if self.first is None:
-            self.first = now
-        elif now - self.first > 1.0:
-            self.__exit__()
-            raise KeyboardInterrupt
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old = {}
-
-
-STOP_GRACE = 2.0  # seconds a wait for other ranks goes on after a stop request (or its own start)
-
-
-class _WatchedExchanges:
-    """The stall limits and stop requests for the runtime's own exchanges between ranks (the
-    World's gathers, polled by ``world.complete``), as the ops apply them to their waits: one
-    line past ``warning`` seconds, :class:`Stalled` past ``timeout``, :class:`Interrupted`
-    :data:`STOP_GRACE` seconds after a stop request. ``where()`` and ``kept()`` say the step and
-    the checkpoint kept. The line names the ranks not seen entering the exchange (the ranks
-    announce an exchange they wait in, :class:`vfgraph.runtime.world._Exchanges`)."""
-
-    def __init__(self, stop: "_StopRequests", warning: float, timeout: float, rank, where, kept):
-        self.stop, self.warning, self.timeout, self.rank = stop, warning, timeout, rank
-        self.where, self.kept = where, kept
-        self.warned: Optional[float] = None  # the start of the wait that printed its line
-
-    def __call__(self, began: float, missing: Callable[[], Optional[List[int]]]) -> None:
-        now = time.monotonic()
-        what = f"the ranks' exchange at {self.where()}"
-        if self.stop.first is not None and now - max(self.stop.first, began) > STOP_GRACE:
-            _end_before_finalize(Interrupted.exit_code)
-            raise Interrupted(f"rank {self.rank()}, {self.where()}: stopped while waiting for other ranks{self.kept()}")
-        if self.warning and now - began > self.warning and self.warned != began:
-            self.warned = began
-            limit = f"; the job ends after --stall-timeout {self.timeout:g} s without progress" if self.timeout \
-                else "; no --stall-timeout: waiting on"
-            print(f"vfgraph: rank {self.rank()}: waiting {now - began:.0f} s in {what} for {_others(missing())}{limit}",
-                  file=sys.stderr, flush=True)
-        if self.timeout and now - began > self.timeout:
-            _end_before_finalize(Stalled.exit_code)
-            raise Stalled(f"rank {self.rank()}, {self.where()}: waited {now - began:.0f} s in {what} for "
-                          f"{_others(missing())} without progress (--stall-timeout {self.timeout:g}); the job ends"
-                          f"{self.kept()}")
-
-
-def _others(absent: Optional[List[int]]) -> str:
-    """The ranks an exchange waits for, as a stall's line names them."""
-    if absent is None:
-        return "the other ranks (which ones, not known yet)"
-    if not absent:
-        return "the other ranks (each was seen entering it)"
-    return f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} (not seen entering it)"
-
-
-def _end_before_finalize(code: int) -> None:
-    """After a wait for other ranks gave up (a stall, a stop request): at the interpreter's exit,
-    end the job with ``code`` (``MPI_Abort``, whose code the launcher returns) before mpi4py
-    finalizes MPI, which would wait for the very ranks given up on (a stopped rank never
-    answers). The MPI library's own line about the abort is not printed: this rank's error
-    says what happened."""
-    def end() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            from mpi4py import MPI
-
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 2)
-            MPI.COMM_WORLD.Abort(code)
-        finally:
-            os._exit(code)
-
-    atexit.register(end)  # (runs before mpi4py's finalization, which Python runs after atexit's)
-
-
-def _plan(out: str, ckpt_dir: str, inputs: List[str], force: bool, resume: bool,
-          need_bytes: int, elastic: bool = False) -> Optional[dict]:
-    """Lock the output and check what the run will write (vfgraph.io.outputs' rule) before any
-    work; returns the progress record to resume from, if any. An unfinished run's checkpoint
-    is never deleted without ``force``; a finished output is never taken for one to resume."""
-    outputs.lock(out, inputs, elastic)  # (OUT.ckpt and OUT.serving with it)
-    state = _read_progress(ckpt_dir)
-    finished = os.path.isdir(out) and (records.read_metadata(out) or {}).get("training")
-    if resume and state is None and finished:
-        done = finished.get("steps")
-        where = "holds no progress record" if os.path.isdir(ckpt_dir) else "does not exist"
-        raise InputError(f"{out}: a finished run{f' of {done} steps' if done else ''} with no checkpoint to resume "
-                         f"({ckpt_dir} {where}); train it further with 'vfgraph train {out} ... -o NEW', or "
-                         "pass --force instead of --resume to train again from the start")
-    if not resume and state is not None and not force:
-        raise InputError(f"{ckpt_dir}: holds the checkpoint of an unfinished run (step {state['step']}); continue "
-                         "it with --resume, or pass --force to discard it and train from the start")
-    outputs.check_output(ckpt_dir, inputs, force=True, what="checkpoint")
-    outputs.check_output(out, inputs, force, need_bytes=need_bytes)
-    serve = serving.sibling_dir(out)
-    if os.path.exists(serve):
-        serving.prepare_target(serve, 1, force=True, sources=inputs)
-    else:
-        outputs.check_output(serve, inputs)
-    return state if resume else None
-
-
-def _read_progress(ckpt_dir: str) -> Optional[dict]:
-    path = os.path.join(ckpt_dir, "progress.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            state = json.load(f)
-        state["step"], state["checkpoint"]  # noqa: B018 (what a record must hold)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputError(f"{path}: not a readable progress record ({e}); move {ckpt_dir} away to train from the "
-                         "start") from None
-    return state
-
-
-def _changed(saved: dict, now: dict) -> List[str]:
-    """What differs between the configuration a checkpoint was written with and this run's."""
-    names = {"batch_size": "--batch-size", "seed": "--seed", "signature": "--train-signature",
-             "vnodes": "virtual nodes (V, b)", "model": "model fingerprint", "data": "data fingerprint"}
-    out = []
-    for key, label in names.items():
-        if key in saved and saved[key] != now[key]:
-            a, b = saved[key], now[key]
-            if key in ("model", "data"):
-                a, b = str(a)[:12], str(b)[:12]
-            out.append(f"{label} {a} -> {b}")
-    return out
 
 
 @outputs.command()
@@ -509,7 +139,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     out = os.path.abspath(out)
     ckpt_dir = out + ".ckpt"
     data_files = sorted(glob.glob(data_path)) if glob.has_magic(data_path) else [data_path]
-    state = w.agree(lambda: _plan(out, ckpt_dir, [model, *data_files], force, resume, outputs.tree_bytes(model),
+    state = w.agree(lambda: plan_outputs(out, ckpt_dir, [model, *data_files], force, resume, outputs.tree_bytes(model),
                                   elastic is not None) if w.is_root and inter is None else None)
     import tensorflow as tf
     from tqdm import tqdm
@@ -586,7 +216,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             group = w.rank
         else:
             w.agree(lambda: scheduled.check_start(w))
-    lo, hi = _rows(per, group, b) if len(per) > 1 else (0, batch_size)
+    lo, hi = rank_rows(per, group, b) if len(per) > 1 else (0, batch_size)
     balancer = None
     if auto and w.size > 1:
         balancer = Balancer(sum(per), w.size, per)
@@ -614,7 +244,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
             elif os.path.isdir(ckpt_dir):  # --force: the unfinished run's checkpoint is discarded
                 outputs.remove_written(ckpt_dir)
             return
-        changed = _changed(state.get("config", {}), config) if w.is_root else []
+        changed = changed_config(state.get("config", {}), config) if w.is_root else []
         if changed:
             raise InputError(f"--resume: {ckpt_dir} was written by a run with another configuration "
                              f"({'; '.join(changed)}); resume with the same options and data, or pass --force "
@@ -661,10 +291,10 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         nonlocal last_ckpt
         parts = None
         if ranked:  # the first replica's stages each write their own variables
-            part = w.agree(lambda: _write_part(ckpt, ckpt_dir, f"step-{done}-stage-{w.rank + 1}")
+            part = w.agree(lambda: write_part(ckpt, ckpt_dir, f"step-{done}-stage-{w.rank + 1}")
                            if w.rank < k_count else None)
             parts = w.gather(part)[:k_count]
-        w.agree(lambda: _checkpoint(ckpt, ckpt_dir, done, losses, config, parts) if w.is_root else None)
+        w.agree(lambda: write_checkpoint(ckpt, ckpt_dir, done, losses, config, parts) if w.is_root else None)
         last_ckpt = done
 
     step_seconds: List[float] = []  # each step's time on this rank (data, step, agreement)
@@ -683,7 +313,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         """(an elastic job, on a new world) The virtual nodes per rank, this rank's rows of the
         batch, and the balancer of --vnodes-per-rank auto."""
         per = shares(batch_size // b, w.size)
-        return (per, *_rows(per, w.rank, b), Balancer(sum(per), w.size, per) if auto and w.size > 1 else None)
+        return (per, *rank_rows(per, w.rank, b), Balancer(sum(per), w.size, per) if auto and w.size > 1 else None)
 
     try:
         if w.size > 1 and joined_at is None:
@@ -693,13 +323,13 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                          tf.config.threading.get_inter_op_parallelism_threads(), "; ".join(table))
             if not ranked:  # (stages read their variables from the same files, checked above)
                 loaded.signatures[broadcast]()  # same graph everywhere, then rank 0's variables
-        with _StopRequests() as stop:
+        with StopRequests() as stop:
             watching = w.size > 1
-            if watching:  # (after the handlers of _StopRequests, which the signals then reach too)
+            if watching:  # (after the handlers of StopRequests, which the signals then reach too)
                 watch(stall_warning, stall_timeout, STOP_GRACE, signals=True)
-                world_module.watcher = _WatchedExchanges(stop, stall_warning, stall_timeout, lambda: w.rank,
+                world_module.watcher = WatchedExchanges(stop, stall_warning, stall_timeout, lambda: w.rank,
                                                          lambda: where,
-                                                         lambda: _kept(ckpt_dir, last_ckpt, checkpoint_every))
+                                                         lambda: kept_note(ckpt_dir, last_ckpt, checkpoint_every))
             from_step = start  # (again after ranks were lost: the last completed step)
             while from_step < steps:
                 try:
@@ -756,7 +386,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                             change = balancer.observe(step, [t for _, t in seen])
                             if change:
                                 per = balancer.shares
-                                lo, hi = _rows(per, group, b)
+                                lo, hi = rank_rows(per, group, b)
                                 if w.is_root:
                                     log.info("%s", change)
                         seen = [f for f, _ in seen]
@@ -778,7 +408,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                                     raise Quiet(NonFiniteLoss.exit_code)
                                 raise NonFiniteLoss(f"step {step}: parameters are not finite after it; training "
                                                     "stopped and no model was written"
-                                                    f"{_kept(ckpt_dir, last_ckpt, checkpoint_every)}; check the data "
+                                                    f"{kept_note(ckpt_dir, last_ckpt, checkpoint_every)}; check the data "
                                                     "and the learning rate, or pass --allow-nonfinite to train on")
                             save_checkpoint(done)
                         if interrupted:
@@ -817,14 +447,14 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
         lines = [x.strip() for x in e.message.splitlines() if x.strip()]
         ours = [x for x in lines if x.startswith("Vf")]
         if ours and isinstance(e, (tf.errors.DeadlineExceededError, tf.errors.CancelledError)):
-            _end_before_finalize(Stalled.exit_code if isinstance(e, tf.errors.DeadlineExceededError)
+            end_before_finalize(Stalled.exit_code if isinstance(e, tf.errors.DeadlineExceededError)
                                  else Interrupted.exit_code)
         if ours and isinstance(e, tf.errors.DeadlineExceededError):  # the stall watchdog's timeout
-            kept = _kept(ckpt_dir, last_ckpt, checkpoint_every)
+            kept = kept_note(ckpt_dir, last_ckpt, checkpoint_every)
             raise Stalled(f"rank {w.rank}, {where}: {ours[0]}; the job ends{kept}") from None
         if ours and isinstance(e, tf.errors.CancelledError):  # a stop request while the step waited for other ranks
             raise Interrupted(f"rank {w.rank}, {where}: stopped while waiting for other ranks"
-                              f"{_kept(ckpt_dir, last_ckpt, checkpoint_every)}") from None
+                              f"{kept_note(ckpt_dir, last_ckpt, checkpoint_every)}") from None
         if ours:  # a failed collective (different graphs on the ranks, an MPI error): one line naming the rank
             raise TrainingError(f"rank {w.rank}, {where}: {ours[0]}") from None
         mine = [x for x in lines if x.startswith("vfgraph: ")]
@@ -849,20 +479,14 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
                  f"rank {w.rank}: " if w.size > 1 else "", outputs.size_text(peak),
                  outputs.size_text(peak - resident_at_start), peak - resident_at_start)
     if ranked:  # rank 0 takes each stage's variables from the rank that updates them
-        _collect_stages(w, loaded, held_vars, stages, model, signature)
+        collect_stages(w, loaded, held_vars, stages, model, signature)
     if not w.is_root:
         return None
-    _save_trained(loaded, model, out, losses, variable_devices=in_process > 1, ckpt_dir=ckpt_dir)
+    save_trained(loaded, model, out, losses, variable_devices=in_process > 1, ckpt_dir=ckpt_dir)
     # OUT holds all the checkpoint held (every variable, the optimizer's state among them, and
     # the losses): the checkpoint goes once OUT and its serving export are whole (docs/semantics.md)
     outputs.remove_written(ckpt_dir)
     return TrainResult(out, steps, losses, metrics)
-
-
-def _rows(per: List[int], rank: int, b: int) -> Tuple[int, int]:
-    """The rows of the global batch that ``rank`` feeds: its share of ``per`` virtual nodes of
-    ``b`` examples, after the lower ranks' shares."""
-    return sum(per[:rank]) * b, sum(per[:rank + 1]) * b
 
 
 def _check_elastic(elastic: ElasticOptions, model: str, b: int, reduces: bool, stages, vnodes_per_rank,
@@ -889,28 +513,6 @@ def _check_elastic(elastic: ElasticOptions, model: str, b: int, reduces: bool, s
         raise InputError(f"--max-ranks {elastic.max_ranks}: the global batch holds {batch_size // b} virtual nodes, "
                          "and every rank needs at least one; give at most that many ranks, or a larger --batch-size")
     return schedule
-
-
-def _collect_stages(w, loaded, held, stages, model: str, signature: str) -> None:
-    """Give rank 0 the whole trained model: the variables every other rank's pipeline stage
-    updates (its parameters and optimizer state, from the first replica), over the model's own
-    values of those no stage reads."""
-    import tensorflow as tf
-
-    owner = {name: k for k, part in enumerate(stages.parts) for name in part.variables + part.optimizer_state}
-    mine = {v.name.rsplit(":", 1)[0]: v for v in held}
-    sent = {n: v.numpy() for n, v in mine.items() if owner.get(n) == w.rank} if 0 < w.rank < stages.count else {}
-    got = w.comm.gather(sent, root=0)
-    if not w.is_root:
-        return
-    trained = {n: v.numpy() for n, v in mine.items()}
-    for values in got:
-        trained.update(values)
-    tf.train.Checkpoint(root=loaded).read(os.path.join(model, "variables", "variables")).expect_partial()
-    for v in loaded.signatures[signature].variables:
-        name = v.name.rsplit(":", 1)[0]
-        if name in trained:
-            v.assign(trained[name])
 
 
 def _same_model(w, model: str) -> None:
@@ -943,40 +545,6 @@ def _run_config(*, steps: int, batch_size: int, seed: int, checkpoint_every: int
     return config
 
 
-def data_digest(data: Dict[str, np.ndarray], files: List[str], examples: int = 64, most: int = 1 << 20) -> str:
-    """A digest of the training data that takes every rank milliseconds whatever the data's
-    size (the data is read once, to train on): the data files' sizes, each array's name,
-    dtype and shape, and the bytes of up to ``examples`` examples of each array (``most``
-    bytes at most), evenly spaced from its first to its last. Not covered: the files' paths
-    and times (copies on different hosts are the same data), and a difference only in
-    examples it does not sample in files of the same sizes (rank 0's checkpoint record hashes
-    all of the data)."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{os.path.getsize(f) if os.path.isfile(f) else -1};".encode())
-    for k in sorted(data):
-        a = data[k]
-        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
-        if not len(a):
-            continue
-        count = int(min(len(a), examples, max(1, most // max(1, a[:1].nbytes))))
-        rows = np.unique(np.linspace(0, len(a) - 1, count).astype(np.int64))
-        sample = a[rows]
-        if sample.dtype.kind == "O":  # (strings from TFRecord files)
-            for x in sample.ravel():
-                h.update(x if isinstance(x, bytes) else repr(x).encode())
-                h.update(b"\0")
-        else:
-            h.update(np.ascontiguousarray(sample).tobytes())
-    return h.hexdigest()
-
-
-def _kept(ckpt_dir: str, last: Optional[int], every: int) -> str:
-    if last is None:
-        return f"; no checkpoint was written before it (one every {every} steps, --checkpoint-every)"
-    return f"; the last good checkpoint (step {last}) is kept in {ckpt_dir}, --resume continues from it"
-
-
 def _nonfinite_message(step: int, loss: float, feed: Dict[str, np.ndarray], ckpt_dir: str, last: Optional[int],
                        every: int, w) -> str:
     counts = {k: int(np.count_nonzero(~np.isfinite(v))) for k, v in feed.items() if v.dtype.kind == "f"}
@@ -985,7 +553,7 @@ def _nonfinite_message(step: int, loss: float, feed: Dict[str, np.ndarray], ckpt
     hint = (f"the batch's input {', '.join(bad)}: check the data" if bad
             else "the batch's inputs are finite: lower the learning rate or check the model")
     return (f"{where}step {step}: the loss is {loss} (not finite); training stopped and no model was written"
-            f"{_kept(ckpt_dir, last, every)}; {hint}, or pass --allow-nonfinite to train on")
+            f"{kept_note(ckpt_dir, last, every)}; {hint}, or pass --allow-nonfinite to train on")
 
 
 def _refused_batch(lines: List[str], feed: Dict[str, np.ndarray], rows: np.ndarray, data_path: str,
@@ -1010,108 +578,3 @@ def _refused_batch(lines: List[str], feed: Dict[str, np.ndarray], rows: np.ndarr
             "model takes (for class labels: 0 <= label < classes); no model was written")
 
 
-def _write_part(ckpt, ckpt_dir: str, name: str) -> str:
-    """Write ``ckpt`` as ``ckpt_dir/name``; returns its path. A failed write leaves no file of it."""
-    os.makedirs(ckpt_dir, exist_ok=True)
-    prefix = os.path.join(ckpt_dir, name)
-    try:
-        with outputs.writing(ckpt_dir):
-            return ckpt.write(prefix)
-    except BaseException:
-        for f in os.listdir(ckpt_dir):
-            if f.startswith(name + "."):
-                os.remove(os.path.join(ckpt_dir, f))
-        raise
-
-
-def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: LossHistory, config: Optional[dict],
-                parts: Optional[List[str]] = None) -> None:
-    """Write the checkpoint of ``step`` steps (or take ``parts``, the pipeline stages' own,
-    written already), then (atomically) the record that names it, then remove older ones: a
-    run stopped at any moment keeps a complete checkpoint."""
-    paths = parts or [_write_part(ckpt, ckpt_dir, f"step-{step}")]
-    tmp = os.path.join(ckpt_dir, "progress.json.tmp")
-    history = losses.record()
-    record = {"step": step, "checkpoint": paths[0], "first_loss": history["first_loss"],
-              "losses_from": history["losses_from"], "losses": history["losses"], "config": config}
-    if parts:
-        record["stages"] = paths
-    try:
-        with outputs.writing(ckpt_dir):
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, os.path.join(ckpt_dir, "progress.json"))
-    except BaseException:  # the last complete checkpoint stays the one progress.json names
-        for f in os.listdir(ckpt_dir):
-            if any(f.startswith(os.path.basename(p) + ".") for p in paths) or f == os.path.basename(tmp):
-                os.remove(os.path.join(ckpt_dir, f))
-        raise
-    keep = tuple(os.path.basename(p) + "." for p in paths)
-    for f in os.listdir(ckpt_dir):  # keep only the checkpoint progress.json names
-        if f.startswith("step-") and not f.startswith(keep) and outputs.is_checkpoint_entry(f):
-            p = os.path.join(ckpt_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    outputs.write_manifest(ckpt_dir, outputs.CHECKPOINT,
-                           [f for f in os.listdir(ckpt_dir) if f == "progress.json" or f.startswith(keep)])
-
-
-def _save_trained(loaded, model: str, out: str, losses: LossHistory, variable_devices: bool = False,
-                  ckpt_dir: str = "") -> None:
-    """Write the trained model at ``out`` and its serving export at ``OUT.serving/1`` (a model
-    without a servable signature gets none, with a warning). A write that fails is an
-    OutputError: when it is the serving export's, ``out`` is whole and the message says how to
-    make the export again (and that the run's checkpoint, ``ckpt_dir``, is kept).
-    ``variable_devices``: keep each variable's device (a model partitioned into stages)."""
-    import tensorflow as tf
-
-    out = os.path.abspath(out)
-    tmp = outputs.temp_dir(os.path.dirname(out), ".vfgraph-train-")
-    policy = tf.saved_model.experimental.VariablePolicy
-    options = tf.saved_model.SaveOptions(
-        experimental_variable_policy=policy.SAVE_VARIABLE_DEVICES if variable_devices else policy.NONE)
-    with outputs.writing(out, tmp):
-        tf.saved_model.save(loaded, tmp, signatures=_signatures_to_save(loaded), options=options)
-        _drop_unsaved_gradient_types(tmp)
-        meta = records.read_metadata(model) or {}
-        meta["training"] = losses.record()
-        os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
-        with open(os.path.join(tmp, records.METADATA_FILE), "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-        outputs.publish(tmp, out)
-    # Beside it, what a server loads: OUT.serving/1/ (serving signatures and their variables only,
-    # no training functions, none of vfgraph's ops), replacing the one an earlier run wrote.
-    base = serving.sibling_dir(out)
-    try:
-        serving.save_serving_model(savedmodel.load_saved_model(out), base, force=True)
-    except OutputError as e:  # the trained model is whole; what a server would load is not written
-        stale = serving.target_dir(base, 1)
-        outputs.remove_written(stale)  # an earlier run's export would serve another model
-        reason = re.search(r"writing failed \(([^)]*)\)", str(e))
-        kept = f"; the checkpoint {ckpt_dir} is kept" if ckpt_dir and os.path.isdir(ckpt_dir) else ""
-        raise OutputError(f"{stale}: writing the serving export failed ({reason.group(1) if reason else e}); the "
-                          f"trained model {out} was written whole, its serving export was not{kept}. Free space and "
-                          f"make it with: vfgraph export {out} -o {base}") from None
-    except VfgraphError as e:  # a model without a servable signature still trained
-        outputs.remove_written(serving.target_dir(base, 1))
-        log.warning("no serving export beside %s: %s", out, e)
-
-
-def _drop_unsaved_gradient_types(path: str) -> None:
-    """Rewrite the SavedModel TensorFlow wrote at ``path`` without the types of custom gradients
-    it did not save (:func:`vfgraph.io.savedmodel.without_unsaved_gradient_types`), so that
-    loading the trained model does not warn about them."""
-    proto = savedmodel.read_saved_model_proto(path)
-    fixed = savedmodel.without_unsaved_gradient_types(proto)
-    if fixed is not proto:
-        with open(os.path.join(path, savedmodel.SAVED_MODEL_PB), "wb") as f:
-            f.write(fixed.SerializeToString(deterministic=True))
-        savedmodel._write_fingerprint(path, fixed)
-
-
-def _signatures_to_save(loaded) -> dict:
-    """The signatures of the trained model: every one ``loaded`` has but the init op of a TF1
-    SavedModel, which loading ran already (its effects are in the variables saved) and which
-    returns no tensor, so cannot be a signature of the model saved again."""
-    from tensorflow.python.saved_model import constants
-
-    return {k: fn for k, fn in loaded.signatures.items() if k != constants.INIT_OP_SIGNATURE_KEY}
