@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import shutil
-from typing import Deque, List, Optional, Sequence
+from typing import Deque, List, Optional, Sequence, Tuple
 
 from vfgraph import records
 from vfgraph.errors import InputError
 from vfgraph.io import outputs, serving
+
+log = logging.getLogger("vfgraph.train")
 
 
 HISTORY = 1000  # the losses a run keeps: the first step's and those of the last HISTORY steps
@@ -116,6 +119,8 @@ def changed_config(saved: dict, now: dict) -> List[str]:
 
 
 def kept_note(ckpt_dir: str, last: Optional[int], every: int) -> str:
+    """What the message of an error that stops a run says of the checkpoint it keeps (``last``:
+    its step, None: none written yet)."""
     if last is None:
         return f"; no checkpoint was written before it (one every {every} steps, --checkpoint-every)"
     return f"; the last good checkpoint (step {last}) is kept in {ckpt_dir}, --resume continues from it"
@@ -164,3 +169,78 @@ def write_checkpoint(ckpt, ckpt_dir: str, step: int, losses: LossHistory, config
             shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
     outputs.write_manifest(ckpt_dir, outputs.CHECKPOINT,
                            [f for f in os.listdir(ckpt_dir) if f == "progress.json" or f.startswith(keep)])
+
+
+class Checkpoints:
+    """The checkpoints of a run in ``ckpt_dir``: of the variables ``held`` (by this rank),
+    written every ``every`` steps and when the run is stopped, and read back by ``--resume``;
+    ``config`` (rank 0's) is the configuration they record (``--resume`` requires it unchanged);
+    ``stages``: the number of pipeline stages that each write their own part (0: none).
+    ``last`` is the step of the last one written or read (None: none yet)."""
+
+    def __init__(self, held: list, ckpt_dir: str, every: int, config: Optional[dict], stages: int = 0):
+        import tensorflow as tf
+
+        self.ckpt = tf.train.Checkpoint(variables=held)
+        self.dir, self.every, self.config, self.stages = ckpt_dir, every, config, stages
+        self.last: Optional[int] = None
+
+    def kept(self) -> str:
+        """What an error that stops the run says about the checkpoint it keeps."""
+        return kept_note(self.dir, self.last, self.every)
+
+    def due(self, done: int, steps: int) -> bool:
+        """A checkpoint is written after ``done`` of ``steps`` steps (not after the last)."""
+        return bool(self.every and done % self.every == 0 and done < steps)
+
+    def save(self, w, done: int, losses: LossHistory) -> None:
+        """Write the checkpoint of ``done`` steps (rank 0; with stages, the first replica's each
+        write their own variables first)."""
+        parts = None
+        if self.stages:
+            part = w.agree(lambda: write_part(self.ckpt, self.dir, f"step-{done}-stage-{w.rank + 1}")
+                           if w.rank < self.stages else None)
+            parts = w.gather(part)[:self.stages]
+        w.agree(lambda: write_checkpoint(self.ckpt, self.dir, done, losses, self.config, parts) if w.is_root else None)
+        self.last = done
+
+    def restore(self, w, state: Optional[dict], resume: bool) -> Tuple[int, LossHistory]:
+        """(rank 0, and each stage's rank) The step to start from and the losses so far: those of
+        the progress record ``state``, its variables restored (None: step 0; without ``resume``
+        an unfinished run's checkpoint is discarded)."""
+        if state is None:
+            if w.is_root:
+                if resume:
+                    log.warning("no checkpoint in %s: training from step 0", self.dir)
+                elif os.path.isdir(self.dir):  # --force: the unfinished run's checkpoint is discarded
+                    outputs.remove_written(self.dir)
+            return 0, LossHistory()
+        changed = changed_config(state.get("config", {}), self.config) if w.is_root else []
+        if changed:
+            raise InputError(f"--resume: {self.dir} was written by a run with another configuration "
+                             f"({'; '.join(changed)}); resume with the same options and data, or pass --force "
+                             "(without --resume) to train from the start")
+        self._read(self._path(w, state))
+        self.last = state["step"]
+        if w.is_root:
+            log.info("resuming at step %d", state["step"])
+        return state["step"], LossHistory.from_record(state)
+
+    def _path(self, w, state: dict) -> str:
+        """The checkpoint of ``state`` this rank reads (with stages: its own stage's)."""
+        if not self.stages:
+            return state["checkpoint"]
+        parts = state.get("stages") or []
+        if len(parts) != self.stages:
+            raise InputError(f"--resume: {self.dir} holds no checkpoint of each of the {self.stages} pipeline stages; "
+                             "move it away to train from the start")
+        return parts[w.rank % self.stages]
+
+    def _read(self, path: str) -> None:
+        import tensorflow as tf
+
+        try:
+            self.ckpt.read(path).assert_consumed()
+        except (tf.errors.OpError, AssertionError, ValueError) as e:
+            raise InputError(f"{path}: cannot restore the checkpoint ({str(e).splitlines()[0]}); "
+                             f"move {self.dir} away to train from the start") from None

@@ -6,6 +6,7 @@ import glob
 import hashlib
 import math
 import os
+from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -195,3 +196,37 @@ def data_digest(data: Dict[str, np.ndarray], files: List[str], examples: int = 6
         else:
             h.update(np.ascontiguousarray(sample).tobytes())
     return h.hexdigest()
+
+
+@dataclass
+class TrainData:
+    """The checked arrays of a run (``arrays``, the signature's inputs; ``keys`` their names,
+    sorted) and the global batches it trains on: the same on every rank and layout, each rank
+    feeding its rows of them."""
+
+    path: str
+    arrays: Dict[str, np.ndarray]
+    keys: List[str]
+    batch_size: int
+    seed: int
+
+    @classmethod
+    def load(cls, path: str, specs, signature: str, batch_size: int, seed: int) -> "TrainData":
+        """The data at ``path`` for the inputs ``specs`` (name -> TensorSpec) of ``signature``,
+        checked (:func:`check_data`) and holding at least one global batch."""
+        arrays = check_data(load_data(path, specs), specs, path, signature)
+        keys = sorted(specs)
+        n = len(arrays[keys[0]])
+        if batch_size > n:
+            raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {path}")
+        return cls(path, arrays, keys, batch_size, seed)
+
+    def feed(self, step: int, lo: int, hi: int) -> Dict[str, np.ndarray]:
+        """Rows ``lo:hi`` of the global batch of ``step`` (:func:`batches_for`), by input."""
+        batch = batches_for(self.arrays, self.keys, self.batch_size, step, self.seed)
+        return {k: v[lo:hi] for k, v in batch.items()}
+
+    def rows(self, step: int, lo: int, hi: int) -> np.ndarray:
+        """The data's row of each example :meth:`feed` gives."""
+        n = len(self.arrays[self.keys[0]])
+        return batches_for({"row": np.arange(n)}, ["row"], self.batch_size, step, self.seed)["row"][lo:hi]

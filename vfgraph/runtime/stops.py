@@ -98,8 +98,8 @@ class WatchedExchanges:
             self.warned = began
             limit = f"; the job ends after --stall-timeout {self.timeout:g} s without progress" if self.timeout \
                 else "; no --stall-timeout: waiting on"
-            print(f"vfgraph: rank {self.rank()}: waiting {now - began:.0f} s in {what} for {waited_for(missing())}{limit}",
-                  file=sys.stderr, flush=True)
+            print(f"vfgraph: rank {self.rank()}: waiting {now - began:.0f} s in {what} for "
+                  f"{waited_for(missing())}{limit}", file=sys.stderr, flush=True)
         if self.timeout and now - began > self.timeout:
             end_before_finalize(Stalled.exit_code)
             raise Stalled(f"rank {self.rank()}, {self.where()}: waited {now - began:.0f} s in {what} for "
