@@ -1,138 +1,38 @@
 """Training a (rewritten) SavedModel on arrays from an .npz file, on one process or on the ranks of
-``mpiexec`` (data parallel: each rank feeds its share of every global batch)."""
+``mpiexec`` (data parallel: each rank feeds its share of every global batch). :func:`train` runs
+the parts: the configuration (:mod:`.config`), the ranks and the threads (:mod:`.placement`),
+the model and the data (:mod:`.model`, :mod:`.data`), checkpoints (:mod:`.checkpoints`), the
+steps (:mod:`.step`, :mod:`.loop`) and the trained model's writing (:mod:`.save`)."""
 from __future__ import annotations
 
-import atexit
-import collections
-import glob
-import hashlib
-import json
 import logging
-import math
-import os
-import re
-import shutil
-import signal
-import sys
-import threading
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
-import numpy as np
-
-from vfgraph import records
-from vfgraph.errors import InputError, OutputError, Quiet, VfgraphError
-from vfgraph.io import outputs, savedmodel, serving
-from vfgraph.records import Allreduce, VirtualNodes
-from vfgraph.ops import blocked_seconds, set_step, watch
-from vfgraph.runtime import elastic as el
-from vfgraph.runtime import world as world_module
-from vfgraph.runtime.balance import Balancer, text
-from vfgraph.runtime.devices import prepare_devices, stages_of
+from vfgraph.errors import InputError
+from vfgraph.io import outputs, savedmodel
+from vfgraph.runtime.checkpoints import HISTORY, Checkpoints, LossHistory, plan_outputs
+from vfgraph.runtime.config import ModelPlan, TrainConfig, broadcast_signature, vnode_layout
+from vfgraph.runtime.data import (batches_for, cast_exactly, check_batch, check_data, data_digest, data_fingerprint,
+                                  load_data, load_npz)
 from vfgraph.runtime.elastic import ElasticOptions
-from vfgraph.runtime.world import (RankLost, World, launched_world, place_threads, resident_bytes, same_everywhere,
-                                   shares, world)
+from vfgraph.runtime.loop import TrainLoop, start_elastic
+from vfgraph.runtime.model import OpenedModel, open_model
+from vfgraph.runtime.placement import Ranks, Share
+from vfgraph.runtime.save import collect_stages, save_trained
+from vfgraph.runtime.step import StepRunner, log_resources
+from vfgraph.runtime.stops import (NONFINITE, STOP, STOP_GRACE, Interrupted, NonFiniteLoss, Stalled, StopRequests,
+                                   TrainingError, WatchedExchanges)
+from vfgraph.runtime.world import World, launched_world, resident_bytes, same_everywhere
+
+# (names of the parts that were defined here before the runtime was split, still read from here)
+__all__ = ["train", "run", "TrainConfig", "TrainResult", "LossHistory", "HISTORY", "load_npz", "load_data",
+           "check_data", "cast_exactly", "check_batch", "batches_for", "data_fingerprint", "data_digest",
+           "vnode_layout", "broadcast_signature", "TrainingError", "NonFiniteLoss", "Interrupted", "Stalled",
+           "STOP", "NONFINITE", "STOP_GRACE"]
+_StopRequests, _WatchedExchanges = StopRequests, WatchedExchanges
 
 log = logging.getLogger("vfgraph.train")
-
-
-def load_npz(path: str) -> Dict[str, np.ndarray]:
-    """The arrays of the .npz file at ``path``; one line for a missing, truncated or damaged file."""
-    import zipfile
-
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such data file") from None
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise InputError(f"{path}: not a readable .npz file ({str(e).strip() or type(e).__name__}); if it was "
-                         "copied or written by a run that stopped, write it again") from None
-
-
-class TrainingError(VfgraphError):
-    """Training stopped: the ranks disagree or a collective failed."""
-
-
-TFRECORD = (".tfrecord", ".tfrecords", ".tfr")
-
-
-def load_data(path: str, specs) -> Dict[str, np.ndarray]:
-    """The training arrays: an .npz file, or TFRecord files of ``tf.train.Example`` records
-    (a path or a glob pattern) whose features are named like the signature's inputs
-    (``specs``: name -> TensorSpec) and hold one example each."""
-    if not path.endswith(TFRECORD) and not glob.has_magic(path):
-        return load_npz(path)
-    import tensorflow as tf
-
-    files = sorted(glob.glob(path))
-    if not files:
-        raise InputError(f"{path}: no such TFRecord file")
-    features = {}
-    for k, spec in specs.items():
-        dtype = tf.float32 if spec.dtype.is_floating else tf.string if spec.dtype == tf.string else tf.int64
-        if not spec.shape[1:].is_fully_defined():
-            raise InputError(f"input {k!r} has shape {spec.shape}: TFRecord features need a fixed per-example "
-                             "shape; convert the data to .npz")
-        features[k] = tf.io.FixedLenFeature(spec.shape[1:], dtype)
-    parts: Dict[str, list] = {k: [] for k in specs}
-    try:
-        for batch in tf.data.TFRecordDataset(files).batch(4096).map(lambda r: tf.io.parse_example(r, features)):
-            for k, v in batch.items():
-                parts[k].append(v.numpy())
-    except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as e:
-        raise InputError(f"{path}: records do not hold the features {sorted(specs)} of the training signature "
-                         f"({e.message.splitlines()[0]})") from None
-    if not parts or not next(iter(parts.values())):
-        raise InputError(f"{path}: no records")
-    return {k: np.concatenate(v) for k, v in parts.items()}
-
-
-HISTORY = 1000  # the losses a run keeps: the first step's and those of the last HISTORY steps
-
-
-class LossHistory:
-    """The losses of a run, bounded: the first step's and those of the last ``HISTORY`` steps,
-    so a run of any length writes a small checkpoint record and output record; restored from
-    the record it is what it was (a resumed run writes what an uninterrupted one writes)."""
-
-    def __init__(self, steps: int = 0, first: Optional[float] = None, recent: Sequence[float] = ()):
-        self.steps, self.first = steps, first   # steps done; the loss of step 0
-        self.recent: Deque[float] = collections.deque(recent, maxlen=HISTORY)
-
-    @property
-    def recent_from(self) -> int:
-        """The step whose loss is ``recent[0]``."""
-        return self.steps - len(self.recent)
-
-    def append(self, loss: float) -> None:
-        if self.steps == 0:
-            self.first = loss
-        self.recent.append(loss)
-        self.steps += 1
-
-    def rollback(self, steps: int) -> None:
-        """Back to the history after ``steps`` steps (a job that lost ranks repeats the later ones)."""
-        while self.steps > steps and self.recent:
-            self.recent.pop()
-            self.steps -= 1
-        self.steps = min(self.steps, steps)
-        if self.steps == 0:
-            self.first = None
-
-    def record(self) -> dict:
-        """What the checkpoint's progress.json and the output's "training" record hold."""
-        return {"steps": self.steps, "first_loss": self.first, "losses_from": self.recent_from,
-                "losses": list(self.recent)}
-
-    @classmethod
-    def from_record(cls, state: dict) -> "LossHistory":
-        """The history of a progress record (``step`` steps; a record of an earlier version holds
-        every step's loss in ``losses``)."""
-        losses = list(state.get("losses") or [])
-        first = state.get("first_loss", losses[0] if losses and "losses_from" not in state else None)
-        return cls(int(state["step"]), first, losses[-HISTORY:])
 
 
 @dataclass
@@ -141,296 +41,6 @@ class TrainResult:
     steps: int
     losses: LossHistory
     metrics: Dict[str, float] = field(default_factory=dict)  # the last step's, besides the loss
-
-
-def batches_for(data: Dict[str, np.ndarray], keys: List[str], batch_size: int, step: int, seed: int = 0):
-    """The ``step``-th batch of a deterministic shuffled order (a new permutation per epoch)."""
-    n = len(next(iter(data.values())))
-    per_epoch = n // batch_size
-    epoch, k = divmod(step, per_epoch)
-    order = np.random.default_rng(seed + epoch).permutation(n)
-    idx = np.sort(order[k * batch_size:(k + 1) * batch_size])
-    return {key: data[key][idx] for key in keys}
-
-
-def vnode_layout(model: str, signature: str) -> Tuple[int, bool]:
-    """(examples per virtual node b, or 0 when the graph divides the fed batch itself;
-    whether the step all-reduces over ranks), from the rewrite record of ``model``."""
-    meta = records.read_metadata(model) or {}
-    rec = records.get(meta, VirtualNodes).get(signature)
-    return (rec.vnode_batch if rec else 0), signature in records.get(meta, Allreduce)
-
-
-def broadcast_signature(model: str, signature: str) -> Optional[str]:
-    """The key of the signature that starts the ranks from rank 0's variables, as the
-    all-reduce record of ``model`` names it (None: the rewrite added none)."""
-    rec = records.read(model, Allreduce).get(signature)
-    return rec.broadcast_signature if rec else None
-
-
-def check_batch(model: str, signature: str, batch_size: int, what: str = "") -> None:
-    """A batch the rewritten step of ``model`` can take: a multiple of its virtual-node batch
-    b, or of its V virtual nodes when it divides the fed batch itself. ``what`` names the batch
-    in the message (default: the --batch-size option)."""
-    rec = records.read(model, VirtualNodes).get(signature)
-    if not rec:
-        return
-    what = what or f"--batch-size {batch_size}"
-    b, v = int(rec.vnode_batch or 0), int(rec.vnodes or 1)
-    if b and batch_size % b:
-        raise InputError(f"{what}: not a multiple of the virtual-node batch b={b} of {model}; give a multiple of {b}")
-    if not b and batch_size % v:
-        raise InputError(f"{what}: not a multiple of the vnodes={v} virtual nodes of {model} (each step splits the "
-                         f"batch into {v} equal slices); give a multiple of {v}")
-
-
-def check_data(data: Dict[str, np.ndarray], specs, data_path: str, signature: str) -> Dict[str, np.ndarray]:
-    """The arrays the signature takes (``specs``: name -> TensorSpec), cast to its dtypes when
-    the cast changes no value (:func:`cast_exactly`); one line naming the array for a missing
-    input, a wrong example shape or dtype, a value its dtype cannot hold, or arrays of different
-    lengths."""
-    missing = [k for k in specs if k not in data]
-    if missing:
-        raise InputError(f"{data_path}: arrays {missing} are missing; the {signature!r} signature takes "
-                         f"{sorted(specs)} (have {sorted(data)})")
-    out = {}
-    for k in sorted(specs):
-        arr, want = data[k], specs[k].shape[1:]
-        if want.rank is not None and (arr.ndim != want.rank + 1 or not want.is_compatible_with(arr.shape[1:])):
-            raise InputError(f"{data_path}: array {k!r} holds examples of shape {list(arr.shape[1:])}, the "
-                             f"{signature!r} signature takes {[d if d is not None else -1 for d in want.as_list()]} "
-                             f"(the array's shape is {list(arr.shape)}, examples first)")
-        out[k] = cast_exactly(arr, specs[k].dtype.as_numpy_dtype, k, data_path, signature)
-    lengths = {k: len(v) for k, v in out.items()}
-    if len(set(lengths.values())) > 1:
-        raise InputError(f"{data_path}: arrays have different lengths {lengths}")
-    return out
-
-
-def cast_exactly(arr: np.ndarray, dtype, key: str, data_path: str, signature: str) -> np.ndarray:
-    """``arr`` (input ``key`` of ``data_path``) as ``dtype`` when every value survives the cast
-    unchanged (an integer that fits, a float that is a whole number where an integer is
-    expected, a float the narrower float holds exactly); otherwise one line naming the input,
-    the dtypes, the first row that does not survive, its value and the fix."""
-    want, what = np.dtype(dtype), f"{data_path}: array {key!r}"
-    if arr.dtype == want:
-        return arr
-    try:
-        with np.errstate(invalid="ignore", over="ignore"):
-            out = arr.astype(want)
-    except (TypeError, ValueError):
-        raise InputError(f"{what} has dtype {arr.dtype}, the {signature!r} signature takes {want.name}") from None
-    if arr.dtype.kind not in "biuf" or want.kind not in "biuf":
-        return out
-    with np.errstate(invalid="ignore", over="ignore"):
-        back = out.astype(arr.dtype)
-        changed = back != arr
-    if arr.dtype.kind == "f":
-        changed &= ~(np.isnan(arr) & np.isnan(back))
-    if not changed.any():
-        return out
-    first = np.argwhere(changed)[0]
-    value = arr[tuple(first)].item()
-    at = f"row {first[0]}" + (f" (element {[int(i) for i in first[1:]]})" if len(first) > 1 else "")
-    takes = f"{what} holds {arr.dtype.name} values, the {signature!r} signature takes {want.name}"
-    if want.kind in "iu" and arr.dtype.kind == "f" and (not math.isfinite(value) or value != int(value)):
-        raise InputError(f"{takes}: {at} holds {value!r}, not a whole number, and casting would truncate it; "
-                         f"give whole numbers (save the array as {want.name} once they are)")
-    if want.kind in "iub":
-        info = np.iinfo(want) if want.kind in "iu" else None
-        room = f"lie between {info.min} and {info.max}" if info else "be 0 or 1"
-        raise InputError(f"{takes}: {at} holds {value!r}, which {want.name} cannot hold (values must {room}); "
-                         "check the data, or give the model an input of a wider dtype")
-    if math.isfinite(value) and not np.isfinite(out[tuple(first)]):
-        raise InputError(f"{takes}: {at} holds {value!r}, beyond the largest {want.name} ({np.finfo(want).max}); "
-                         f"check the data, or give the model {arr.dtype.name} inputs")
-    raise InputError(f"{takes}: {at} holds {value!r}, which {want.name} does not hold exactly; if that precision "
-                     f"is enough, save it as {want.name}: {key}.astype({want.name!r}) (or give the model "
-                     f"{arr.dtype.name} inputs)")
-
-
-def data_fingerprint(data: Dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(data):
-        a = np.ascontiguousarray(data[k])
-        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
-        h.update(memoryview(a).cast("B"))
-    return h.hexdigest()
-
-
-STOP, NONFINITE = 1, 2  # what a rank saw in a step (bits)
-
-
-class NonFiniteLoss(TrainingError):
-    """The loss of a step was NaN or infinite (``--allow-nonfinite`` trains on)."""
-
-
-class Interrupted(TrainingError):
-    """Stopped by SIGINT or SIGTERM after a whole step, with a checkpoint of it."""
-
-    exit_code = 130
-    label = "interrupted"
-
-
-class Stalled(TrainingError):
-    """A wait for other ranks made no progress for ``--stall-timeout`` seconds."""
-
-    exit_code = 75  # EX_TEMPFAIL: the job can be resumed from its last checkpoint
-    label = "stalled"
-
-
-class _StopRequests:
-    """While training: SIGINT and SIGTERM ask the run to stop after the step in progress (with
-    a checkpoint) instead of killing it mid-step. A second signal, a second or more after the
-    first (one Ctrl-C can reach a process twice, directly and through a launcher), stops at
-    once."""
-
-    def __init__(self):
-        self.first: Optional[float] = None
-        self._old: Dict[int, object] = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.first is not None
-
-    def _handle(self, signum, frame):
-        now = time.monotonic()
-        if self.first is None:
-            self.first = now
-        elif now - self.first > 1.0:
-            self.__exit__()
-            raise KeyboardInterrupt
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old = {}
-
-
-STOP_GRACE = 2.0  # seconds a wait for other ranks goes on after a stop request (or its own start)
-
-
-class _WatchedExchanges:
-    """The stall limits and stop requests for the runtime's own exchanges between ranks (the
-    World's gathers, polled by ``world.complete``), as the ops apply them to their waits: one
-    line past ``warning`` seconds, :class:`Stalled` past ``timeout``, :class:`Interrupted`
-    :data:`STOP_GRACE` seconds after a stop request. ``where()`` and ``kept()`` say the step and
-    the checkpoint kept. The line names the ranks not seen entering the exchange (the ranks
-    announce an exchange they wait in, :class:`vfgraph.runtime.world._Exchanges`)."""
-
-    def __init__(self, stop: "_StopRequests", warning: float, timeout: float, rank, where, kept):
-        self.stop, self.warning, self.timeout, self.rank = stop, warning, timeout, rank
-        self.where, self.kept = where, kept
-        self.warned: Optional[float] = None  # the start of the wait that printed its line
-
-    def __call__(self, began: float, missing: Callable[[], Optional[List[int]]]) -> None:
-        now = time.monotonic()
-        what = f"the ranks' exchange at {self.where()}"
-        if self.stop.first is not None and now - max(self.stop.first, began) > STOP_GRACE:
-            _end_before_finalize(Interrupted.exit_code)
-            raise Interrupted(f"rank {self.rank()}, {self.where()}: stopped while waiting for other ranks{self.kept()}")
-        if self.warning and now - began > self.warning and self.warned != began:
-            self.warned = began
-            limit = f"; the job ends after --stall-timeout {self.timeout:g} s without progress" if self.timeout \
-                else "; no --stall-timeout: waiting on"
-            print(f"vfgraph: rank {self.rank()}: waiting {now - began:.0f} s in {what} for {_others(missing())}{limit}",
-                  file=sys.stderr, flush=True)
-        if self.timeout and now - began > self.timeout:
-            _end_before_finalize(Stalled.exit_code)
-            raise Stalled(f"rank {self.rank()}, {self.where()}: waited {now - began:.0f} s in {what} for "
-                          f"{_others(missing())} without progress (--stall-timeout {self.timeout:g}); the job ends"
-                          f"{self.kept()}")
-
-
-def _others(absent: Optional[List[int]]) -> str:
-    """The ranks an exchange waits for, as a stall's line names them."""
-    if absent is None:
-        return "the other ranks (which ones, not known yet)"
-    if not absent:
-        return "the other ranks (each was seen entering it)"
-    return f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} (not seen entering it)"
-
-
-def _end_before_finalize(code: int) -> None:
-    """After a wait for other ranks gave up (a stall, a stop request): at the interpreter's exit,
-    end the job with ``code`` (``MPI_Abort``, whose code the launcher returns) before mpi4py
-    finalizes MPI, which would wait for the very ranks given up on (a stopped rank never
-    answers). The MPI library's own line about the abort is not printed: this rank's error
-    says what happened."""
-    def end() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            from mpi4py import MPI
-
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 2)
-            MPI.COMM_WORLD.Abort(code)
-        finally:
-            os._exit(code)
-
-    atexit.register(end)  # (runs before mpi4py's finalization, which Python runs after atexit's)
-
-
-def _plan(out: str, ckpt_dir: str, inputs: List[str], force: bool, resume: bool,
-          need_bytes: int, elastic: bool = False) -> Optional[dict]:
-    """Lock the output and check what the run will write (vfgraph.io.outputs' rule) before any
-    work; returns the progress record to resume from, if any. An unfinished run's checkpoint
-    is never deleted without ``force``; a finished output is never taken for one to resume."""
-    outputs.lock(out, inputs, elastic)  # (OUT.ckpt and OUT.serving with it)
-    state = _read_progress(ckpt_dir)
-    finished = os.path.isdir(out) and (records.read_metadata(out) or {}).get("training")
-    if resume and state is None and finished:
-        done = finished.get("steps")
-        where = "holds no progress record" if os.path.isdir(ckpt_dir) else "does not exist"
-        raise InputError(f"{out}: a finished run{f' of {done} steps' if done else ''} with no checkpoint to resume "
-                         f"({ckpt_dir} {where}); train it further with 'vfgraph train {out} ... -o NEW', or "
-                         "pass --force instead of --resume to train again from the start")
-    if not resume and state is not None and not force:
-        raise InputError(f"{ckpt_dir}: holds the checkpoint of an unfinished run (step {state['step']}); continue "
-                         "it with --resume, or pass --force to discard it and train from the start")
-    outputs.check_output(ckpt_dir, inputs, force=True, what="checkpoint")
-    outputs.check_output(out, inputs, force, need_bytes=need_bytes)
-    serve = serving.sibling_dir(out)
-    if os.path.exists(serve):
-        serving.prepare_target(serve, 1, force=True, sources=inputs)
-    else:
-        outputs.check_output(serve, inputs)
-    return state if resume else None
-
-
-def _read_progress(ckpt_dir: str) -> Optional[dict]:
-    path = os.path.join(ckpt_dir, "progress.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            state = json.load(f)
-        state["step"], state["checkpoint"]  # noqa: B018 (what a record must hold)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputError(f"{path}: not a readable progress record ({e}); move {ckpt_dir} away to train from the "
-                         "start") from None
-    return state
-
-
-def _changed(saved: dict, now: dict) -> List[str]:
-    """What differs between the configuration a checkpoint was written with and this run's."""
-    names = {"batch_size": "--batch-size", "seed": "--seed", "signature": "--train-signature",
-             "vnodes": "virtual nodes (V, b)", "model": "model fingerprint", "data": "data fingerprint"}
-    out = []
-    for key, label in names.items():
-        if key in saved and saved[key] != now[key]:
-            a, b = saved[key], now[key]
-            if key in ("model", "data"):
-                a, b = str(a)[:12], str(b)[:12]
-            out.append(f"{label} {a} -> {b}")
-    return out
 
 
 @outputs.command()
@@ -463,655 +73,87 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     ranks longer than the first prints one line naming what it waits for and whom; one longer
     than the second ends the job (:class:`Stalled`, the last checkpoint kept). A stop request
     also ends a step blocked in such a wait (docs/mpi.md, "Stalls and stop requests")."""
-    auto = vnodes_per_rank == "auto"
+    return run(TrainConfig(model, data_path, steps, batch_size, out, resume, force, signature, checkpoint_every, seed,
+                           progress, vnodes_per_rank, threads, allow_nonfinite, elastic, stall_warning, stall_timeout))
+
+
+def run(cfg: TrainConfig) -> Optional[TrainResult]:
+    """Train as ``cfg`` says (:func:`train`, which runs it inside :func:`vfgraph.io.outputs.command`):
+    the result on rank 0, None on the other ranks."""
     # under mpiexec the ranks agree from the first check on: a mistake is printed once, by rank 0
     # or by the one rank that sees it (a process an elastic job started reports to the job instead)
-    first = World() if elastic is not None and elastic.join else launched_world()
-
-    def check() -> tuple:
-        for name, value, least in (("--steps", steps, 1), ("--batch-size", batch_size, 1),
-                                   ("--checkpoint-every", checkpoint_every, 0), ("--seed", seed, 0)):
-            if not isinstance(value, int) or value < least:
-                raise InputError(f"{name} {value}: give an integer of at least {least}")
-        for name, value in (("--stall-warning", stall_warning), ("--stall-timeout", stall_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                shown = f"{value:g}" if isinstance(value, float) else value
-                raise InputError(f"{name} {shown}: give a number of seconds of at least 0 (0: off)")
-        if resume and force:
-            raise InputError("--resume and --force: give one (--resume continues a checkpoint, --force starts over)")
-        if not savedmodel.is_saved_model_dir(model):
-            raise InputError(f"{model}: not a SavedModel directory")
-        b, reduces = vnode_layout(model, signature)
-        stages = stages_of(model, signature)
-        schedule = None
-        if elastic is not None:
-            schedule = _check_elastic(elastic, model, b, reduces, stages, vnodes_per_rank, batch_size)
-        return b, reduces, stages, schedule
-
-    b, reduces, stages, schedule = first.agree(check)
-    broadcast = broadcast_signature(model, signature)  # its key in the Allreduce record (None: not added)
-    ranked = stages is not None and stages.on_ranks and stages.count > 1  # one pipeline stage per rank
-    inter = None
-    if elastic is not None:
-        if threads is None:  # the job may grow to max_ranks ranks on this host
-            threads = max(1, (os.cpu_count() or 1) // elastic.max_ranks)
-        if elastic.join:  # a process the job started: MPI at once, then load while the job trains on
-            inter = el.parent()
-    w = World() if inter is not None else first.agree(
-        lambda: world(need_mpi=reduces or ranked, stages=stages.count if ranked else 0))
-    ranked = ranked and w.size > 1
-    k_count = stages.count if ranked else 1
-    # ranked: rank r runs stage r % K of replica r // K; each replica trains on its share of the batch
-    groups, group = (w.size // k_count, w.rank // k_count) if ranked else (w.size, w.rank)
-    in_process = stages.count if stages is not None and not stages.on_ranks else 1  # stages on this process's devices
-    threads = w.agree(lambda: place_threads(w, threads, in_process))
-    prepare_devices(stages)
-    out = os.path.abspath(out)
-    ckpt_dir = out + ".ckpt"
-    data_files = sorted(glob.glob(data_path)) if glob.has_magic(data_path) else [data_path]
-    state = w.agree(lambda: _plan(out, ckpt_dir, [model, *data_files], force, resume, outputs.tree_bytes(model),
-                                  elastic is not None) if w.is_root and inter is None else None)
-    import tensorflow as tf
-    from tqdm import tqdm
+    first = World() if cfg.elastic is not None and cfg.elastic.join else launched_world()
+    plan = first.agree(lambda: ModelPlan.checked(cfg))
+    plan.broadcast = broadcast_signature(cfg.model, cfg.signature)  # its key in the Allreduce record (None: not added)
+    ranks = Ranks.start(cfg, plan, first)
+    w = ranks.w
+    state = w.agree(lambda: plan_outputs(cfg.output, cfg.ckpt_dir, [cfg.model, *cfg.data_files], cfg.force,
+                                         cfg.resume, outputs.tree_bytes(cfg.model), cfg.elastic is not None)
+                    if w.is_root and ranks.inter is None else None)
+    import tensorflow  # noqa: F401 (counted in the memory the process has before the model)
+    import tqdm  # noqa: F401
 
     resident_at_start = resident_bytes("VmRSS")  # Python and TensorFlow, before the model
-    held_vars: list = []  # ranked: the variables this rank's stage reads, the only ones it holds
-
-    def open_model():
-        if ranked:
-            if w.size % k_count or vnodes_per_rank:
-                raise InputError(f"{model}: its training step is cut into {k_count} pipeline stages, one per MPI "
-                                 f"rank, each running every virtual node: start {k_count} ranks (mpiexec -n "
-                                 f"{k_count}), or {k_count}*D for D replicas of the pipeline, without "
-                                 "--vnodes-per-rank, or one process")
-            if groups > 1 and not reduces:
-                raise InputError(f"{model}: {groups} replicas of its {k_count} pipeline stages need the all-reduce "
-                                 "between them; rewrite it with --allreduce mpi")
-            _same_model(w, model)
-        # a stage on a rank reads only its own variables: the others stay uninitialized, no memory
-        loaded = savedmodel.load_to_run(model, variable_devices=in_process > 1, without_values=ranked)
-        if signature not in loaded.signatures:
-            raise InputError(f"{model}: no signature {signature!r} (has: {', '.join(sorted(loaded.signatures))}); "
-                             "pass --train-signature NAME")
-        fn = loaded.signatures[signature]
-        if ranked:
-            key = stages.signatures[w.rank % k_count]
-            fn = loaded.signatures[key]
-            part = stages.parts[w.rank % k_count]
-            held_vars[:] = savedmodel.restore_signature_variables(
-                model, fn, key, set(part.variables + part.optimizer_state + stages.replicated))
-            held = sum(v.shape.num_elements() * v.dtype.size for v in held_vars)
-            whole = sum(p.parameter_bytes + p.optimizer_state_bytes for p in stages.parts)
-            log.info("rank %d (stage %d of %d, replica %d): holds %s of variables, of the model's %s of parameters "
-                     "and optimizer state (%d of %d bytes)", w.rank, w.rank % k_count + 1, k_count, group + 1,
-                     outputs.size_text(held), outputs.size_text(whole), held, whole)
-        _, specs = fn.structured_input_signature
-        data = check_data(load_data(data_path, specs), specs, data_path, signature)
-        keys = sorted(specs)
-        n = len(data[keys[0]])
-        if batch_size > n:
-            raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {data_path}")
-        check_batch(model, signature, batch_size)
-        per = [batch_size // b] if b else [1]
-        if (w.size > 1 or elastic) and not ranked and (broadcast is None or broadcast not in loaded.signatures):
-            raise InputError(f"{model}: no broadcast signature of {signature!r} to start the ranks from the same "
-                             "variables; rewrite it with a SavedModel input and --allreduce mpi")
-        if groups > 1 or (vnodes_per_rank and not ranked):
-            if not b:
-                raise InputError(f"{model}: its virtual-node batch is derived from the fed batch, so ranks cannot "
-                                 "share a global batch; rewrite it with --vnode-batch B")
-            per = shares(batch_size // b, groups, None if ranked or auto else vnodes_per_rank)
-        return loaded, fn, data, keys, per
-
-    loaded, fn, data, keys, per = w.agree(open_model)
-    fingerprint = savedmodel.source_fingerprint(model, None)
-    if w.size > 1 and inter is None:  # before anything the ranks must call alike as often
-        same_everywhere(w, _run_config(steps=steps, batch_size=batch_size, seed=seed, checkpoint_every=checkpoint_every,
-                                       signature=signature, resume=resume, force=force, allow_nonfinite=allow_nonfinite,
-                                       out=out, fingerprint=fingerprint, data=data, data_files=data_files,
-                                       elastic=elastic))
+    opened = w.agree(lambda: open_model(cfg, plan, ranks))
+    fingerprint = savedmodel.source_fingerprint(cfg.model, None)
+    if w.size > 1 and ranks.inter is None:  # before anything the ranks must call alike as often
+        same_everywhere(w, cfg.agreed(fingerprint, opened.data.arrays))
     scheduled, joined_at = None, None
-    if elastic is not None:
-        from vfgraph import ops
+    if cfg.elastic is not None:
+        scheduled, joined_at = start_elastic(cfg, plan, ranks, opened, fingerprint)
+        if ranks.w is None:  # the job ended before this process joined it
+            return None
+    share = Share.first(ranks, opened.per, plan.b, cfg.batch_size, cfg.auto)
+    w = ranks.w
+    config = cfg.resumable(fingerprint, opened.data.arrays) if w.is_root else None
+    checkpoints = Checkpoints(opened.held, cfg.ckpt_dir, cfg.checkpoint_every, config,
+                              ranks.k_count if ranks.ranked else 0)
+    start, losses = _start_step(cfg, ranks, checkpoints, state, joined_at)
+    runner = StepRunner(opened.fn, opened.data, opened.held, cfg.allow_nonfinite, ranks.ranked, plan.b)
+    loop = TrainLoop(cfg, plan, ranks, opened, share, runner, checkpoints, losses, scheduled, joined_at, start)
+    if not loop.run(start):
+        return None
+    return _finish(cfg, plan, ranks, opened, loop, resident_at_start)
 
-        scheduled = el.Elastic(schedule, elastic.argv, ops.set_communicator, fingerprint,
-                               requests=el.request_path(out), max_ranks=elastic.max_ranks, started=elastic.started,
-                               discovery=elastic.discovery, interval=elastic.interval)
-        if inter is not None:  # loaded: join the job at its next step, with rank 0's variables
-            w, joined_at = el.join(inter, elastic.started, fingerprint, scheduled)
-            if w is None:  # the job ended first
-                return None
-            loaded.signatures[broadcast]()
-            per = shares(batch_size // b, w.size)
-            group = w.rank
-        else:
-            w.agree(lambda: scheduled.check_start(w))
-    lo, hi = _rows(per, group, b) if len(per) > 1 else (0, batch_size)
-    balancer = None
-    if auto and w.size > 1:
-        balancer = Balancer(sum(per), w.size, per)
-        if w.is_root:
-            log.info("virtual nodes per rank: %s to start, planned from the ranks' measured speeds (auto)", text(per))
-    config = None
-    if w.is_root:
-        rec = records.read(model, VirtualNodes).get(signature)
-        config = {"batch_size": batch_size, "seed": seed, "signature": signature,
-                  "vnodes": [rec.vnodes, rec.vnode_batch] if rec else [1, 0],
-                  "model": fingerprint, "data": data_fingerprint(data)}
-    held_vars = held_vars if ranked else list(fn.variables)
-    ckpt = tf.train.Checkpoint(variables=held_vars)
-    start, losses, last_ckpt = 0, LossHistory(), None
-    if ranked:  # each stage restores its own part of the checkpoint
+
+def _start_step(cfg: TrainConfig, ranks: Ranks, checkpoints: Checkpoints, state: Optional[dict],
+                joined_at: Optional[int]) -> Tuple[int, LossHistory]:
+    """The step the run starts at and the losses before it: those of the checkpoint ``state``
+    (rank 0's progress record) restored, or the step a process joined an elastic job at."""
+    w = ranks.w
+    if ranks.ranked:  # each stage restores its own part of the checkpoint
         state = w.bcast(state)
-
-    def restore():
-        nonlocal start, losses, last_ckpt
-        if state is None:
-            if not w.is_root:
-                return
-            if resume:
-                log.warning("no checkpoint in %s: training from step 0", ckpt_dir)
-            elif os.path.isdir(ckpt_dir):  # --force: the unfinished run's checkpoint is discarded
-                outputs.remove_written(ckpt_dir)
-            return
-        changed = _changed(state.get("config", {}), config) if w.is_root else []
-        if changed:
-            raise InputError(f"--resume: {ckpt_dir} was written by a run with another configuration "
-                             f"({'; '.join(changed)}); resume with the same options and data, or pass --force "
-                             "(without --resume) to train from the start")
-        path = state["checkpoint"]
-        if ranked:
-            parts = state.get("stages") or []
-            if len(parts) != k_count:
-                raise InputError(f"--resume: {ckpt_dir} holds no checkpoint of each of the {k_count} pipeline stages; "
-                                 "move it away to train from the start")
-            path = parts[w.rank % k_count]
-        try:
-            ckpt.read(path).assert_consumed()
-        except (tf.errors.OpError, AssertionError, ValueError) as e:
-            raise InputError(f"{path}: cannot restore the checkpoint ({str(e).splitlines()[0]}); "
-                             f"move {ckpt_dir} away to train from the start") from None
-        start, losses, last_ckpt = state["step"], LossHistory.from_record(state), state["step"]
-        if w.is_root:
-            log.info("resuming at step %d", start)
-
-    if joined_at is None:
-        w.agree(lambda: restore() if w.is_root or ranked else None)
-        start, losses = w.bcast((start, losses))
+    if joined_at is not None:
+        start, losses = joined_at, LossHistory()
     else:
-        start = joined_at
+        got = w.agree(lambda: checkpoints.restore(w, state, cfg.resume) if w.is_root or ranks.ranked else None)
+        start, losses = w.bcast(got or (0, LossHistory()))
 
     def enough_steps() -> None:
-        if start > steps:
-            raise InputError(f"--steps {steps}: the checkpoint in {ckpt_dir} is at step {start} already; give more "
-                             "steps")
+        if start > cfg.steps:
+            raise InputError(f"--steps {cfg.steps}: the checkpoint in {cfg.ckpt_dir} is at step {start} already; "
+                             "give more steps")
 
     if joined_at is None:
         w.agree(enough_steps)  # (alike on every rank: printed once)
     else:
         enough_steps()
-    where, feed = "start", {}
-    variables = [v for v in held_vars if v.dtype.is_floating]
+    return start, losses
 
-    def finite() -> bool:  # the same on every rank (each stage checks its own parameters)
-        ok = allow_nonfinite or all(bool(tf.reduce_all(tf.math.is_finite(v))) for v in variables)
-        return all(w.gather(ok)) if ranked else ok
 
-    def save_checkpoint(done: int) -> None:
-        nonlocal last_ckpt
-        parts = None
-        if ranked:  # the first replica's stages each write their own variables
-            part = w.agree(lambda: _write_part(ckpt, ckpt_dir, f"step-{done}-stage-{w.rank + 1}")
-                           if w.rank < k_count else None)
-            parts = w.gather(part)[:k_count]
-        w.agree(lambda: _checkpoint(ckpt, ckpt_dir, done, losses, config, parts) if w.is_root else None)
-        last_ckpt = done
-
-    step_seconds: List[float] = []  # each step's time on this rank (data, step, agreement)
-    metrics: Dict[str, float] = {}  # the other scalars the last step returned (a Keras model's metrics)
-    bar = tqdm(initial=start, total=steps, disable=not (progress and w.is_root), unit="step")
-    # (rank 0 of an elastic job) the last completed step and a copy of the variables after it,
-    # kept while the job runs on more than one rank: when it loses ranks, rank 0 goes back to
-    # it and on alone
-    memory: Optional[Tuple[int, list]] = None
-    keeps = scheduled is not None and w.is_root
-
-    def remember(done: int) -> Tuple[int, list]:
-        return done, [np.array(v.numpy()) for v in held_vars]
-
-    def layout(w: World) -> tuple:
-        """(an elastic job, on a new world) The virtual nodes per rank, this rank's rows of the
-        batch, and the balancer of --vnodes-per-rank auto."""
-        per = shares(batch_size // b, w.size)
-        return (per, *_rows(per, w.rank, b), Balancer(sum(per), w.size, per) if auto and w.size > 1 else None)
-
-    try:
-        if w.size > 1 and joined_at is None:
-            table = w.describe()
-            if w.is_root:
-                log.info("%d ranks, %d intra-op and %d inter-op TensorFlow threads each: %s", w.size, threads,
-                         tf.config.threading.get_inter_op_parallelism_threads(), "; ".join(table))
-            if not ranked:  # (stages read their variables from the same files, checked above)
-                loaded.signatures[broadcast]()  # same graph everywhere, then rank 0's variables
-        with _StopRequests() as stop:
-            watching = w.size > 1
-            if watching:  # (after the handlers of _StopRequests, which the signals then reach too)
-                watch(stall_warning, stall_timeout, STOP_GRACE, signals=True)
-                world_module.watcher = _WatchedExchanges(stop, stall_warning, stall_timeout, lambda: w.rank,
-                                                         lambda: where,
-                                                         lambda: _kept(ckpt_dir, last_ckpt, checkpoint_every))
-            from_step = start  # (again after ranks were lost: the last completed step)
-            while from_step < steps:
-                try:
-                    for step in range(from_step, steps):
-                        where = f"step {step}"
-                        if scheduled is not None and step != joined_at:
-                            new, change = scheduled.boundary(w, step)
-                            if new is None:  # this rank left the job: idle until it ends, or a growth calls it back
-                                back = scheduled.park(w)
-                                if back is None:
-                                    return None
-                                w, from_step = back
-                                group, joined_at = w.rank, from_step
-                                per, lo, hi, balancer = layout(w)
-                                loaded.signatures[broadcast]()  # rank 0's variables, as the others
-                                log.info("rank %d came back at step %d", w.rank, from_step)
-                                break  # (on from that step)
-                            if change and "refused" in change:
-                                if w.is_root:
-                                    log.warning("%s", change["refused"])
-                            elif change:
-                                w, group = new, new.rank
-                                if keeps:  # what the job goes back to if it loses ranks from here on
-                                    memory = remember(step)
-                                if change["new"] > change["old"]:  # the new ranks take every variable of rank 0
-                                    loaded.signatures[broadcast]()
-                                per, lo, hi, balancer = layout(w)
-                                if w.is_root:
-                                    took = time.perf_counter() - change["began"]
-                                    n = change["new"] - change["old"]
-                                    if "back" in change:
-                                        log.info("resized %d -> %d ranks at step %d: %d rank%s that had left came "
-                                                 "back, in %.3g s; virtual nodes per rank %s", change["old"],
-                                                 change["new"], step, n, "s" if n > 1 else "", took, text(per))
-                                    else:
-                                        started_in = (f" (they started in {change['spawn']:.3g} s, beside the "
-                                                      "training)" if "spawn" in change else "")
-                                        log.info("resized %d -> %d ranks at step %d: %.3g s waiting for new ranks "
-                                                 "to load the model%s, then %.3g s to change; virtual nodes per "
-                                                 "rank %s", change["old"], change["new"], step, change["waited"],
-                                                 started_in, took, text(per))
-                        if watching:
-                            set_step(step)
-                        fetched = time.perf_counter()
-                        batch = batches_for(data, keys, batch_size, step, seed)
-                        feed = {k: v[lo:hi] for k, v in batch.items()}
-                        began, blocked = time.perf_counter(), blocked_seconds() if balancer else 0.0
-                        result = fn(**feed)
-                        loss = float(result["loss"]) if "loss" in result else float("nan")
-                        computing = time.perf_counter() - began - ((blocked_seconds() - blocked) if balancer else 0.0)
-                        bad = "loss" in result and not math.isfinite(loss) and not allow_nonfinite
-                        seen = w.gather(((NONFINITE if bad else 0) | (STOP if stop.requested else 0), computing))
-                        if balancer:
-                            change = balancer.observe(step, [t for _, t in seen])
-                            if change:
-                                per = balancer.shares
-                                lo, hi = _rows(per, group, b)
-                                if w.is_root:
-                                    log.info("%s", change)
-                        seen = [f for f, _ in seen]
-                        step_seconds.append(time.perf_counter() - fetched)
-                        if any(f & NONFINITE for f in seen):
-                            first = next(r for r, f in enumerate(seen) if f & NONFINITE)
-                            if w.rank != first:
-                                raise Quiet(NonFiniteLoss.exit_code)
-                            raise NonFiniteLoss(_nonfinite_message(step, loss, feed, ckpt_dir, last_ckpt,
-                                                                   checkpoint_every, w))
-                        losses.append(loss)
-                        metrics = {k: float(v) for k, v in sorted(result.items()) if k != "loss" and v.shape.rank == 0}
-                        bar.set_postfix(loss=f"{loss:.4f}", **{k: f"{v:.4g}" for k, v in metrics.items()})
-                        done = step + 1
-                        interrupted = any(f & STOP for f in seen) and done < steps
-                        if interrupted or (checkpoint_every and done % checkpoint_every == 0 and done < steps):
-                            if not finite():
-                                if not w.is_root:
-                                    raise Quiet(NonFiniteLoss.exit_code)
-                                raise NonFiniteLoss(f"step {step}: parameters are not finite after it; training "
-                                                    "stopped and no model was written"
-                                                    f"{_kept(ckpt_dir, last_ckpt, checkpoint_every)}; check the data "
-                                                    "and the learning rate, or pass --allow-nonfinite to train on")
-                            save_checkpoint(done)
-                        if interrupted:
-                            if not w.is_root:
-                                raise Quiet(Interrupted.exit_code)
-                            raise Interrupted(f"stopped after {done} of {steps} steps; {ckpt_dir} holds them: run the "
-                                              "same command with --resume to continue")
-                        bar.update(1)
-                        if keeps and w.size > 1:  # the step is complete: what the job goes back to
-                            memory = remember(done)
-                    else:
-                        break  # (every step done; a rank called back goes round again)
-                except (tf.errors.AbortedError, RankLost):
-                    if not (scheduled is not None and scheduled.lost and (memory or not keeps)):
-                        raise
-                    if keeps:  # rank 0: back to its last completed step
-                        from_step, saved = memory
-                        for v, value in zip(held_vars, saved):
-                            v.assign(value)
-                    lost, failed_at = scheduled.lost, step
-                    w, from_step = scheduled.recover(from_step)  # with the ranks that joined and are left
-                    losses.rollback(from_step)
-                    group, joined_at = w.rank, None
-                    per, lo, hi, balancer = layout(w)
-                    if w.size > 1:  # they take rank 0's variables again
-                        loaded.signatures[broadcast]()
-                    if w.is_root:
-                        bar.n = from_step
-                        bar.refresh()
-                        log.warning("%s at step %d; the job goes on %s from step %d, its last completed step, with "
-                                    "the variables it had then (%.3g s after the loss was seen)", lost, failed_at,
-                                    "alone" if w.size == 1 else f"with {w.size} ranks", from_step,
-                                    time.perf_counter() - scheduled.lost_at)
-                    scheduled.lost = None
-    except tf.errors.OpError as e:
-        lines = [x.strip() for x in e.message.splitlines() if x.strip()]
-        ours = [x for x in lines if x.startswith("Vf")]
-        if ours and isinstance(e, (tf.errors.DeadlineExceededError, tf.errors.CancelledError)):
-            _end_before_finalize(Stalled.exit_code if isinstance(e, tf.errors.DeadlineExceededError)
-                                 else Interrupted.exit_code)
-        if ours and isinstance(e, tf.errors.DeadlineExceededError):  # the stall watchdog's timeout
-            kept = _kept(ckpt_dir, last_ckpt, checkpoint_every)
-            raise Stalled(f"rank {w.rank}, {where}: {ours[0]}; the job ends{kept}") from None
-        if ours and isinstance(e, tf.errors.CancelledError):  # a stop request while the step waited for other ranks
-            raise Interrupted(f"rank {w.rank}, {where}: stopped while waiting for other ranks"
-                              f"{_kept(ckpt_dir, last_ckpt, checkpoint_every)}") from None
-        if ours:  # a failed collective (different graphs on the ranks, an MPI error): one line naming the rank
-            raise TrainingError(f"rank {w.rank}, {where}: {ours[0]}") from None
-        mine = [x for x in lines if x.startswith("vfgraph: ")]
-        if mine:  # the rewritten graph's own check of what it was fed
-            raise InputError(f"{where}: {mine[0][len('vfgraph: '):]}") from None
-        if isinstance(e, tf.errors.InvalidArgumentError) and feed:  # an op of the model refused a value fed
-            rows = batches_for({"row": np.arange(len(data[keys[0]]))}, ["row"], batch_size, step, seed)["row"][lo:hi]
-            raise InputError(_refused_batch(lines, feed, rows, data_path, where)) from None
-        raise
-    finally:
-        world_module.watcher = None
-        bar.close()
-        if scheduled is not None and w.is_root:  # release the ranks that left, and any still to join
-            scheduled.finish(w, failed=sys.exc_info()[0] is not None)
-    if w.is_root and len(step_seconds) > 1:  # the first step traces and optimizes the graph
-        typical = float(np.median(step_seconds[1:]))
-        log.info("%d steps after the first took %.4g ms each (median), %.4g steps/s", len(step_seconds) - 1,
-                 typical * 1e3, 1 / typical)
-    peak = resident_bytes("VmHWM")
-    if peak:
-        log.info("%speak resident memory %s, %s of it above the process before the model loaded (%d bytes)",
-                 f"rank {w.rank}: " if w.size > 1 else "", outputs.size_text(peak),
-                 outputs.size_text(peak - resident_at_start), peak - resident_at_start)
-    if ranked:  # rank 0 takes each stage's variables from the rank that updates them
-        _collect_stages(w, loaded, held_vars, stages, model, signature)
+def _finish(cfg: TrainConfig, plan: ModelPlan, ranks: Ranks, opened: OpenedModel, loop: TrainLoop,
+            resident_at_start: int) -> Optional[TrainResult]:
+    """After the last step: log the time and memory; rank 0 gathers every stage's variables and
+    writes the trained model (the result; None on the other ranks)."""
+    w = loop.share.w
+    log_resources(w, loop.runner.seconds, resident_at_start)
+    if ranks.ranked:  # rank 0 takes each stage's variables from the rank that updates them
+        collect_stages(w, opened.loaded, opened.held, plan.stages, cfg.model, cfg.signature)
     if not w.is_root:
         return None
-    _save_trained(loaded, model, out, losses, variable_devices=in_process > 1, ckpt_dir=ckpt_dir)
+    save_trained(opened.loaded, cfg.model, cfg.output, loop.losses, variable_devices=ranks.in_process > 1,
+                 ckpt_dir=cfg.ckpt_dir)
     # OUT holds all the checkpoint held (every variable, the optimizer's state among them, and
     # the losses): the checkpoint goes once OUT and its serving export are whole (docs/semantics.md)
-    outputs.remove_written(ckpt_dir)
-    return TrainResult(out, steps, losses, metrics)
-
-
-def _rows(per: List[int], rank: int, b: int) -> Tuple[int, int]:
-    """The rows of the global batch that ``rank`` feeds: its share of ``per`` virtual nodes of
-    ``b`` examples, after the lower ranks' shares."""
-    return sum(per[:rank]) * b, sum(per[:rank + 1]) * b
-
-
-def _check_elastic(elastic: ElasticOptions, model: str, b: int, reduces: bool, stages, vnodes_per_rank,
-                   batch_size: int) -> list:
-    """The schedule of an elastic run, or a clear error for a model or options it cannot have."""
-    if elastic.max_ranks is None or not (elastic.schedule or elastic.discovery):
-        raise InputError("--max-ranks goes with --elastic-schedule or --host-discovery-script (or both): give both "
-                         "--max-ranks and one of them")
-    if not elastic.interval > 0:
-        raise InputError(f"--discovery-interval {elastic.interval}: give a positive number of seconds")
-    if elastic.max_ranks < 1:
-        raise InputError(f"--max-ranks {elastic.max_ranks}: give at least 1")
-    schedule = el.parse_schedule(elastic.schedule, elastic.max_ranks)
-    if not reduces or not b:
-        raise InputError(f"{model}: an elastic run shares a fixed global batch of whole virtual nodes over its ranks; "
-                         "rewrite the model with --vnode-batch B and --allreduce mpi")
-    if stages is not None:
-        raise InputError(f"{model}: its training step is cut into pipeline stages; an elastic run changes only the "
-                         "number of data-parallel ranks of a model without stages")
-    if vnodes_per_rank not in (None, "auto"):
-        raise InputError("--vnodes-per-rank with --elastic-schedule: give auto, or nothing for even shares (fixed "
-                         "shares cannot follow a changing number of ranks)")
-    if batch_size % b == 0 and batch_size // b < elastic.max_ranks:
-        raise InputError(f"--max-ranks {elastic.max_ranks}: the global batch holds {batch_size // b} virtual nodes, "
-                         "and every rank needs at least one; give at most that many ranks, or a larger --batch-size")
-    return schedule
-
-
-def _collect_stages(w, loaded, held, stages, model: str, signature: str) -> None:
-    """Give rank 0 the whole trained model: the variables every other rank's pipeline stage
-    updates (its parameters and optimizer state, from the first replica), over the model's own
-    values of those no stage reads."""
-    import tensorflow as tf
-
-    owner = {name: k for k, part in enumerate(stages.parts) for name in part.variables + part.optimizer_state}
-    mine = {v.name.rsplit(":", 1)[0]: v for v in held}
-    sent = {n: v.numpy() for n, v in mine.items() if owner.get(n) == w.rank} if 0 < w.rank < stages.count else {}
-    got = w.comm.gather(sent, root=0)
-    if not w.is_root:
-        return
-    trained = {n: v.numpy() for n, v in mine.items()}
-    for values in got:
-        trained.update(values)
-    tf.train.Checkpoint(root=loaded).read(os.path.join(model, "variables", "variables")).expect_partial()
-    for v in loaded.signatures[signature].variables:
-        name = v.name.rsplit(":", 1)[0]
-        if name in trained:
-            v.assign(trained[name])
-
-
-def _same_model(w, model: str) -> None:
-    """Every rank opens the same model (pipeline stages start from its files, not from rank 0)."""
-    fingerprints = w.gather(savedmodel.source_fingerprint(model, None))
-    other = next((r for r, f in enumerate(fingerprints) if f != fingerprints[0]), None)
-    if other is not None:
-        raise InputError(f"rank {other} opened another model than rank 0 at {model}; give every rank the same "
-                         "model (a path on a shared file system)")
-
-
-def _run_config(*, steps: int, batch_size: int, seed: int, checkpoint_every: int, signature: str, resume: bool,
-                force: bool, allow_nonfinite: bool, out: str, fingerprint: str, data: Dict[str, np.ndarray],
-                data_files: List[str], elastic: Optional[ElasticOptions]) -> Dict[str, Tuple[object, str]]:
-    """What the ranks of a job must agree on to run the same steps and as many collective calls
-    (option -> (compared, shown), for :func:`vfgraph.runtime.world.same_everywhere`). Not in
-    it, as they may differ by design: --threads, --vnodes-per-rank (each rank's share), -v and
-    --no-progress, and how a process an elastic job started was started."""
-    digest = data_digest(data, data_files)
-    n = len(next(iter(data.values()))) if data else 0
-    shown = {"--seed": seed, "--batch-size": batch_size, "--steps": steps, "--checkpoint-every": checkpoint_every,
-             "--train-signature": signature, "--resume": resume, "--force": force,
-             "--allow-nonfinite": allow_nonfinite, "-o": out}
-    if elastic is not None:  # (each rank's schedule says when the job changes size)
-        shown.update({"--elastic-schedule": elastic.schedule, "--max-ranks": elastic.max_ranks,
-                      "--host-discovery-script": elastic.discovery, "--discovery-interval": elastic.interval})
-    config = {k: (v, str(v)) for k, v in shown.items()}
-    config["--data"] = (digest, f"{n} examples of digest {digest[:12]}")
-    config["the model"] = (fingerprint, f"fingerprint {fingerprint[:12]}")
-    return config
-
-
-def data_digest(data: Dict[str, np.ndarray], files: List[str], examples: int = 64, most: int = 1 << 20) -> str:
-    """A digest of the training data that takes every rank milliseconds whatever the data's
-    size (the data is read once, to train on): the data files' sizes, each array's name,
-    dtype and shape, and the bytes of up to ``examples`` examples of each array (``most``
-    bytes at most), evenly spaced from its first to its last. Not covered: the files' paths
-    and times (copies on different hosts are the same data), and a difference only in
-    examples it does not sample in files of the same sizes (rank 0's checkpoint record hashes
-    all of the data)."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{os.path.getsize(f) if os.path.isfile(f) else -1};".encode())
-    for k in sorted(data):
-        a = data[k]
-        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
-        if not len(a):
-            continue
-        count = int(min(len(a), examples, max(1, most // max(1, a[:1].nbytes))))
-        rows = np.unique(np.linspace(0, len(a) - 1, count).astype(np.int64))
-        sample = a[rows]
-        if sample.dtype.kind == "O":  # (strings from TFRecord files)
-            for x in sample.ravel():
-                h.update(x if isinstance(x, bytes) else repr(x).encode())
-                h.update(b"\0")
-        else:
-            h.update(np.ascontiguousarray(sample).tobytes())
-    return h.hexdigest()
-
-
-def _kept(ckpt_dir: str, last: Optional[int], every: int) -> str:
-    if last is None:
-        return f"; no checkpoint was written before it (one every {every} steps, --checkpoint-every)"
-    return f"; the last good checkpoint (step {last}) is kept in {ckpt_dir}, --resume continues from it"
-
-
-def _nonfinite_message(step: int, loss: float, feed: Dict[str, np.ndarray], ckpt_dir: str, last: Optional[int],
-                       every: int, w) -> str:
-    counts = {k: int(np.count_nonzero(~np.isfinite(v))) for k, v in feed.items() if v.dtype.kind == "f"}
-    bad = [f"{k!r} has {n} non-finite values" for k, n in sorted(counts.items()) if n]
-    where = f"rank {w.rank}, " if w.size > 1 else ""
-    hint = (f"the batch's input {', '.join(bad)}: check the data" if bad
-            else "the batch's inputs are finite: lower the learning rate or check the model")
-    return (f"{where}step {step}: the loss is {loss} (not finite); training stopped and no model was written"
-            f"{_kept(ckpt_dir, last, every)}; {hint}, or pass --allow-nonfinite to train on")
-
-
-def _refused_batch(lines: List[str], feed: Dict[str, np.ndarray], rows: np.ndarray, data_path: str,
-                   where: str) -> str:
-    """One line for an op of the model refusing the values of a batch (TensorFlow's
-    InvalidArgumentError, ``lines`` its message): what the op said, at which node, and the
-    input and first row of ``data_path`` holding a value it names (``rows``: the data's row of
-    each example fed)."""
-    skip = ("Graph execution error", "Detected at node", "<stack traces", "[[")
-    said = next((x for x in lines if not x.startswith(skip)), lines[0] if lines else "no message")
-    node = next(iter(re.findall(r"\{\{node ([^}]+)\}\}", " ".join(lines))), "")
-    said = re.split(r"\s{2,}", said)[0].rstrip(". ")  # (the values TensorFlow lists after it)
-    culprit = ""
-    for number in re.findall(r"value of (-?\d+)", said)[:1]:
-        hits = {k: np.argwhere(v == int(number)) for k, v in sorted(feed.items()) if v.dtype.kind in "iu"}
-        hits = {k: h for k, h in hits.items() if len(h)}
-        if hits:
-            k, h = next(iter(hits.items()))
-            culprit = f"; input {k!r} holds {number} in row {int(rows[h[0][0]])} of {data_path}"
-    op = f" (node {node.rsplit('/', 1)[-1]})" if node else ""
-    return (f"{where}: the model refused the batch's values: {said}{op}{culprit}; check the data against what the "
-            "model takes (for class labels: 0 <= label < classes); no model was written")
-
-
-def _write_part(ckpt, ckpt_dir: str, name: str) -> str:
-    """Write ``ckpt`` as ``ckpt_dir/name``; returns its path. A failed write leaves no file of it."""
-    os.makedirs(ckpt_dir, exist_ok=True)
-    prefix = os.path.join(ckpt_dir, name)
-    try:
-        with outputs.writing(ckpt_dir):
-            return ckpt.write(prefix)
-    except BaseException:
-        for f in os.listdir(ckpt_dir):
-            if f.startswith(name + "."):
-                os.remove(os.path.join(ckpt_dir, f))
-        raise
-
-
-def _checkpoint(ckpt, ckpt_dir: str, step: int, losses: LossHistory, config: Optional[dict],
-                parts: Optional[List[str]] = None) -> None:
-    """Write the checkpoint of ``step`` steps (or take ``parts``, the pipeline stages' own,
-    written already), then (atomically) the record that names it, then remove older ones: a
-    run stopped at any moment keeps a complete checkpoint."""
-    paths = parts or [_write_part(ckpt, ckpt_dir, f"step-{step}")]
-    tmp = os.path.join(ckpt_dir, "progress.json.tmp")
-    history = losses.record()
-    record = {"step": step, "checkpoint": paths[0], "first_loss": history["first_loss"],
-              "losses_from": history["losses_from"], "losses": history["losses"], "config": config}
-    if parts:
-        record["stages"] = paths
-    try:
-        with outputs.writing(ckpt_dir):
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, os.path.join(ckpt_dir, "progress.json"))
-    except BaseException:  # the last complete checkpoint stays the one progress.json names
-        for f in os.listdir(ckpt_dir):
-            if any(f.startswith(os.path.basename(p) + ".") for p in paths) or f == os.path.basename(tmp):
-                os.remove(os.path.join(ckpt_dir, f))
-        raise
-    keep = tuple(os.path.basename(p) + "." for p in paths)
-    for f in os.listdir(ckpt_dir):  # keep only the checkpoint progress.json names
-        if f.startswith("step-") and not f.startswith(keep) and outputs.is_checkpoint_entry(f):
-            p = os.path.join(ckpt_dir, f)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-    outputs.write_manifest(ckpt_dir, outputs.CHECKPOINT,
-                           [f for f in os.listdir(ckpt_dir) if f == "progress.json" or f.startswith(keep)])
-
-
-def _save_trained(loaded, model: str, out: str, losses: LossHistory, variable_devices: bool = False,
-                  ckpt_dir: str = "") -> None:
-    """Write the trained model at ``out`` and its serving export at ``OUT.serving/1`` (a model
-    without a servable signature gets none, with a warning). A write that fails is an
-    OutputError: when it is the serving export's, ``out`` is whole and the message says how to
-    make the export again (and that the run's checkpoint, ``ckpt_dir``, is kept).
-    ``variable_devices``: keep each variable's device (a model partitioned into stages)."""
-    import tensorflow as tf
-
-    out = os.path.abspath(out)
-    tmp = outputs.temp_dir(os.path.dirname(out), ".vfgraph-train-")
-    policy = tf.saved_model.experimental.VariablePolicy
-    options = tf.saved_model.SaveOptions(
-        experimental_variable_policy=policy.SAVE_VARIABLE_DEVICES if variable_devices else policy.NONE)
-    with outputs.writing(out, tmp):
-        tf.saved_model.save(loaded, tmp, signatures=_signatures_to_save(loaded), options=options)
-        _drop_unsaved_gradient_types(tmp)
-        meta = records.read_metadata(model) or {}
-        meta["training"] = losses.record()
-        os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
-        with open(os.path.join(tmp, records.METADATA_FILE), "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-        outputs.publish(tmp, out)
-    # Beside it, what a server loads: OUT.serving/1/ (serving signatures and their variables only,
-    # no training functions, none of vfgraph's ops), replacing the one an earlier run wrote.
-    base = serving.sibling_dir(out)
-    try:
-        serving.save_serving_model(savedmodel.load_saved_model(out), base, force=True)
-    except OutputError as e:  # the trained model is whole; what a server would load is not written
-        stale = serving.target_dir(base, 1)
-        outputs.remove_written(stale)  # an earlier run's export would serve another model
-        reason = re.search(r"writing failed \(([^)]*)\)", str(e))
-        kept = f"; the checkpoint {ckpt_dir} is kept" if ckpt_dir and os.path.isdir(ckpt_dir) else ""
-        raise OutputError(f"{stale}: writing the serving export failed ({reason.group(1) if reason else e}); the "
-                          f"trained model {out} was written whole, its serving export was not{kept}. Free space and "
-                          f"make it with: vfgraph export {out} -o {base}") from None
-    except VfgraphError as e:  # a model without a servable signature still trained
-        outputs.remove_written(serving.target_dir(base, 1))
-        log.warning("no serving export beside %s: %s", out, e)
-
-
-def _drop_unsaved_gradient_types(path: str) -> None:
-    """Rewrite the SavedModel TensorFlow wrote at ``path`` without the types of custom gradients
-    it did not save (:func:`vfgraph.io.savedmodel.without_unsaved_gradient_types`), so that
-    loading the trained model does not warn about them."""
-    proto = savedmodel.read_saved_model_proto(path)
-    fixed = savedmodel.without_unsaved_gradient_types(proto)
-    if fixed is not proto:
-        with open(os.path.join(path, savedmodel.SAVED_MODEL_PB), "wb") as f:
-            f.write(fixed.SerializeToString(deterministic=True))
-        savedmodel._write_fingerprint(path, fixed)
-
-
-def _signatures_to_save(loaded) -> dict:
-    """The signatures of the trained model: every one ``loaded`` has but the init op of a TF1
-    SavedModel, which loading ran already (its effects are in the variables saved) and which
-    returns no tensor, so cannot be a signature of the model saved again."""
-    from tensorflow.python.saved_model import constants
-
-    return {k: fn for k, fn in loaded.signatures.items() if k != constants.INIT_OP_SIGNATURE_KEY}
+    outputs.remove_written(cfg.ckpt_dir)
+    return TrainResult(cfg.output, cfg.steps, loop.losses, loop.runner.metrics)
