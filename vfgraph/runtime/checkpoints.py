@@ -201,7 +201,12 @@ class Checkpoints:
             part = w.agree(lambda: write_part(self.ckpt, self.dir, f"step-{done}-stage-{w.rank + 1}")
                            if w.rank < self.stages else None)
             parts = w.gather(part)[:self.stages]
-        w.agree(lambda: write_checkpoint(self.ckpt, self.dir, done, losses, self.config, parts) if w.is_root else None)
+
+        def write() -> None:
+            if w.is_root:  # (its record names the new checkpoint from here on, even if the agreement stalls)
+                write_checkpoint(self.ckpt, self.dir, done, losses, self.config, parts)
+                self.last = done
+        w.agree(write)
         self.last = done
 
     def restore(self, w, state: Optional[dict], resume: bool) -> Tuple[int, LossHistory]:
