@@ -37,6 +37,25 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)  # (closing the files releases both)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The test files that took longest (setup, call and teardown summed), and how much of the
+    run's time went to tests that run alone: where to look when the run grows."""
+    files, alone = {}, 0.0
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "when", None) and getattr(r, "duration", None):
+                path = r.nodeid.split("::")[0]
+                files[path] = files.get(path, 0.0) + r.duration
+                if r.when == "call" and ("mpi" in r.keywords or "alone" in r.keywords):
+                    alone += r.duration
+    if not files:
+        return
+    terminalreporter.write_sep("=", "slowest test files")
+    for path, seconds in sorted(files.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
+    terminalreporter.write_line(f"{sum(files.values()):8.1f}s in all; {alone:.1f}s in tests that run alone")
+
+
 @pytest.fixture
 def toy_passes():
     """A decorator registering a test's passes for that test only (the registry is
