@@ -970,7 +970,8 @@ def cmd_train(args) -> int:
                         seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank,
                         threads=args.threads, allow_nonfinite=args.allow_nonfinite, elastic=elastic,
                         stall_warning=args.stall_warning, stall_timeout=args.stall_timeout,
-                        eval_data=args.eval_data, eval_every=args.eval_every, logdir=args.logdir)
+                        eval_data=args.eval_data, eval_every=args.eval_every, logdir=args.logdir,
+                        keras_file=args.model if model != args.model else None, imports=args.imports or ())
         except Exception as e:
             if args.elastic_join:  # a new rank of an elastic job: the job goes on without it
                 from vfgraph.runtime.elastic import report_failure

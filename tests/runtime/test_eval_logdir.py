@@ -155,3 +155,43 @@ def test_mistakes_are_one_line_before_the_first_step(v8, digits, tmp_path, capsy
 
     with pytest.raises(InputError, match="--eval-every 0"):
         train(v8, digits["train"], STEPS, BATCH, str(out), eval_data=digits["test"], eval_every=0)
+
+
+def test_keras_file_validates_with_its_compiled_loss_and_metrics(digits, tmp_path, capsys):
+    """`vfgraph train m.keras --eval-data`: the compiled loss and metrics (Keras' own objects)
+    on the trained model's serving outputs, as Keras computes them."""
+    import keras
+    import tensorflow as tf
+
+    from conftest import fresh_keras
+
+    fresh_keras()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,), name="x"), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=3, name="top3")])
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    for split in ("train", "test"):
+        with np.load(digits[split]) as z:
+            np.savez(tmp_path / f"{split}.npz", x=z["x"], label=z["y"])
+    out, logdir = tmp_path / "out", tmp_path / "logs"
+    code, err = run_in_process(capsys, "train", path, "--data", tmp_path / "train.npz", "--steps", 4, "--batch-size",
+                               64, "-o", out, "--no-progress", "--eval-data", tmp_path / "test.npz", "--logdir",
+                               logdir)
+    assert code == 0, err
+    rec = recorded(str(out))
+    assert rec["loss"] == "the compiled loss of the .keras file" and sorted(rec["metrics"]) == ["accuracy", "loss",
+                                                                                                 "top3"]
+    with np.load(tmp_path / "test.npz") as z:
+        x, y = z["x"], z["label"]
+    logits = tf.saved_model.load(str(out)).signatures["serving_default"](x=x)["output_0"]
+    want = {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, logits),
+            "accuracy": keras.metrics.SparseCategoricalAccuracy()(y, logits),
+            "top3": keras.metrics.SparseTopKCategoricalAccuracy(k=3)(y, logits)}
+    for k, v in want.items():
+        assert abs(rec["metrics"][k] - float(v)) <= 1e-6, (k, rec["metrics"][k], float(v))
+    validation, _ = scalars(str(logdir), "validation")
+    assert sorted(validation) == ["epoch_accuracy", "epoch_loss", "epoch_top3"]
+    train_scalars, _ = scalars(str(logdir), "train")
+    assert [s for s, _ in train_scalars["batch_accuracy"]] == [1, 2, 3, 4]

@@ -45,6 +45,8 @@ class TrainConfig:
     eval_data: Optional[str] = None
     eval_every: Optional[int] = None
     logdir: Optional[str] = None
+    keras_file: Optional[str] = None  # the compiled .keras file the model was built from (its metrics validate)
+    imports: Tuple[str, ...] = ()  # modules that file's model needs
 
     @property
     def auto(self) -> bool:

@@ -10,6 +10,11 @@ serving signature does not (``y``). The metrics (:class:`Validation`):
   1e-3), as probabilities (clipped below at 1e-7, as Keras does); and ``accuracy``, the share of
   examples whose largest output is the label's;
 - float labels of the output's per-example shape: ``loss``, the mean squared error.
+
+A model built from a compiled ``.keras`` file is validated with its compiled loss (the
+outputs' losses with their weights; regularization terms, which depend on no example, left
+out) and compiled metrics, Keras' own objects (:class:`vfgraph.io.keras_file.CompiledMetrics`),
+their states added up over the ranks.
 """
 from __future__ import annotations
 
@@ -30,18 +35,26 @@ EPSILON = 1e-7  # probabilities are clipped below at this (Keras' epsilon) befor
 
 @dataclass
 class EvalSet:
-    """The validation examples: the serving signature's ``inputs``, the ``label`` array (named
-    ``label_key``), ``n`` examples, read from ``path``."""
+    """The validation examples: the serving signature's ``inputs``, the ``labels`` there are (the
+    first by name, ``label_key``, is the one the loss of :func:`_loss_kind` takes), ``n``
+    examples, read from ``path``."""
 
     path: str
     inputs: Dict[str, np.ndarray]
-    label_key: str
-    label: np.ndarray
+    labels: Dict[str, np.ndarray]
     n: int
 
+    @property
+    def label_key(self) -> str:
+        return sorted(self.labels)[0]
+
+    @property
+    def label(self) -> np.ndarray:
+        return self.labels[self.label_key]
+
     @classmethod
-    def load(cls, path: str, serving_specs: dict, train_specs: dict, output_spec, model: str) -> "EvalSet":
-        """The data at ``path``, checked: every serving input, a label the loss applies to."""
+    def load(cls, path: str, serving_specs: dict, train_specs: dict, model: str) -> "EvalSet":
+        """The data at ``path``, checked: every serving input, and labels."""
         label_specs = {k: s for k, s in sorted(train_specs.items()) if k not in serving_specs}
         if not label_specs:
             raise InputError(f"{model}: the training signature takes no array that the {SERVING!r} signature does "
@@ -52,14 +65,12 @@ class EvalSet:
         if not present:
             raise InputError(f"{path}: no label array {sorted(label_specs)} (the training signature takes it, the "
                              f"{SERVING!r} signature does not); give the validation labels under that name")
-        key = present[0]
-        label = check_data({key: raw[key]}, {key: label_specs[key]}, path, "train")[key]
-        n = len(label)
+        labels = check_data({k: raw[k] for k in present}, {k: label_specs[k] for k in present}, path, "train")
+        n = len(labels[present[0]])
         if n == 0 or any(len(v) != n for v in inputs.values()):
-            lengths = {k: len(v) for k, v in {**inputs, key: label}.items()}
+            lengths = {k: len(v) for k, v in {**inputs, **labels}.items()}
             raise InputError(f"{path}: validation arrays of different lengths or none: {lengths}")
-        _loss_kind(label, output_spec, path, key)
-        return cls(path, inputs, key, label, n)
+        return cls(path, inputs, labels, n)
 
 
 def _loss_kind(label: np.ndarray, output_spec, path: str, key: str) -> str:
@@ -84,19 +95,24 @@ def output_key(fn) -> str:
 
 class Validation:
     """Validates ``fn`` (the serving signature of the model being trained) on ``data`` in
-    micro-batches of ``chunk`` examples; keeps the ``last`` metrics and the step they are of."""
+    micro-batches of ``chunk`` examples, with a ``.keras`` file's ``compiled`` loss and metrics
+    (None: those of :func:`_loss_kind`); keeps the ``last`` metrics and the step they are of."""
 
-    def __init__(self, fn, data: EvalSet, chunk: int):
-        self.fn, self.data, self.chunk = fn, data, max(1, chunk)
+    def __init__(self, fn, data: EvalSet, chunk: int, compiled=None):
+        self.fn, self.data, self.chunk, self.compiled = fn, data, max(1, chunk), compiled
         self.key = output_key(fn)
-        self.kind = _loss_kind(data.label, fn.structured_outputs[self.key], data.path, data.label_key)
+        self.kind = "compiled" if compiled is not None else _loss_kind(
+            data.label, fn.structured_outputs[self.key], data.path, data.label_key)
         self.last: Dict[str, float] = {}
         self.step: Optional[int] = None
         self.as_probabilities = False  # (integer labels) the outputs were probabilities, not logits
 
     @classmethod
-    def open(cls, loaded, train_fn, model: str, path: str, chunk: int, ranked: bool) -> "Validation":
-        """The validation of ``loaded`` on the data at ``path``; one line when it cannot be."""
+    def open(cls, loaded, train_fn, model: str, path: str, chunk: int, ranked: bool,
+             keras_file: Optional[str] = None, imports=()) -> "Validation":
+        """The validation of ``loaded`` on the data at ``path`` (``keras_file``: the compiled
+        ``.keras`` file ``loaded`` was built from; ``imports`` the modules it needs); one line
+        when it cannot be."""
         if ranked:
             raise InputError(f"{model}: its training step is cut into pipeline stages on ranks of their own, so no "
                              f"rank holds the whole {SERVING!r} signature while training; leave out --eval-data (or "
@@ -106,18 +122,30 @@ class Validation:
                              f"{', '.join(sorted(loaded.signatures))}); leave out --eval-data")
         fn = loaded.signatures[SERVING]
         serving_specs, train_specs = fn.structured_input_signature[1], train_fn.structured_input_signature[1]
-        data = EvalSet.load(path, serving_specs, train_specs, fn.structured_outputs[output_key(fn)], model)
-        return cls(fn, data, chunk)
+        data = EvalSet.load(path, serving_specs, train_specs, model)
+        compiled = None
+        if keras_file:
+            from vfgraph.io.keras_file import CompiledMetrics
+
+            compiled = CompiledMetrics(keras_file, imports)
+            missing = [k for k in compiled.label_names if k not in data.labels]
+            if missing:
+                raise InputError(f"{path}: no label array {missing} (the compiled loss of {keras_file} takes "
+                                 f"{compiled.label_names}); give the validation labels under those names")
+        return cls(fn, data, chunk, compiled)
 
     def run(self, w, step: int) -> Dict[str, float]:
         """(collective over the world ``w``) The metrics after ``step`` steps, each rank
         computing its slice of the examples; logged on rank 0."""
         lo, hi = self.data.n * w.rank // w.size, self.data.n * (w.rank + 1) // w.size
-        sums = np.zeros(6)
-        for a in range(lo, hi, self.chunk):
-            sums += self._sums(a, min(hi, a + self.chunk))
-        total = np.sum(w.gather(sums), axis=0)
-        self.last, self.step = self._metrics(total), step
+        if self.compiled is not None:
+            self.last = self._compiled(w, lo, hi)
+        else:
+            sums = np.zeros(6)
+            for a in range(lo, hi, self.chunk):
+                sums += self._sums(a, min(hi, a + self.chunk))
+            self.last = self._metrics(np.sum(w.gather(sums), axis=0))
+        self.step = step
         if w.is_root:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in self.last.items())
             log.info("validation after step %d: %s (%d examples of %s)", step, shown, self.data.n, self.data.path)
@@ -139,6 +167,21 @@ class Validation:
         correct = np.count_nonzero(out.argmax(axis=1) == label)
         return np.array([as_logits, as_probs, not_probs, correct, 0, b - a])
 
+    def _compiled(self, w, lo: int, hi: int) -> Dict[str, float]:
+        """(a .keras file's model) The compiled loss, a sum of batch means times their sizes,
+        and the metrics, their states summed over the ranks."""
+        compiled = self.compiled
+        compiled.reset()
+        loss = 0.0
+        for a in range(lo, hi, self.chunk):
+            b = min(hi, a + self.chunk)
+            out = self.fn(**{k: v[a:b] for k, v in self.data.inputs.items()})
+            outputs = [out[f"output_{i}"] for i in range(len(out))]
+            loss += compiled.update(outputs, [self.data.labels[k][a:b] for k in compiled.label_names]) * (b - a)
+        seen = w.gather((loss, compiled.state()))
+        compiled.set_state([np.sum(parts, axis=0) for parts in zip(*(s for _, s in seen))])
+        return {"loss": sum(x for x, _ in seen) / self.data.n, **compiled.result()}
+
     def _metrics(self, total: np.ndarray) -> Dict[str, float]:
         n = total[5]
         if self.kind == "mse":
@@ -149,7 +192,8 @@ class Validation:
 
     def record(self) -> dict:
         """What the trained model's record says of the last validation."""
+        loss = {"mse": "mean squared error", "compiled": "the compiled loss of the .keras file"}.get(
+            self.kind, "sparse softmax cross-entropy of " + ("probabilities" if self.as_probabilities else "logits"))
         return {"data": self.data.path, "examples": self.data.n, "step": self.step, "metrics": dict(self.last),
-                "loss": "mean squared error" if self.kind == "mse" else "sparse softmax cross-entropy of "
-                + ("probabilities" if self.as_probabilities else "logits")}
+                "loss": loss}
 

@@ -64,7 +64,7 @@ class Reports:
         validation = None
         if cfg.eval_data:
             validation = Validation.open(loaded, loaded.signatures[cfg.signature], cfg.model, cfg.eval_data,
-                                         cfg.batch_size, ranked)
+                                         cfg.batch_size, ranked, cfg.keras_file, cfg.imports)
         events = None
         if cfg.logdir and is_root:
             events = EventLog(os.path.abspath(cfg.logdir))
