@@ -168,7 +168,8 @@ def test_keras_file_validates_with_its_compiled_loss_and_metrics(digits, tmp_pat
     fresh_keras()
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,), name="x"), keras.layers.Dense(10)])
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=3, name="top3")])
     path = str(tmp_path / "m.keras")
     model.save(path)
@@ -195,3 +196,19 @@ def test_keras_file_validates_with_its_compiled_loss_and_metrics(digits, tmp_pat
     assert sorted(validation) == ["epoch_accuracy", "epoch_loss", "epoch_top3"]
     train_scalars, _ = scalars(str(logdir), "train")
     assert [s for s, _ in train_scalars["batch_accuracy"]] == [1, 2, 3, 4]
+
+
+@pytest.mark.mpi
+def test_pipeline_stages_on_ranks_refuse_validation(models, digits, tmp_path):
+    """A step cut into 2 stages on 2 ranks: no rank holds the whole serving signature while
+    training; one line, exit 2, before the first step, nothing written."""
+    import vfgraph
+
+    model = str(tmp_path / "staged")
+    vfgraph.save(vfgraph.rewrite(models("mlp:momentum"), vnodes=8, vnode_batch=8, stages=2), model)
+    out = tmp_path / "out"
+    argv = train_argv(model, digits["train"], out, "--eval-data", digits["test"])
+    res = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "vfgraph.cli", *map(str, argv)],
+                         capture_output=True, text=True, env=MPI_ENV, timeout=300)
+    one_error(res.returncode, res.stderr.splitlines(), "pipeline stages on ranks of their own", "leave out --eval-data")
+    assert not out.exists() and not os.path.exists(str(out) + ".ckpt")
