@@ -21,30 +21,34 @@ from vfgraph.runtime.evaluate import Validation
 
 
 class EventLog:
-    """TensorBoard event files under ``logdir``: the ``train`` and ``validation`` runs."""
+    """TensorBoard event files under ``logdir``: the ``train`` and ``validation`` runs, made at
+    their first value (a run refused before its first step leaves none), the graph of the
+    concrete function ``fn`` (the rewritten training step) first in ``train``."""
 
-    def __init__(self, logdir: str):
+    def __init__(self, logdir: str, fn):
+        self.logdir, self.fn = logdir, fn
+        self.writers: Dict[str, object] = {}
+
+    def _writer(self, run: str):
         import tensorflow as tf
 
-        self.train = tf.summary.create_file_writer(os.path.join(logdir, "train"))
-        self.validation = tf.summary.create_file_writer(os.path.join(logdir, "validation"))
+        if run not in self.writers:
+            self.writers[run] = tf.summary.create_file_writer(os.path.join(self.logdir, run))
+            if run == "train":
+                with self.writers[run].as_default():
+                    tf.summary.graph(self.fn.graph.as_graph_def())
+        return self.writers[run]
 
-    def graph(self, fn) -> None:
-        """The graph of the concrete function ``fn`` (the rewritten training step), in ``train``."""
+    def scalars(self, run: str, step: int, values: Dict[str, float]) -> None:
+        """``values`` (name -> number) at ``step`` in the run ``run`` ("train", "validation")."""
         import tensorflow as tf
 
-        with self.train.as_default():
-            tf.summary.graph(fn.graph.as_graph_def())
-
-    def scalars(self, writer, step: int, values: Dict[str, float]) -> None:
-        import tensorflow as tf
-
-        with writer.as_default(step=step):
+        with self._writer(run).as_default(step=step):
             for name, value in values.items():
                 tf.summary.scalar(name, value)
 
     def close(self) -> None:
-        for writer in (self.train, self.validation):
+        for writer in self.writers.values():
             writer.flush()
             writer.close()
 
@@ -67,8 +71,7 @@ class Reports:
                                          cfg.batch_size, ranked, cfg.keras_file, cfg.imports)
         events = None
         if cfg.logdir and is_root:
-            events = EventLog(os.path.abspath(cfg.logdir))
-            events.graph(fn)
+            events = EventLog(os.path.abspath(cfg.logdir), fn)
         rate = next((v for v in held if v.name.rsplit(":", 1)[0].rsplit("/", 1)[-1] == "learning_rate"
                      and v.shape.rank == 0), None)
         return cls(cfg, validation, events, rate)
@@ -100,7 +103,7 @@ class Reports:
     def _validate(self, w, done: int) -> None:
         metrics = self.validation.run(w, done)
         if self.events is not None:
-            self.events.scalars(self.events.validation, done, {f"epoch_{k}": v for k, v in metrics.items()})
+            self.events.scalars("validation", done, {f"epoch_{k}": v for k, v in metrics.items()})
 
     def _step_scalars(self, loop, done: int, loss: float, metrics: Dict[str, float]) -> None:
         """Rank 0's scalars of a step (the other ranks' times from the step's own exchange)."""
@@ -116,4 +119,4 @@ class Reports:
             values[f"vnodes/rank_{r}"] = per[min(r // k, len(per) - 1)]
         if self.rate is not None:
             values["learning_rate"] = float(self.rate.numpy())
-        self.events.scalars(self.events.train, done, values)
+        self.events.scalars("train", done, values)
