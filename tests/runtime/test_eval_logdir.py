@@ -136,6 +136,7 @@ def test_mistakes_are_one_line_before_the_first_step(v8, digits, tmp_path, capsy
     with np.load(digits["test"]) as z:
         np.savez(only_y, y=z["y"])
         np.savez(tmp_path / "no_label.npz", x=z["x"])
+        np.savez(tmp_path / "class_10.npz", x=z["x"], y=np.where(np.arange(len(z["y"])) == 5, 10, z["y"]))
     before = tree_digest(tmp_path)
     cases = [
         (("--eval-data", tmp_path / "missing.npz"), "--eval-data", "no such file"),
@@ -145,6 +146,7 @@ def test_mistakes_are_one_line_before_the_first_step(v8, digits, tmp_path, capsy
         (("--logdir", out / "logs"), "inside the run's output", "outside it"),
         (("--eval-data", only_y), "arrays ['x'] are missing", "'serving_default'"),
         (("--eval-data", tmp_path / "no_label.npz"), "no label array ['y']", "give the validation labels"),
+        (("--eval-data", tmp_path / "class_10.npz"), "holds 10 in row 5", "0 <= label < 10"),
     ]
     for extra, *needles in cases:
         one_error(*run_in_process(capsys, *train_argv(v8, digits["train"], out, *extra)), *needles)

@@ -78,6 +78,11 @@ def _loss_kind(label: np.ndarray, output_spec, path: str, key: str) -> str:
     output's per-example shape); one line for a label neither fits."""
     shape = output_spec.shape
     if label.dtype.kind in "iu" and label.ndim == 1 and shape.rank == 2:
+        classes = shape[-1]
+        if len(label) and (label.min() < 0 or (classes is not None and label.max() >= classes)):
+            bad = int(np.argmax((label < 0) | (label >= (classes if classes is not None else np.inf))))
+            raise InputError(f"{path}: label array {key!r} holds {int(label[bad])} in row {bad}, not a class of the "
+                             f"output's {classes} (0 <= label < {classes}); check the validation labels")
         return "sparse"
     if label.dtype.kind == "f" and shape[1:].is_compatible_with(label.shape[1:]) and shape.rank == label.ndim:
         return "mse"
