@@ -68,13 +68,16 @@ def check_metrics(out, digits, summary):
     return rec["metrics"]
 
 
-def check_events(logdir, ranks, steps=STEPS):
+def check_events(logdir, vnodes, steps=STEPS):
+    """The scalars of a run whose ranks ran ``vnodes`` virtual nodes each."""
+    ranks = len(vnodes)
     train, graph = scalars(logdir, "train")
     assert graph
     for tag in ["batch_loss", "examples_per_second", "learning_rate"] + [
             f"{k}/rank_{r}" for k in ("step_time", "vnodes") for r in range(ranks)]:
         assert [s for s, _ in train[tag]] == list(range(1, steps + 1)), tag
-    assert all(v == 8 // ranks for _, v in train["vnodes/rank_0"])
+    for r, v in enumerate(vnodes):
+        assert all(got == v for _, got in train[f"vnodes/rank_{r}"])
     assert all(abs(v - 0.05) < 1e-7 for _, v in train["learning_rate"])
     assert all(v > 0 for _, v in train["examples_per_second"] + train["step_time/rank_0"])
     validation, _ = scalars(logdir, "validation")
@@ -94,7 +97,7 @@ def test_one_rank_metrics_and_event_files(v8, digits, tmp_path):
                 logdir=logdir)
     metrics = check_metrics(out, digits, res.summary())
     assert res.validation == metrics
-    train_scalars, validation = check_events(logdir, 1)
+    train_scalars, validation = check_events(logdir, [8])
     losses = json.load(open(os.path.join(out, "assets.extra", "vfgraph.json")))["training"]["losses"]
     np.testing.assert_allclose([v for _, v in train_scalars["batch_loss"]], losses, rtol=1e-6)
     first, last = validation["epoch_loss"][0][1], validation["epoch_loss"][-1][1]
@@ -115,17 +118,17 @@ def test_summary_line_shows_the_validation(v8, digits, tmp_path):
 
 @pytest.mark.mpi
 def test_two_ranks_metrics_and_event_files(v8, digits, tmp_path):
-    """mpiexec -n 2: each rank validates half the examples; the sums gathered give the trained
-    model's metrics; rank 0 writes every rank's step time and virtual nodes."""
+    """mpiexec -n 2, uneven shares 5+3: each rank validates half the examples; the sums gathered
+    give the trained model's metrics; rank 0 writes every rank's step time and virtual nodes."""
     out, logdir = str(tmp_path / "out"), str(tmp_path / "logs")
     argv = train_argv(v8, digits["train"], out, "--eval-data", digits["test"], "--eval-every", EVERY, "--logdir",
-                      logdir)
+                      logdir, "--vnodes-per-rank", "5,3")
     res = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "vfgraph.cli", "-v", *map(str, argv)],
                          capture_output=True, text=True, env=MPI_ENV, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     check_metrics(out, digits, res.stdout)
     assert res.stderr.count("validation after step") == STEPS // EVERY  # (rank 0 logs each)
-    check_events(logdir, 2)
+    check_events(logdir, [5, 3])
 
 
 def test_mistakes_are_one_line_before_the_first_step(v8, digits, tmp_path, capsys):
