@@ -217,3 +217,21 @@ def test_pipeline_stages_on_ranks_refuse_validation(models, digits, tmp_path):
                          capture_output=True, text=True, env=MPI_ENV, timeout=300)
     one_error(res.returncode, res.stderr.splitlines(), "pipeline stages on ranks of their own", "leave out --eval-data")
     assert not out.exists() and not os.path.exists(str(out) + ".ckpt")
+
+
+@pytest.mark.mpi
+def test_elastic_job_validates_on_its_ranks_and_logs_their_shares(v8, digits, tmp_path):
+    """1 -> 2 ranks at step 3: the validations run on the ranks of the job at the time (the new
+    rank too), the trained model's metrics; vnodes/rank_<r> follows the resize."""
+    out, logdir = str(tmp_path / "out"), str(tmp_path / "logs")
+    argv = train_argv(v8, digits["train"], out, "--eval-data", digits["test"], "--eval-every", EVERY, "--logdir",
+                      logdir, "--threads", 1, "--max-ranks", 2, "--elastic-schedule", "0:1,3:2")
+    res = subprocess.run([MPIEXEC, "-n", "1", sys.executable, "-m", "vfgraph.cli", "-v", *map(str, argv)],
+                         capture_output=True, text=True, env=MPI_ENV, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resized 1 -> 2 ranks at step 3" in res.stderr, res.stderr[-3000:]
+    check_metrics(out, digits, res.stdout)
+    train, _ = scalars(logdir, "train")
+    assert train["vnodes/rank_0"] == [(1, 8), (2, 8), (3, 8), (4, 4), (5, 4), (6, 4)]
+    assert train["vnodes/rank_1"] == [(4, 4), (5, 4), (6, 4)]
+    assert [s for s, _ in train["step_time/rank_1"]] == [4, 5, 6]
