@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # End to end on the digits data set: export an MLP, rewrite it with 8 virtual nodes, train it,
-# and print its test accuracy beside the original model trained at the same global batch.
+# and print its validation accuracy (vfgraph train --eval-data, on the held-out test split)
+# beside the original model trained at the same global batch.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 py=${PYTHON:-python}
@@ -12,19 +13,28 @@ $py "$here/export.py" digits-data "$work/data"
 $py "$here/export.py" digits-mlp "$work/mlp" --optimizer momentum --lr 0.05
 vfgraph rewrite "$work/mlp" --vnodes 8 --vnode-batch $((batch / 8)) -o "$work/mlp_v8" --force
 vfgraph inspect "$work/mlp_v8" | head -20
-vfgraph train "$work/mlp_v8" --data "$work/data/train.npz" --steps "$steps" --batch-size "$batch" -o "$work/mlp_v8_trained" --force --no-progress
+common=(--data "$work/data/train.npz" --eval-data "$work/data/test.npz" --eval-every 100 --steps "$steps"
+        --batch-size "$batch" --force --no-progress)
+
+accuracy() {  # the validation accuracy of a closing line of vfgraph train
+  sed -n 's/.*; validation loss [0-9.]*, accuracy \([0-9.]*\);.*/\1/p' <<<"$1"
+}
+
+line_v=$(vfgraph train "$work/mlp_v8" "${common[@]}" -o "$work/mlp_v8_trained" --logdir "$work/logs/v8")
+echo "$line_v"
 mpiexec=$($py -c 'import os, sys; print(os.path.join(os.path.dirname(sys.executable), "mpiexec"))')
+line_2=""
 if [ -x "$mpiexec" ]; then
-  "$mpiexec" -n 2 vfgraph train "$work/mlp_v8" --data "$work/data/train.npz" --steps "$steps" --batch-size "$batch" -o "$work/mlp_v8_2ranks" --force --no-progress
+  line_2=$("$mpiexec" -n 2 vfgraph train "$work/mlp_v8" "${common[@]}" -o "$work/mlp_v8_2ranks" --logdir "$work/logs/v8_2ranks")
+  echo "$line_2"
 fi
-vfgraph train "$work/mlp" --data "$work/data/train.npz" --steps "$steps" --batch-size "$batch" -o "$work/mlp_trained" --force --no-progress
-acc_v=$($py "$here/evaluate.py" "$work/mlp_v8_trained" "$work/data/test.npz")
-acc_o=$($py "$here/evaluate.py" "$work/mlp_trained" "$work/data/test.npz")
+line_o=$(vfgraph train "$work/mlp" "${common[@]}" -o "$work/mlp_trained" --logdir "$work/logs/original")
+echo "$line_o"
 echo
-echo "global batch $batch, $steps steps"
-echo "  original model, 1 x $batch:           test accuracy $acc_o"
-echo "  vfgraph, 8 virtual nodes x $((batch / 8)):    test accuracy $acc_v"
-if [ -d "$work/mlp_v8_2ranks" ]; then
-  acc_2=$($py "$here/evaluate.py" "$work/mlp_v8_2ranks" "$work/data/test.npz")
-  echo "  vfgraph, 2 MPI ranks x 4 x $((batch / 8)):   test accuracy $acc_2"
+echo "global batch $batch, $steps steps; validation on $work/data/test.npz"
+echo "  original model, 1 x $batch:           validation accuracy $(accuracy "$line_o")"
+echo "  vfgraph, 8 virtual nodes x $((batch / 8)):    validation accuracy $(accuracy "$line_v")"
+if [ -n "$line_2" ]; then
+  echo "  vfgraph, 2 MPI ranks x 4 x $((batch / 8)):   validation accuracy $(accuracy "$line_2")"
 fi
+echo "curves: tensorboard --logdir $work/logs"

@@ -227,9 +227,22 @@ def _train_command(command) -> None:
                    "more than 10%% (for ranks on uneven hardware; default: the global batch's virtual nodes split "
                    "evenly)")
     _elastic_options(t)
+    _report_options(t)
     _keras_options(t)
     t.add_argument("--threads", type=int, help="TensorFlow intra-op threads per rank, with one inter-op thread "
                    "(default: the CPUs a rank is bound to, or this host's CPUs divided by the ranks on it)")
+
+
+def _report_options(t: argparse.ArgumentParser) -> None:
+    """train's validation and TensorBoard options."""
+    t.add_argument("--eval-data", metavar="PATH", help="validation data (.npz, or TFRecord files) with the serving "
+                   "signature's inputs and the labels the training signature takes: the serving signature is "
+                   "validated on it after the last step (and every --eval-every steps), each rank its share; the "
+                   "loss and accuracy (integer labels) are logged and shown in the closing line")
+    t.add_argument("--eval-every", type=int, metavar="N", help="with --eval-data: validate every N steps too")
+    t.add_argument("--logdir", metavar="DIR", help="write TensorBoard event files under DIR/train and "
+                   "DIR/validation (batch_loss, epoch_loss, epoch_accuracy, examples/s, step time and virtual nodes "
+                   "per rank, learning rate, the graph)")
 
 
 def _elastic_options(t: argparse.ArgumentParser) -> None:
@@ -956,7 +969,9 @@ def cmd_train(args) -> int:
                         force=args.force, signature=args.train_signature, checkpoint_every=args.checkpoint_every,
                         seed=args.seed, progress=not args.no_progress, vnodes_per_rank=per_rank,
                         threads=args.threads, allow_nonfinite=args.allow_nonfinite, elastic=elastic,
-                        stall_warning=args.stall_warning, stall_timeout=args.stall_timeout)
+                        stall_warning=args.stall_warning, stall_timeout=args.stall_timeout,
+                        eval_data=args.eval_data, eval_every=args.eval_every, logdir=args.logdir,
+                        keras_file=args.model if model != args.model else None, imports=args.imports or ())
         except Exception as e:
             if args.elastic_join:  # a new rank of an elastic job: the job goes on without it
                 from vfgraph.runtime.elastic import report_failure
@@ -967,10 +982,7 @@ def cmd_train(args) -> int:
         from vfgraph.io.serving import sibling_dir, target_dir
 
         serve = target_dir(sibling_dir(res.out), 1)
-        last = "".join(f", {k} {v:.4g}" for k, v in res.metrics.items())  # the last step's metrics
-        print(f"trained {res.steps} steps: loss {res.losses.first:.4f} -> {res.losses.recent[-1]:.4f}{last}; wrote "
-              f"{res.out}"
-              + (f" and, to serve, {serve}" if os.path.isdir(serve) else ""))
+        print(res.summary(serve if os.path.isdir(serve) else ""))
     return 0
 
 

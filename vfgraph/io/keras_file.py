@@ -177,6 +177,75 @@ def _run_builder(args: List[str], source: str) -> None:
     raise InternalError(f"building the training step of {source} failed ({last[:300]})")
 
 
+class CompiledMetrics:
+    """The compiled loss and metrics of the Keras model in the ``.keras`` file at ``path`` (Keras'
+    own objects, loaded in this process; ``imports``: modules to import first), applied to
+    outputs computed elsewhere: the serving signature's ``output_0``, ``output_1``, ... against
+    the labels ``label_names`` (as the training step names them). The metrics keep a state over
+    the batches of a validation (:meth:`reset`, :meth:`update`), which :meth:`state` and
+    :meth:`set_state` let ranks add up."""
+
+    def __init__(self, path: str, imports: Sequence[str] = ()):
+        import importlib
+
+        import numpy as np
+        from keras import tree
+
+        for name in imports:
+            try:
+                importlib.import_module(name)
+            except Exception as e:  # the user's module: any error it raises, in one line
+                raise InputError(f"--import {name}: cannot import it ({_first(e)}); give a module on the Python "
+                                 "path (PYTHONPATH, or the current directory)") from None
+        model = _load_model(path)
+        model_inputs, labels, self.label_names = _specs(model)
+        zeros = [np.zeros([1, *[d or 1 for d in s.shape[1:]]], s.dtype.as_numpy_dtype) for s in model_inputs + labels]
+        structure = model._inputs_struct if hasattr(model, "_inputs_struct") else None
+        xs = zeros[:len(model_inputs)]
+        x = tree.pack_sequence_as(structure, xs) if structure is not None else (xs[0] if len(xs) == 1 else xs)
+        self.structure = model(x, training=False)  # (the outputs' structure, as the loss and metrics take them)
+        self.loss, self.metrics = model._compile_loss, getattr(model, "_compile_metrics", None)
+        y0, y_pred0 = self._pack(zeros[len(model_inputs):], tree.flatten(self.structure))
+        self.loss.build(y0, y_pred0)
+        if self.metrics is not None and not self.metrics.built:
+            self.metrics.build(y0, y_pred0)
+
+    def _pack(self, ys: list, outputs: list) -> tuple:
+        from keras import tree
+
+        if tree.is_nested(self.structure):
+            y_pred = tree.pack_sequence_as(self.structure, list(outputs))
+            return tree.pack_sequence_as(y_pred, list(ys)), y_pred
+        return ys[0], outputs[0]
+
+    def reset(self) -> None:
+        if self.metrics is not None:
+            self.metrics.reset_state()
+
+    def update(self, outputs: list, labels: list) -> float:
+        """Add a batch (the serving outputs in order, the labels as :attr:`label_names`) to the
+        metrics; its compiled loss (a mean over the batch, the outputs' losses weighted)."""
+        y, y_pred = self._pack(labels, outputs)
+        if self.metrics is not None:
+            self.metrics.update_state(y, y_pred)
+        return float(self.loss(y, y_pred))
+
+    def state(self) -> list:
+        import numpy as np
+
+        return [np.array(v.numpy()) for v in self.metrics.variables] if self.metrics is not None else []
+
+    def set_state(self, values: list) -> None:
+        for v, value in zip(self.metrics.variables if self.metrics is not None else [], values):
+            v.assign(value)
+
+    def result(self):
+        """The compiled metrics' values, by name (the loss aside)."""
+        if self.metrics is None:
+            return {}
+        return {k: float(v) for k, v in sorted(self.metrics.result().items()) if k != "loss"}
+
+
 # ---- in the building process ----------------------------------------------------------------
 
 def _load_model(path: str):

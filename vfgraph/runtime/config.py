@@ -12,7 +12,7 @@ import numpy as np
 
 from vfgraph import records
 from vfgraph.errors import InputError
-from vfgraph.io import savedmodel
+from vfgraph.io import savedmodel, serving
 from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.runtime import elastic as el
 from vfgraph.runtime.data import data_digest, data_fingerprint
@@ -42,6 +42,11 @@ class TrainConfig:
     elastic: Optional[ElasticOptions] = None
     stall_warning: float = 60.0
     stall_timeout: float = 600.0
+    eval_data: Optional[str] = None
+    eval_every: Optional[int] = None
+    logdir: Optional[str] = None
+    keras_file: Optional[str] = None  # the compiled .keras file the model was built from (its metrics validate)
+    imports: Tuple[str, ...] = ()  # modules that file's model needs
 
     @property
     def auto(self) -> bool:
@@ -75,6 +80,31 @@ class TrainConfig:
                 raise InputError(f"{name} {shown}: give a number of seconds of at least 0 (0: off)")
         if self.resume and self.force:
             raise InputError("--resume and --force: give one (--resume continues a checkpoint, --force starts over)")
+        self._check_reports()
+
+    def _check_reports(self) -> None:
+        """--eval-data, --eval-every and --logdir: a validation file that is there, a positive
+        interval, a log directory that is not a file nor inside the run's outputs."""
+        if self.eval_every is not None:
+            if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 1:
+                raise InputError(f"--eval-every {self.eval_every}: give an integer of at least 1 (steps between "
+                                 "validations)")
+            if not self.eval_data:
+                raise InputError(f"--eval-every {self.eval_every} without --eval-data: give the validation data "
+                                 "(an .npz file or TFRecord files) with --eval-data PATH")
+        if self.eval_data and not (glob.glob(self.eval_data) if glob.has_magic(self.eval_data)
+                                   else os.path.isfile(self.eval_data)):
+            raise InputError(f"--eval-data {self.eval_data}: no such file; give the validation data (an .npz file "
+                             "or TFRecord files)")
+        if self.logdir:
+            logdir = os.path.abspath(self.logdir)
+            if os.path.exists(logdir) and not os.path.isdir(logdir):
+                raise InputError(f"--logdir {self.logdir}: a file, not a directory; give a directory for the "
+                                 "TensorBoard event files")
+            for kept in (self.output, self.ckpt_dir, serving.sibling_dir(self.output)):
+                if logdir == kept or logdir.startswith(kept + os.sep):
+                    raise InputError(f"--logdir {self.logdir}: inside the run's output {kept}, which the run "
+                                     "replaces; give a directory outside it")
 
     def agreed(self, fingerprint: str, data: Dict[str, np.ndarray]) -> Dict[str, Tuple[object, str]]:
         """What the ranks of a job must agree on to run the same steps and as many collective calls
@@ -86,7 +116,7 @@ class TrainConfig:
         shown = {"--seed": self.seed, "--batch-size": self.batch_size, "--steps": self.steps,
                  "--checkpoint-every": self.checkpoint_every, "--train-signature": self.signature,
                  "--resume": self.resume, "--force": self.force, "--allow-nonfinite": self.allow_nonfinite,
-                 "-o": self.output}
+                 "-o": self.output, "--eval-data": self.eval_data, "--eval-every": self.eval_every}
         elastic = self.elastic
         if elastic is not None:  # (each rank's schedule says when the job changes size)
             shown.update({"--elastic-schedule": elastic.schedule, "--max-ranks": elastic.max_ranks,

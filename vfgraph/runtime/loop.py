@@ -60,7 +60,7 @@ class TrainLoop:
 
     def __init__(self, cfg: TrainConfig, plan: ModelPlan, ranks: Ranks, opened: OpenedModel, share: Share,
                  runner: StepRunner, checkpoints: Checkpoints, losses: LossHistory,
-                 scheduled: Optional[el.Elastic], joined_at: Optional[int], start: int):
+                 scheduled: Optional[el.Elastic], joined_at: Optional[int], start: int, reports=None):
         from tqdm import tqdm
 
         self.cfg, self.plan, self.threads, self.staged = cfg, plan, ranks.threads, ranks.ranked
@@ -75,6 +75,7 @@ class TrainLoop:
         self.memory: Optional[Tuple[int, list]] = None
         self.keeps = scheduled is not None and share.w.is_root
         self.watching = False
+        self.reports = reports  # (a Reports: validations and event files after each step; None: none)
 
     def run(self, start: int) -> bool:
         """Train from step ``start``; False when this rank left an elastic job that then ended."""
@@ -176,6 +177,8 @@ class TrainLoop:
         self.bar.update(1)
         if self.keeps and w.size > 1:  # the step is complete: what the job goes back to
             self.memory = self._remember(done)
+        if self.reports is not None:
+            self.reports.after_step(self, step, loss, metrics)
 
     def _boundary(self, step: int) -> Optional[Tuple[str, int]]:
         """(an elastic job) The job's change of ranks before ``step``, if any; BACK or LEFT when

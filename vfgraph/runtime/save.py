@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+from typing import Optional
 
 from vfgraph import records
 from vfgraph.errors import OutputError, VfgraphError
@@ -38,12 +39,13 @@ def collect_stages(w, loaded, held, stages, model: str, signature: str) -> None:
 
 
 def save_trained(loaded, model: str, out: str, losses: LossHistory, variable_devices: bool = False,
-                  ckpt_dir: str = "") -> None:
+                 ckpt_dir: str = "", validation: Optional[dict] = None) -> None:
     """Write the trained model at ``out`` and its serving export at ``OUT.serving/1`` (a model
     without a servable signature gets none, with a warning). A write that fails is an
     OutputError: when it is the serving export's, ``out`` is whole and the message says how to
     make the export again (and that the run's checkpoint, ``ckpt_dir``, is kept).
-    ``variable_devices``: keep each variable's device (a model partitioned into stages)."""
+    ``variable_devices``: keep each variable's device (a model partitioned into stages).
+    ``validation``: the run's last validation, recorded as "validation" beside "training"."""
     import tensorflow as tf
 
     out = os.path.abspath(out)
@@ -56,6 +58,8 @@ def save_trained(loaded, model: str, out: str, losses: LossHistory, variable_dev
         _drop_unsaved_gradient_types(tmp)
         meta = records.read_metadata(model) or {}
         meta["training"] = losses.record()
+        if validation is not None:
+            meta["validation"] = validation
         os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
         with open(os.path.join(tmp, records.METADATA_FILE), "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)

@@ -26,8 +26,9 @@ log = logging.getLogger("vfgraph.train")
 class StepRunner:
     """Runs the steps of ``fn`` (the training signature, or this rank's pipeline stage of it:
     ``staged``) on ``data``, over the variables ``held``. Keeps the last ``feed``, the last
-    step's ``metrics`` (the scalars besides the loss) and each step's time on this rank
-    (``seconds``: data, step, agreement)."""
+    step's ``metrics`` (the scalars besides the loss), each step's time on this rank
+    (``seconds``: data, step, agreement) and the last step's computing time of every rank
+    (``rank_seconds``, from the step's exchange)."""
 
     def __init__(self, fn, data: TrainData, held: list, allow_nonfinite: bool, staged: bool, b: int):
         self.fn, self.data, self.allow_nonfinite, self.staged, self.b = fn, data, allow_nonfinite, staged, b
@@ -35,6 +36,7 @@ class StepRunner:
         self.feed: Dict[str, np.ndarray] = {}
         self.metrics: Dict[str, float] = {}
         self.seconds: List[float] = []
+        self.rank_seconds: List[float] = []
 
     def run(self, share: Share, step: int, stop: StopRequests) -> Tuple[float, dict, List[int]]:
         """Run step ``step`` on this rank's rows; the loss (NaN: none), what the signature
@@ -52,6 +54,7 @@ class StepRunner:
         if balancer:
             share.rebalance(step, [t for _, t in seen], self.b)
         flags = [f for f, _ in seen]
+        self.rank_seconds = [t for _, t in seen]
         self.seconds.append(time.perf_counter() - fetched)
         return loss, result, flags
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from vfgraph.errors import InputError
 from vfgraph.io import outputs, savedmodel
@@ -19,6 +19,7 @@ from vfgraph.runtime.elastic import ElasticOptions
 from vfgraph.runtime.loop import TrainLoop, start_elastic
 from vfgraph.runtime.model import OpenedModel, open_model
 from vfgraph.runtime.placement import Ranks, Share
+from vfgraph.runtime.reports import Reports
 from vfgraph.runtime.save import collect_stages, save_trained
 from vfgraph.runtime.step import StepRunner, log_resources
 from vfgraph.runtime.stops import (NONFINITE, STOP, STOP_GRACE, Interrupted, NonFiniteLoss, Stalled, StopRequests,
@@ -41,6 +42,15 @@ class TrainResult:
     steps: int
     losses: LossHistory
     metrics: Dict[str, float] = field(default_factory=dict)  # the last step's, besides the loss
+    validation: Dict[str, float] = field(default_factory=dict)  # the last validation's (--eval-data)
+
+    def summary(self, serve: str = "") -> str:
+        """The closing line: the losses, the last step's metrics, the validation's, what was written."""
+        last = "".join(f", {k} {v:.4g}" for k, v in self.metrics.items())
+        val = ("; validation " + ", ".join(f"{k} {v:.4f}" for k, v in self.validation.items())
+               if self.validation else "")
+        return (f"trained {self.steps} steps: loss {self.losses.first:.4f} -> {self.losses.recent[-1]:.4f}{last}{val}; "
+                f"wrote {self.out}" + (f" and, to serve, {serve}" if serve else ""))
 
 
 @outputs.command()
@@ -49,7 +59,9 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
           progress: bool = True, vnodes_per_rank: Union[List[int], str, None] = None,
           threads: Optional[int] = None, allow_nonfinite: bool = False,
           elastic: Optional[ElasticOptions] = None, stall_warning: float = 60.0,
-          stall_timeout: float = 600.0) -> Optional[TrainResult]:
+          stall_timeout: float = 600.0, eval_data: Optional[str] = None, eval_every: Optional[int] = None,
+          logdir: Optional[str] = None, keras_file: Optional[str] = None,
+          imports: Sequence[str] = ()) -> Optional[TrainResult]:
     """Train ``model`` for ``steps`` global batches of ``batch_size`` examples. Under ``mpiexec``
     every rank feeds its share of each global batch (whole virtual nodes, from the same global
     order), the step all-reduces, and rank 0 writes checkpoints and the result; other ranks
@@ -72,9 +84,17 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     ``stall_warning``, ``stall_timeout`` (seconds, 0: off): under mpiexec, a wait for other
     ranks longer than the first prints one line naming what it waits for and whom; one longer
     than the second ends the job (:class:`Stalled`, the last checkpoint kept). A stop request
-    also ends a step blocked in such a wait (docs/mpi.md, "Stalls and stop requests")."""
+    also ends a step blocked in such a wait (docs/mpi.md, "Stalls and stop requests").
+
+    ``eval_data`` (an .npz file or TFRecord files), ``eval_every``: validate the serving
+    signature on that data every that many steps and after the last (:mod:`.evaluate` says
+    how and which metrics); the last metrics are the result's ``validation`` and go in the
+    trained model's record; ``keras_file``: the compiled ``.keras`` file ``model`` was built
+    from (``imports``: the modules it needs), whose compiled loss and metrics validate then.
+    ``logdir``: write TensorBoard event files there (:mod:`.reports`)."""
     return run(TrainConfig(model, data_path, steps, batch_size, out, resume, force, signature, checkpoint_every, seed,
-                           progress, vnodes_per_rank, threads, allow_nonfinite, elastic, stall_warning, stall_timeout))
+                           progress, vnodes_per_rank, threads, allow_nonfinite, elastic, stall_warning, stall_timeout,
+                           eval_data, eval_every, logdir, keras_file, tuple(imports)))
 
 
 def run(cfg: TrainConfig) -> Optional[TrainResult]:
@@ -95,6 +115,8 @@ def run(cfg: TrainConfig) -> Optional[TrainResult]:
 
     resident_at_start = resident_bytes("VmRSS")  # Python and TensorFlow, before the model
     opened = w.agree(lambda: open_model(cfg, plan, ranks))
+    writes = w.is_root and ranks.inter is None  # (rank 0 of the job writes the event files)
+    reports = w.agree(lambda: Reports.open(cfg, opened.loaded, opened.fn, opened.held, writes, ranks.ranked))
     fingerprint = savedmodel.source_fingerprint(cfg.model, None)
     if w.size > 1 and ranks.inter is None:  # before anything the ranks must call alike as often
         same_everywhere(w, cfg.agreed(fingerprint, opened.data.arrays))
@@ -110,7 +132,8 @@ def run(cfg: TrainConfig) -> Optional[TrainResult]:
                               ranks.k_count if ranks.ranked else 0)
     start, losses = _start_step(cfg, ranks, checkpoints, state, joined_at)
     runner = StepRunner(opened.fn, opened.data, opened.held, cfg.allow_nonfinite, ranks.ranked, plan.b)
-    loop = TrainLoop(cfg, plan, ranks, opened, share, runner, checkpoints, losses, scheduled, joined_at, start)
+    loop = TrainLoop(cfg, plan, ranks, opened, share, runner, checkpoints, losses, scheduled, joined_at, start,
+                     reports)
     if not loop.run(start):
         return None
     return _finish(cfg, plan, ranks, opened, loop, resident_at_start)
@@ -146,14 +169,15 @@ def _finish(cfg: TrainConfig, plan: ModelPlan, ranks: Ranks, opened: OpenedModel
     """After the last step: log the time and memory; rank 0 gathers every stage's variables and
     writes the trained model (the result; None on the other ranks)."""
     w = loop.share.w
+    validation = loop.reports.finish(loop)
     log_resources(w, loop.runner.seconds, resident_at_start)
     if ranks.ranked:  # rank 0 takes each stage's variables from the rank that updates them
         collect_stages(w, opened.loaded, opened.held, plan.stages, cfg.model, cfg.signature)
     if not w.is_root:
         return None
     save_trained(opened.loaded, cfg.model, cfg.output, loop.losses, variable_devices=ranks.in_process > 1,
-                 ckpt_dir=cfg.ckpt_dir)
+                 ckpt_dir=cfg.ckpt_dir, validation=loop.reports.record())
     # OUT holds all the checkpoint held (every variable, the optimizer's state among them, and
     # the losses): the checkpoint goes once OUT and its serving export are whole (docs/semantics.md)
     outputs.remove_written(cfg.ckpt_dir)
-    return TrainResult(cfg.output, cfg.steps, loop.losses, loop.runner.metrics)
+    return TrainResult(cfg.output, cfg.steps, loop.losses, loop.runner.metrics, validation)
