@@ -5,7 +5,8 @@ of ranks read the same global batches.
 
 - TFRecord shards of ``tf.train.Example`` (:class:`TFRecordSource`): an index of record offsets,
   built from the record headers alone (each length's masked CRC-32C checked), each example read
-  at its offset; a batch of records is decoded by one ``tf.io.parse_example`` call.
+  at its offset and its data's CRC-32C checked (``google-crc32c``); a batch of records is
+  decoded by one ``tf.io.parse_example`` call.
 - ArrayRecord files (:class:`ArrayRecordSource`, the ``array_record`` library's exact random
   access) of serialized ``tf.train.Example`` records: the same decoding.
 - ``.npz`` files (:class:`ArraySource`): small data, loaded once.
@@ -218,39 +219,45 @@ def _first_bad(records: List[bytes], features: dict) -> Optional[int]:
 
 
 class TFRecordSource(RecordSource):
-    """TFRecord files: an index of (file, offset, length) per record from the headers."""
+    """TFRecord files: an index of (file, offset) per record, from the headers (``offsets[f]``:
+    those of file f's records, and the file's size)."""
 
     kind = "tfrecord"
 
     def __init__(self, path: str, files: List[str], specs):
         super().__init__(path, files, specs)
-        self.offsets: List[np.ndarray] = []
-        self.lengths: List[np.ndarray] = []
-        for f in files:
-            offsets, lengths = scan_tfrecord(f)
-            self.offsets.append(offsets)
-            self.lengths.append(lengths)
-        self.starts = np.concatenate([[0], np.cumsum([len(o) for o in self.offsets])]).astype(np.int64)
+        self.offsets = [scan_tfrecord(f)[0] for f in files]
+        self.starts = np.concatenate([[0], np.cumsum([len(o) - 1 for o in self.offsets])]).astype(np.int64)
         self.fds: Dict[int, int] = {}
 
     def serialized(self, file: int, local: np.ndarray) -> List[bytes]:
+        """The records ``local`` of file ``file``, each read at its offset, its data's masked
+        CRC-32C checked (as TensorFlow's reader does: a damaged record is one line, not garbage)."""
+        import google_crc32c
+
         fd = self.fds.get(file)
         if fd is None:
             fd = self.fds[file] = os.open(self.files[file], os.O_RDONLY)
-        offsets, lengths = self.offsets[file], self.lengths[file]
-        out = []
+        offsets, out = self.offsets[file], []
         for i in local:
-            n = int(lengths[i])
-            r = os.pread(fd, n, int(offsets[i]) + 12)
-            if len(r) != n:
-                raise InputError(f"{self.files[file]}: record {int(i)} is cut short (the file changed while "
-                                 "training?); write the file again")
-            out.append(r)
+            start, end = int(offsets[i]), int(offsets[i + 1])
+            record = os.pread(fd, end - start, start)
+            data = record[12:-4]
+            if len(record) != end - start or struct.unpack_from("<I", record, len(record) - 4)[0] != _masked(
+                    google_crc32c.value(data)):
+                raise InputError(f"{self.files[file]}: record {int(i)} (byte {start}) is damaged (its data fails "
+                                 "its checksum, or the file changed since the run began); write the file again")
+            out.append(data)
         return out
 
 
+def _masked(crc: int) -> int:
+    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
 def scan_tfrecord(path: str, window: int = 1 << 20) -> "tuple[np.ndarray, np.ndarray]":
-    """(offset, length) of each record of the TFRecord file ``path``, from its headers (each
+    """(offsets, lengths): the offset of each record of the TFRecord file ``path`` and the file's
+    size after them, and the length of each record's data, from its headers (each
     record: length, the length's masked CRC-32C, the data, the data's masked CRC-32C), read in
     windows of ``window`` bytes; one line for a file cut short or a damaged header."""
     size = os.path.getsize(path)
@@ -274,8 +281,9 @@ def scan_tfrecord(path: str, window: int = 1 << 20) -> "tuple[np.ndarray, np.nda
             pos += 16 + length
     finally:
         os.close(fd)
+    offsets.append(pos)
     offsets_a, lengths_a = np.frombuffer(offsets, dtype=np.int64), np.frombuffer(lengths, dtype=np.int64)
-    if len(offsets_a):
+    if len(lengths_a):
         bad = np.flatnonzero(masked_crc32c(np.frombuffer(bytes(headers), np.uint8).reshape(-1, 8))
                              != np.frombuffer(crcs, dtype=np.uint32))
         if len(bad):
@@ -283,7 +291,7 @@ def scan_tfrecord(path: str, window: int = 1 << 20) -> "tuple[np.ndarray, np.nda
                              "length fails its checksum); the file is not a TFRecord file or is corrupted: write it "
                              "again")
     if pos != size:
-        raise InputError(f"{path}: cut short in record {len(offsets_a) - 1} (it ends at byte {pos}, the file has "
+        raise InputError(f"{path}: cut short in record {len(lengths_a) - 1} (it ends at byte {pos}, the file has "
                          f"{size}); the file is damaged or still being written: write it again")
     return offsets_a, lengths_a
 
