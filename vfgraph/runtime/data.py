@@ -243,11 +243,11 @@ class TrainData:
     def __init__(self, source: Source, specs, signature: str, batch_size: int, seed: int,
                  steps: Optional[int] = None, depth: int = 3):
         self.source, self.specs, self.signature = source, specs, signature
-        self.path, self.keys, self.batch_size, self.seed, self.steps = source.path, sorted(specs), batch_size, seed, steps
+        self.path, self.keys = source.path, sorted(specs)
+        self.batch_size, self.seed, self.steps = batch_size, seed, steps
         self.orders: Dict[int, np.ndarray] = {}
         self.lock = threading.Lock()
-        in_memory = isinstance(source, ArraySource)
-        self.prefetch = None if in_memory else Prefetcher(self._read, depth)
+        self.prefetch = None if isinstance(source, ArraySource) else Prefetcher(self._read, depth)
 
     @classmethod
     def load(cls, path: str, specs, signature: str, batch_size: int, seed: int,
