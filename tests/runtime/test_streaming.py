@@ -158,3 +158,25 @@ def test_memory_does_not_grow_with_the_data(rewritten, tmp_path):
     print("peak resident KiB", peaks)
     assert peaks["big"] - peaks["small"] < 10 * 1024, peaks
     os.remove(tmp_path / "big-00000-of-00004.tfrecord")  # (the data of 200k examples: 60 MB)
+
+
+def test_feeds_follow_a_changed_share_and_hold_a_few_steps(digits, tmp_path):
+    """Each feed equals the .npz batch's rows, before and after the rows change (a new share);
+    the feeds prepared for the old rows are dropped, at most 3 held at a time."""
+    import tensorflow as tf
+
+    from vfgraph.runtime.data import TrainData, batches_for
+
+    with np.load(digits["train"]) as z:
+        arrays = {"x": z["x"], "y": z["y"]}
+    write_tfrecords(str(tmp_path / "d"), arrays["x"], arrays["y"], shards=2)
+    specs = {"x": tf.TensorSpec([None, 64], tf.float32), "y": tf.TensorSpec([None], tf.int32)}
+    data = TrainData.load(str(tmp_path / "d-*.tfrecord"), specs, "train", 64, 3, steps=40)
+    assert data.source.decoded == 0  # (the records checked before the first step are not counted)
+    for step in range(40):
+        lo, hi = (0, 32) if step < 25 else (16, 48)  # 22 steps an epoch: the rows change in the second
+        got = data.feed(step, lo, hi)
+        want = batches_for(arrays, ["x", "y"], 64, step, 3)
+        assert all(np.array_equal(got[k], want[k][lo:hi]) and got[k].dtype == want[k].dtype for k in want), step
+        assert len(data.prefetch.pending) <= 3
+    assert 40 * 32 <= data.source.decoded <= 40 * 32 + 3 * 32
