@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 import struct
 import threading
 from array import array
@@ -148,7 +149,7 @@ class RecordSource(Source):
     def where(self, index: int) -> str:
         """Where example ``index`` lies: its file and its record in it."""
         f = int(np.searchsorted(self.starts, index, side="right")) - 1
-        return f"{self.files[f]} (record {index - int(self.starts[f])})"
+        return f"record {index - int(self.starts[f])} of {self.files[f]}"
 
     def read(self, indices: np.ndarray) -> Dict[str, np.ndarray]:
         import tensorflow as tf
@@ -165,9 +166,13 @@ class RecordSource(Source):
             parsed = tf.io.parse_example(tf.constant(records, dtype=tf.string), self.features)
         except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as e:
             bad = _first_bad(records, self.features)
-            at = f" ({self.where(int(indices[bad]))})" if bad is not None else ""
-            raise InputError(f"{self.path}: records{at} do not hold the features {sorted(self.specs)} of the "
-                             f"training signature ({e.message.splitlines()[0]})") from None
+            at = self.where(int(indices[bad])) if bad is not None else f"records of {self.path}"
+            said = re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]$|Name: <unknown>,\s*", "",
+                          e.message.splitlines()[0]).strip()
+            wants = ", ".join(f"{k} {self.features[k].dtype.name}{list(self.features[k].shape)}" for k in sorted(
+                self.features))
+            raise InputError(f"{at}: does not hold the features of the training signature ({wants}): {said}; write "
+                             "the records with those features") from None
         return {k: v.numpy() for k, v in parsed.items()}
 
     def _hash(self, sizes: Sequence[int], examples: int) -> str:
