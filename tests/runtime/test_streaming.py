@@ -121,6 +121,9 @@ def test_unfit_or_damaged_records_are_one_line_before_the_first_step(rewritten, 
             "x": tf.train.Feature(float_list=tf.train.FloatList(value=np.zeros(64)))})).SerializeToString(),
             np.uint8)[None].repeat(40, axis=0)))
     write(tmp_path / "small.tfrecord", digits_rows(digits, 20))
+    with np.load(digits["train"]) as z:
+        whole = open(write_array_records(str(tmp_path / "ar"), z["x"][:100], z["y"][:100])[0], "rb").read()
+    (tmp_path / "cut.array_record").write_bytes(whole[:len(whole) // 2])
     write(tmp_path / "short_x.tfrecord", examples(np.zeros((40, 32), np.float32), np.zeros(40, np.int64)))
     with open(tmp_path / "float_y.tfrecord", "wb") as f:
         f.write(framed(np.frombuffer(tf.train.Example(features=tf.train.Features(feature={
@@ -132,7 +135,8 @@ def test_unfit_or_damaged_records_are_one_line_before_the_first_step(rewritten, 
              "no_y.tfrecord": ["record 0 of", "does not hold the features", "y int64[]", "x float32[64]"],
              "small.tfrecord": ["--batch-size 32", "the 20 examples"],
              "short_x.tfrecord": ["record 0 of", "does not hold the features", "Values size: 32"],
-             "float_y.tfrecord": ["record 0 of", "does not hold the features", "y"]}
+             "float_y.tfrecord": ["record 0 of", "does not hold the features", "y"],
+             "cut.array_record": ["not a readable ArrayRecord file", "write it again"]}
     for name, needles in cases.items():
         code, err = run_in_process(capsys, "train", model, "--data", tmp_path / name, "--steps", 1, "--batch-size", 32,
                                    "-o", tmp_path / "o", "--no-progress")

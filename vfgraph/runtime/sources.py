@@ -316,10 +316,15 @@ class ArrayRecordSource(RecordSource):
         self.readers = []
         for f in files:
             try:
-                self.readers.append(ArrayRecordReader(f, "readahead_buffer_size:0"))
-            except Exception as e:  # (the library raises RuntimeError or ValueError for a damaged file)
-                raise InputError(f"{f}: not a readable ArrayRecord file ({str(e).strip().splitlines()[0]}); write "
-                                 "it again") from None
+                reader = ArrayRecordReader(f, "readahead_buffer_size:0")
+                ok = reader.ok()
+            except Exception as e:  # (the library raises RuntimeError or ValueError for some damaged files)
+                ok, reader = False, str(e).strip().splitlines()[0]
+            if not ok:
+                said = f" ({reader})" if isinstance(reader, str) else ""
+                raise InputError(f"{f}: not a readable ArrayRecord file{said}: it is damaged, cut short or of "
+                                 "another format; write it again")
+            self.readers.append(reader)
         self.starts = np.concatenate([[0], np.cumsum([r.num_records() for r in self.readers])]).astype(np.int64)
 
     def serialized(self, file: int, local: np.ndarray) -> List[bytes]:
