@@ -1,11 +1,10 @@
-"""The training data: loading it (an .npz file or TFRecord files), checking it against the
-training signature, the global batch of each step, and the rows of it that each rank feeds."""
+"""The training data: checking it against the training signature, the global batch of each
+step, and the rows of it that each rank reads (:class:`TrainData`, from a source by index:
+:mod:`.sources`), prepared a few steps ahead."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-import os
 import threading
 from concurrent.futures import Future
 from typing import Dict, List, Optional, Tuple
@@ -15,23 +14,10 @@ import numpy as np
 from vfgraph import records
 from vfgraph.errors import InputError
 from vfgraph.records import VirtualNodes
-from vfgraph.runtime.sources import ArraySource, Source, open_source
+from vfgraph.runtime.sources import (ArraySource, Source, data_digest, data_fingerprint,  # noqa: F401 (read
+                                     load_npz, open_source)  # from here too)
 
 log = logging.getLogger("vfgraph.train")
-
-
-def load_npz(path: str) -> Dict[str, np.ndarray]:
-    """The arrays of the .npz file at ``path``; one line for a missing, truncated or damaged file."""
-    import zipfile
-
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such data file") from None
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise InputError(f"{path}: not a readable .npz file ({str(e).strip() or type(e).__name__}); if it was "
-                         "copied or written by a run that stopped, write it again") from None
 
 
 def load_data(path: str, specs) -> Dict[str, np.ndarray]:
@@ -146,47 +132,10 @@ def cast_exactly(arr: np.ndarray, dtype, key: str, data_path: str, signature: st
                      f"{arr.dtype.name} inputs)")
 
 
-def data_fingerprint(data: Dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(data):
-        a = np.ascontiguousarray(data[k])
-        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
-        h.update(memoryview(a).cast("B"))
-    return h.hexdigest()
-
-
 def rank_rows(per: List[int], rank: int, b: int) -> Tuple[int, int]:
     """The rows of the global batch that ``rank`` feeds: its share of ``per`` virtual nodes of
     ``b`` examples, after the lower ranks' shares."""
     return sum(per[:rank]) * b, sum(per[:rank + 1]) * b
-
-
-def data_digest(data: Dict[str, np.ndarray], files: List[str], examples: int = 64, most: int = 1 << 20) -> str:
-    """A digest of the training data that takes every rank milliseconds whatever the data's
-    size (the data is read once, to train on): the data files' sizes, each array's name,
-    dtype and shape, and the bytes of up to ``examples`` examples of each array (``most``
-    bytes at most), evenly spaced from its first to its last. Not covered: the files' paths
-    and times (copies on different hosts are the same data), and a difference only in
-    examples it does not sample in files of the same sizes (rank 0's checkpoint record hashes
-    all of the data)."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{os.path.getsize(f) if os.path.isfile(f) else -1};".encode())
-    for k in sorted(data):
-        a = data[k]
-        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
-        if not len(a):
-            continue
-        count = int(min(len(a), examples, max(1, most // max(1, a[:1].nbytes))))
-        rows = np.unique(np.linspace(0, len(a) - 1, count).astype(np.int64))
-        sample = a[rows]
-        if sample.dtype.kind == "O":  # (strings from TFRecord files)
-            for x in sample.ravel():
-                h.update(x if isinstance(x, bytes) else repr(x).encode())
-                h.update(b"\0")
-        else:
-            h.update(np.ascontiguousarray(sample).tobytes())
-    return h.hexdigest()
 
 
 class Prefetcher:

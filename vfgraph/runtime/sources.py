@@ -54,6 +54,57 @@ def masked_crc32c(rows: np.ndarray) -> np.ndarray:
     return ((rotated + _MASK_DELTA) & 0xFFFFFFFF).astype(np.uint32)
 
 
+def load_npz(path: str) -> Dict[str, np.ndarray]:
+    """The arrays of the .npz file at ``path``; one line for a missing, truncated or damaged file."""
+    import zipfile
+
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such data file") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise InputError(f"{path}: not a readable .npz file ({str(e).strip() or type(e).__name__}); if it was "
+                         "copied or written by a run that stopped, write it again") from None
+
+
+def data_fingerprint(data: Dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(data):
+        a = np.ascontiguousarray(data[k])
+        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
+
+def data_digest(data: Dict[str, np.ndarray], files: List[str], examples: int = 64, most: int = 1 << 20) -> str:
+    """A digest of the training data that takes every rank milliseconds whatever the data's
+    size (the data is read once, to train on): the data files' sizes, each array's name,
+    dtype and shape, and the bytes of up to ``examples`` examples of each array (``most``
+    bytes at most), evenly spaced from its first to its last. Not covered: the files' paths
+    and times (copies on different hosts are the same data), and a difference only in
+    examples it does not sample in files of the same sizes (rank 0's checkpoint record hashes
+    all of the data)."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{os.path.getsize(f) if os.path.isfile(f) else -1};".encode())
+    for k in sorted(data):
+        a = data[k]
+        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
+        if not len(a):
+            continue
+        count = int(min(len(a), examples, max(1, most // max(1, a[:1].nbytes))))
+        rows = np.unique(np.linspace(0, len(a) - 1, count).astype(np.int64))
+        sample = a[rows]
+        if sample.dtype.kind == "O":  # (strings from TFRecord files)
+            for x in sample.ravel():
+                h.update(x if isinstance(x, bytes) else repr(x).encode())
+                h.update(b"\0")
+        else:
+            h.update(np.ascontiguousarray(sample).tobytes())
+    return h.hexdigest()
+
+
 def data_files(path: str) -> List[str]:
     """The files of the data at ``path``: those a glob pattern matches, or the one path given."""
     return sorted(glob.glob(path)) if glob.has_magic(path) else [path]
@@ -68,8 +119,6 @@ def open_source(path: str, specs) -> "Source":
     """The data at ``path`` for the inputs ``specs`` (name -> TensorSpec): an .npz file, TFRecord
     files or ArrayRecord files (a path or a glob pattern) of ``tf.train.Example`` records."""
     if not is_records(path):
-        from vfgraph.runtime.data import load_npz
-
         return ArraySource(path, load_npz(path))
     files = data_files(path)
     if not files or not all(os.path.isfile(f) for f in files):
@@ -117,13 +166,9 @@ class ArraySource(Source):
         return {k: v[indices] for k, v in self.arrays.items()}
 
     def fingerprint(self) -> str:
-        from vfgraph.runtime.data import data_fingerprint
-
         return data_fingerprint(self.arrays)
 
     def digest(self) -> str:
-        from vfgraph.runtime.data import data_digest
-
         return data_digest(self.arrays, self.files)
 
 
