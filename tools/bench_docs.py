@@ -464,6 +464,28 @@ def render_wait_backoff(r: dict) -> str:
             + table(["M", "baseline step", "this tree", "this / baseline (target <= 1.05)"], rows))
 
 
+def render_input(r: dict) -> str:
+    """tools/bench_input.py: memory and start-up against the data's size; TFRecord against .npz."""
+    rows = []
+    for row in r["memory"]:
+        for k in row["ranks"]:
+            rows.append([f"{row['examples']:,}", num(row["data_bytes"] / MIB, 0), str(k["rank"]), num(k["peak"] / MIB, 0),
+                         num(k["first_step_s"]), f"{k['examples_read']:,} of {k['share_examples']:,}",
+                         f"{k['bytes_read']:,} of {k['share_bytes']:,}", num(row["wall_s"])])
+    s = r["speed"]
+    med = s["median_steps_per_s"]
+    return (f"`mpiexec -n 2 vfgraph train`, digits MLP (V=8 of 8), {r['steps']} steps of {r['batch']} from "
+            f"{r['shards']} TFRecord shards of 64 float features and a label per example; peak resident memory "
+            "(VmHWM) and the time from the launch to the end of the first step per rank, examples and bytes of "
+            "records each rank read against its share.\n\n" + table(
+                ["examples", "data (MiB)", "rank", "peak (MiB)", "first step (s)", "examples read of its share",
+                 "bytes read of its share", "wall (s)"], rows) +
+            f"\nLargest against smallest data: peak {num(r['peak_ratio'], 3)}x (target <= 1.15), wall time "
+            f"{num(r['wall_ratio'], 3)}x (target <= 1.5).\n\nDigits CNN (V=8 of 8) at 2 ranks, {r['cnn_steps']} steps, "
+            f"median over {r['rounds']} alternating rounds: {num(med['tfrecord'], 1)} steps/s from TFRecord, "
+            f"{num(med['npz'], 1)} from .npz in memory: {num(s['ratio'], 3)} (target >= 0.95).\n")
+
+
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
@@ -472,7 +494,7 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     "deterministic": render_deterministic,
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
     "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,
-    "wait-backoff": render_wait_backoff,
+    "wait-backoff": render_wait_backoff, "input": render_input,
 }
 
 

@@ -195,7 +195,7 @@ def _verify_command(command) -> None:
 
 
 def _train_command(command) -> None:
-    t = command("train", "train a SavedModel on arrays from an .npz file or TFRecord files",
+    t = command("train", "train a SavedModel on arrays from an .npz file, TFRecord or ArrayRecord files",
                 "Train MODEL for --steps global batches and write the trained model to OUTPUT (and, to serve, "
                 "OUTPUT.serving/1/). Checkpoints go to OUTPUT.ckpt; Ctrl-C (or SIGTERM) stops after the step in "
                 "progress with a checkpoint, and --resume continues from it. Under mpiexec every rank trains its "
@@ -203,7 +203,8 @@ def _train_command(command) -> None:
     t.add_argument("model", help="SavedModel directory with a training signature (rewritten or not), or a compiled "
                                  ".keras file (trained as it is: its step built as 'vfgraph rewrite' builds it)")
     t.add_argument("--data", required=True, help=".npz whose array names match the training signature's inputs, "
-                   "or TFRecord files (.tfrecord, or a glob) of tf.train.Example records with those features")
+                   "or TFRecord or ArrayRecord files (.tfrecord, .array_record, or a glob) of tf.train.Example "
+                   "records with those features (read by index: each rank reads only its examples)")
     t.add_argument("--steps", type=int, required=True, help="training steps (global batches) in all, at least 1")
     t.add_argument("--batch-size", type=int, required=True,
                    help="global batch per step: a multiple of the model's virtual-node batch b")

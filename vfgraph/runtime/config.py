@@ -2,22 +2,20 @@
 what the rewrite's records say about the model it trains (:class:`ModelPlan`)."""
 from __future__ import annotations
 
-import glob
 import math
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
-
-import numpy as np
 
 from vfgraph import records
 from vfgraph.errors import InputError
 from vfgraph.io import savedmodel, serving
 from vfgraph.records import Allreduce, VirtualNodes
 from vfgraph.runtime import elastic as el
-from vfgraph.runtime.data import data_digest, data_fingerprint
+from vfgraph.runtime.data import TrainData
 from vfgraph.runtime.devices import stages_of
 from vfgraph.runtime.elastic import ElasticOptions
+from vfgraph.runtime.sources import data_files
 
 
 @dataclass
@@ -66,7 +64,7 @@ class TrainConfig:
     @property
     def data_files(self) -> List[str]:
         """The files of the data: those of a glob pattern, or the one path given."""
-        return sorted(glob.glob(self.data_path)) if glob.has_magic(self.data_path) else [self.data_path]
+        return data_files(self.data_path)
 
     def check(self) -> None:
         """One line for an option out of its range, or options that exclude each other."""
@@ -92,8 +90,7 @@ class TrainConfig:
             if not self.eval_data:
                 raise InputError(f"--eval-every {self.eval_every} without --eval-data: give the validation data "
                                  "(an .npz file or TFRecord files) with --eval-data PATH")
-        if self.eval_data and not (glob.glob(self.eval_data) if glob.has_magic(self.eval_data)
-                                   else os.path.isfile(self.eval_data)):
+        if self.eval_data and not any(os.path.isfile(f) for f in data_files(self.eval_data)):
             raise InputError(f"--eval-data {self.eval_data}: no such file; give the validation data (an .npz file "
                              "or TFRecord files)")
         if self.logdir:
@@ -106,13 +103,12 @@ class TrainConfig:
                     raise InputError(f"--logdir {self.logdir}: inside the run's output {kept}, which the run "
                                      "replaces; give a directory outside it")
 
-    def agreed(self, fingerprint: str, data: Dict[str, np.ndarray]) -> Dict[str, Tuple[object, str]]:
+    def agreed(self, fingerprint: str, data: TrainData) -> Dict[str, Tuple[object, str]]:
         """What the ranks of a job must agree on to run the same steps and as many collective calls
         (option -> (compared, shown), for :func:`vfgraph.runtime.world.same_everywhere`). Not in
         it, as they may differ by design: --threads, --vnodes-per-rank (each rank's share), -v and
         --no-progress, and how a process an elastic job started was started."""
-        digest = data_digest(data, self.data_files)
-        n = len(next(iter(data.values()))) if data else 0
+        digest, n = data.digest(), len(data)
         shown = {"--seed": self.seed, "--batch-size": self.batch_size, "--steps": self.steps,
                  "--checkpoint-every": self.checkpoint_every, "--train-signature": self.signature,
                  "--resume": self.resume, "--force": self.force, "--allow-nonfinite": self.allow_nonfinite,
@@ -126,13 +122,13 @@ class TrainConfig:
         config["the model"] = (fingerprint, f"fingerprint {fingerprint[:12]}")
         return config
 
-    def resumable(self, fingerprint: str, data: Dict[str, np.ndarray]) -> dict:
+    def resumable(self, fingerprint: str, data: TrainData) -> dict:
         """The configuration a checkpoint records and ``--resume`` requires unchanged
         (:func:`vfgraph.runtime.checkpoints.changed_config`)."""
         rec = records.read(self.model, VirtualNodes).get(self.signature)
         return {"batch_size": self.batch_size, "seed": self.seed, "signature": self.signature,
                 "vnodes": [rec.vnodes, rec.vnode_batch] if rec else [1, 0],
-                "model": fingerprint, "data": data_fingerprint(data)}
+                "model": fingerprint, "data": data.fingerprint()}
 
 
 @dataclass

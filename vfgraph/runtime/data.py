@@ -1,76 +1,53 @@
-"""The training data: loading it (an .npz file or TFRecord files), checking it against the
-training signature, the global batch of each step, and the rows of it that each rank feeds."""
+"""The training data: checking it against the training signature, the global batch of each
+step, and the rows of it that each rank reads (:class:`TrainData`, from a source by index:
+:mod:`.sources`), prepared a few steps ahead."""
 from __future__ import annotations
 
-import glob
-import hashlib
+import logging
 import math
-import os
-from dataclasses import dataclass
-from typing import Dict, List, Tuple
+import threading
+from concurrent.futures import Future
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from vfgraph import records
 from vfgraph.errors import InputError
 from vfgraph.records import VirtualNodes
+from vfgraph.runtime.sources import (ArraySource, Source, data_digest, data_fingerprint,  # noqa: F401 (read
+                                     load_npz, open_source)  # from here too)
 
-
-def load_npz(path: str) -> Dict[str, np.ndarray]:
-    """The arrays of the .npz file at ``path``; one line for a missing, truncated or damaged file."""
-    import zipfile
-
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such data file") from None
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise InputError(f"{path}: not a readable .npz file ({str(e).strip() or type(e).__name__}); if it was "
-                         "copied or written by a run that stopped, write it again") from None
-
-
-TFRECORD = (".tfrecord", ".tfrecords", ".tfr")
+log = logging.getLogger("vfgraph.train")
 
 
 def load_data(path: str, specs) -> Dict[str, np.ndarray]:
-    """The training arrays: an .npz file, or TFRecord files of ``tf.train.Example`` records
-    (a path or a glob pattern) whose features are named like the signature's inputs
-    (``specs``: name -> TensorSpec) and hold one example each."""
-    if not path.endswith(TFRECORD) and not glob.has_magic(path):
-        return load_npz(path)
-    import tensorflow as tf
-
-    files = sorted(glob.glob(path))
-    if not files:
-        raise InputError(f"{path}: no such TFRecord file")
-    features = {}
-    for k, spec in specs.items():
-        dtype = tf.float32 if spec.dtype.is_floating else tf.string if spec.dtype == tf.string else tf.int64
-        if not spec.shape[1:].is_fully_defined():
-            raise InputError(f"input {k!r} has shape {spec.shape}: TFRecord features need a fixed per-example "
-                             "shape; convert the data to .npz")
-        features[k] = tf.io.FixedLenFeature(spec.shape[1:], dtype)
-    parts: Dict[str, list] = {k: [] for k in specs}
-    try:
-        for batch in tf.data.TFRecordDataset(files).batch(4096).map(lambda r: tf.io.parse_example(r, features)):
-            for k, v in batch.items():
-                parts[k].append(v.numpy())
-    except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as e:
-        raise InputError(f"{path}: records do not hold the features {sorted(specs)} of the training signature "
-                         f"({e.message.splitlines()[0]})") from None
-    if not parts or not next(iter(parts.values())):
+    """All the training arrays: an .npz file, or TFRecord or ArrayRecord files of
+    ``tf.train.Example`` records (a path or a glob pattern) whose features are named like the
+    signature's inputs (``specs``: name -> TensorSpec) and hold one example each. (Training
+    reads examples by index instead: :class:`TrainData`.)"""
+    source = open_source(path, specs)
+    if isinstance(source, ArraySource):
+        return source.arrays
+    if not len(source):
         raise InputError(f"{path}: no records")
-    return {k: np.concatenate(v) for k, v in parts.items()}
+    return source.read(np.arange(len(source)))
+
+
+def batch_indices(n: int, batch_size: int, step: int, seed: int = 0) -> np.ndarray:
+    """The sorted indices, among ``n`` examples, of the ``step``-th global batch: a slice of a
+    deterministic shuffled order (a new permutation per epoch)."""
+    epoch, k = divmod(step, n // batch_size)
+    return np.sort(epoch_order(n, seed, epoch)[k * batch_size:(k + 1) * batch_size])
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of the ``n`` examples in epoch ``epoch``: a permutation from ``seed + epoch``."""
+    return np.random.default_rng(seed + epoch).permutation(n)
 
 
 def batches_for(data: Dict[str, np.ndarray], keys: List[str], batch_size: int, step: int, seed: int = 0):
     """The ``step``-th batch of a deterministic shuffled order (a new permutation per epoch)."""
-    n = len(next(iter(data.values())))
-    per_epoch = n // batch_size
-    epoch, k = divmod(step, per_epoch)
-    order = np.random.default_rng(seed + epoch).permutation(n)
-    idx = np.sort(order[k * batch_size:(k + 1) * batch_size])
+    idx = batch_indices(len(next(iter(data.values()))), batch_size, step, seed)
     return {key: data[key][idx] for key in keys}
 
 
@@ -155,78 +132,148 @@ def cast_exactly(arr: np.ndarray, dtype, key: str, data_path: str, signature: st
                      f"{arr.dtype.name} inputs)")
 
 
-def data_fingerprint(data: Dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(data):
-        a = np.ascontiguousarray(data[k])
-        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
-        h.update(memoryview(a).cast("B"))
-    return h.hexdigest()
-
-
 def rank_rows(per: List[int], rank: int, b: int) -> Tuple[int, int]:
     """The rows of the global batch that ``rank`` feeds: its share of ``per`` virtual nodes of
     ``b`` examples, after the lower ranks' shares."""
     return sum(per[:rank]) * b, sum(per[:rank + 1]) * b
 
 
-def data_digest(data: Dict[str, np.ndarray], files: List[str], examples: int = 64, most: int = 1 << 20) -> str:
-    """A digest of the training data that takes every rank milliseconds whatever the data's
-    size (the data is read once, to train on): the data files' sizes, each array's name,
-    dtype and shape, and the bytes of up to ``examples`` examples of each array (``most``
-    bytes at most), evenly spaced from its first to its last. Not covered: the files' paths
-    and times (copies on different hosts are the same data), and a difference only in
-    examples it does not sample in files of the same sizes (rank 0's checkpoint record hashes
-    all of the data)."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f"{os.path.getsize(f) if os.path.isfile(f) else -1};".encode())
-    for k in sorted(data):
-        a = data[k]
-        h.update(f"{k}:{a.dtype.str}:{a.shape};".encode())
-        if not len(a):
-            continue
-        count = int(min(len(a), examples, max(1, most // max(1, a[:1].nbytes))))
-        rows = np.unique(np.linspace(0, len(a) - 1, count).astype(np.int64))
-        sample = a[rows]
-        if sample.dtype.kind == "O":  # (strings from TFRecord files)
-            for x in sample.ravel():
-                h.update(x if isinstance(x, bytes) else repr(x).encode())
-                h.update(b"\0")
-        else:
-            h.update(np.ascontiguousarray(sample).tobytes())
-    return h.hexdigest()
+class Prefetcher:
+    """Feeds prepared ahead on a background thread: ``read(step, lo, hi)`` run for the keys
+    :meth:`get` is told come next, at most ``depth`` of them held at a time; a key that is not
+    asked for next (a share changed) is dropped and read afresh when asked for."""
+
+    def __init__(self, read, depth: int):
+        self.read, self.depth = read, depth
+        self.pending: Dict[tuple, Future] = {}
+        self.queue: List[Tuple[tuple, Future]] = []
+        self.ready = threading.Condition()
+        self.thread: Optional[threading.Thread] = None
+
+    def get(self, key: tuple, upcoming: List[tuple]) -> Dict[str, np.ndarray]:
+        """The feed of ``key`` (prepared, or read now); then prepare those of ``upcoming``."""
+        fut = self.pending.pop(key, None)
+        upcoming = upcoming[:self.depth]
+        for k in [k for k in self.pending if k not in upcoming]:
+            self.pending.pop(k).cancel()
+        with self.ready:
+            for k in upcoming:
+                if k not in self.pending:
+                    self.pending[k] = Future()
+                    self.queue.append((k, self.pending[k]))
+            self.ready.notify()
+        if self.thread is None and upcoming:
+            self.thread = threading.Thread(target=self._work, name="vfgraph-input", daemon=True)
+            self.thread.start()
+        if fut is None or fut.cancel():  # (not prepared, or not started yet: read it here)
+            return self.read(*key)
+        return fut.result()
+
+    def _work(self) -> None:
+        while True:
+            with self.ready:
+                while not self.queue:
+                    self.ready.wait()
+                key, fut = self.queue.pop(0)
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self.read(*key))
+            except BaseException as e:  # (raised where the feed is taken)
+                fut.set_exception(e)
 
 
-@dataclass
 class TrainData:
-    """The checked arrays of a run (``arrays``, the signature's inputs; ``keys`` their names,
-    sorted) and the global batches it trains on: the same on every rank and layout, each rank
-    feeding its rows of them."""
+    """The global batches a run trains on, from its data ``source``: the same on every rank and
+    layout (:func:`batch_indices`), each rank reading and decoding only its rows of them
+    (:meth:`feed`), the next ``depth`` steps' rows prepared while a step runs (``steps``: the
+    run's steps, none prepared beyond them)."""
 
-    path: str
-    arrays: Dict[str, np.ndarray]
-    keys: List[str]
-    batch_size: int
-    seed: int
+    def __init__(self, source: Source, specs, signature: str, batch_size: int, seed: int,
+                 steps: Optional[int] = None, depth: int = 3):
+        self.source, self.specs, self.signature = source, specs, signature
+        self.path, self.keys = source.path, sorted(specs)
+        self.batch_size, self.seed, self.steps = batch_size, seed, steps
+        self.orders: Dict[int, np.ndarray] = {}
+        self.lock = threading.Lock()
+        self.prefetch = None if isinstance(source, ArraySource) else Prefetcher(self._read, depth)
 
     @classmethod
-    def load(cls, path: str, specs, signature: str, batch_size: int, seed: int) -> "TrainData":
+    def load(cls, path: str, specs, signature: str, batch_size: int, seed: int,
+             steps: Optional[int] = None) -> "TrainData":
         """The data at ``path`` for the inputs ``specs`` (name -> TensorSpec) of ``signature``,
-        checked (:func:`check_data`) and holding at least one global batch."""
-        arrays = check_data(load_data(path, specs), specs, path, signature)
-        keys = sorted(specs)
-        n = len(arrays[keys[0]])
+        checked (:func:`check_data`: the whole of an .npz file, the first records of TFRecord or
+        ArrayRecord files) and holding at least one global batch."""
+        source = open_source(path, specs)
+        if isinstance(source, ArraySource):
+            source.arrays = check_data(source.arrays, specs, path, signature)
+        elif not len(source):
+            raise InputError(f"{path}: no records")
+        data = cls(source, specs, signature, batch_size, seed, steps)
+        if not isinstance(source, ArraySource):
+            data.check_records()
+        n = len(source)
         if batch_size > n:
             raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {path}")
-        return cls(path, arrays, keys, batch_size, seed)
+        return data
+
+    def check_records(self, first: int = 256) -> None:
+        """Decode and check (:func:`check_data`) the first ``first`` records and the first of each file."""
+        source = self.source
+        check_data(source.read(np.arange(min(first, len(source)))), self.specs, self.path, self.signature)
+        heads = np.unique(source.starts[:-1][np.diff(source.starts) > 0])
+        check_data(source.read(heads[heads >= first]), self.specs, self.path, self.signature)
+        source.decoded = source.bytes_read = 0
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def indices(self, step: int) -> np.ndarray:
+        """The sorted indices of the examples of the global batch of ``step``: those of
+        :func:`batch_indices`, each epoch's order computed once."""
+        n = len(self.source)
+        epoch, k = divmod(step, n // self.batch_size)
+        with self.lock:  # (the last two epochs' orders kept)
+            order = self.orders.get(epoch)
+            if order is None:
+                order = self.orders[epoch] = epoch_order(n, self.seed, epoch)
+                for old in sorted(self.orders)[:-2]:
+                    del self.orders[old]
+        return np.sort(order[k * self.batch_size:(k + 1) * self.batch_size])
 
     def feed(self, step: int, lo: int, hi: int) -> Dict[str, np.ndarray]:
-        """Rows ``lo:hi`` of the global batch of ``step`` (:func:`batches_for`), by input."""
-        batch = batches_for(self.arrays, self.keys, self.batch_size, step, self.seed)
-        return {k: v[lo:hi] for k, v in batch.items()}
+        """Rows ``lo:hi`` of the global batch of ``step``, by input; only they are read."""
+        if self.prefetch is None:
+            return self._read(step, lo, hi)
+        last = self.steps if self.steps is not None else step + 1 + self.prefetch.depth
+        return self.prefetch.get((step, lo, hi), [(s, lo, hi) for s in range(step + 1, last)])
+
+    def _read(self, step: int, lo: int, hi: int) -> Dict[str, np.ndarray]:
+        rows = self.indices(step)[lo:hi]
+        got = self.source.read(rows)
+        try:
+            return {k: cast_exactly(got[k], self.specs[k].dtype.as_numpy_dtype, k, self.path, self.signature)
+                    for k in self.keys}
+        except InputError as e:  # (its row is one of the batch's: name the data's)
+            import re
+
+            raise InputError(re.sub(r"\brow (\d+)", lambda m: f"row {int(rows[int(m.group(1))])}", str(e), 1)) \
+                from None
 
     def rows(self, step: int, lo: int, hi: int) -> np.ndarray:
         """The data's row of each example :meth:`feed` gives."""
-        n = len(self.arrays[self.keys[0]])
-        return batches_for({"row": np.arange(n)}, ["row"], self.batch_size, step, self.seed)["row"][lo:hi]
+        return self.indices(step)[lo:hi]
+
+    def fingerprint(self) -> str:
+        """A hash of the data for a checkpoint's record (:meth:`Source.fingerprint`)."""
+        return self.source.fingerprint()
+
+    def digest(self) -> str:
+        """A hash of the data the ranks of a job compare (:meth:`Source.digest`)."""
+        return self.source.digest()
+
+    def log_reads(self, w) -> None:
+        """Log the examples and bytes this rank read (of the data's examples)."""
+        s = self.source
+        log.info("%sread %d examples (%d bytes) of the %d in %s", f"rank {w.rank}: " if w.size > 1 else "",
+                 s.decoded, s.bytes_read, len(s), self.path)

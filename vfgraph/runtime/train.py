@@ -119,7 +119,7 @@ def run(cfg: TrainConfig) -> Optional[TrainResult]:
     reports = w.agree(lambda: Reports.open(cfg, opened.loaded, opened.fn, opened.held, writes, ranks.ranked))
     fingerprint = savedmodel.source_fingerprint(cfg.model, None)
     if w.size > 1 and ranks.inter is None:  # before anything the ranks must call alike as often
-        same_everywhere(w, cfg.agreed(fingerprint, opened.data.arrays))
+        same_everywhere(w, cfg.agreed(fingerprint, opened.data))
     scheduled, joined_at = None, None
     if cfg.elastic is not None:
         scheduled, joined_at = start_elastic(cfg, plan, ranks, opened, fingerprint)
@@ -127,7 +127,7 @@ def run(cfg: TrainConfig) -> Optional[TrainResult]:
             return None
     share = Share.first(ranks, opened.per, plan.b, cfg.batch_size, cfg.auto)
     w = ranks.w
-    config = cfg.resumable(fingerprint, opened.data.arrays) if w.is_root else None
+    config = cfg.resumable(fingerprint, opened.data) if w.is_root else None
     checkpoints = Checkpoints(opened.held, cfg.ckpt_dir, cfg.checkpoint_every, config,
                               ranks.k_count if ranks.ranked else 0)
     start, losses = _start_step(cfg, ranks, checkpoints, state, joined_at)
@@ -171,6 +171,7 @@ def _finish(cfg: TrainConfig, plan: ModelPlan, ranks: Ranks, opened: OpenedModel
     w = loop.share.w
     validation = loop.reports.finish(loop)
     log_resources(w, loop.runner.seconds, resident_at_start)
+    opened.data.log_reads(w)
     if ranks.ranked:  # rank 0 takes each stage's variables from the rank that updates them
         collect_stages(w, opened.loaded, opened.held, plan.stages, cfg.model, cfg.signature)
     if not w.is_root:
