@@ -1,0 +1,153 @@
+"""--input-fn: the user's decoding and augmentation of each example, run in the input workers.
+Records holding raw bytes (not the signature's inputs) train through a random augmentation keyed
+by (seed, step, example), bit-identical on 1x8 and 2x4 in deterministic mode; the same function
+given as a callable to the Python API trains the same; a function or module that fails, or
+returns the wrong names, shapes or dtypes, is one line and exit 2 before the first step."""
+import os
+import textwrap
+
+import numpy as np
+import pytest
+
+from test_mpi_train import losses, rewritten, run_train
+from test_streaming import same
+from vfgraph.testing.cli import run_in_process
+
+pytestmark = pytest.mark.mpi
+
+AUGMENT = '''
+import numpy as np
+
+
+def augment(features, rng):
+    """One digit from its raw bytes: a random horizontal flip and noise."""
+    img = np.frombuffer(features["pixels"][0], np.uint8).reshape(8, 8).astype(np.float32) / 16
+    if rng.random() < 0.5:
+        img = img[:, ::-1]
+    img = img + rng.normal(0, 0.05, img.shape).astype(np.float32)
+    return {"x": img.reshape(64), "y": np.int32(features["label"][0])}
+
+
+def raises(features, rng):
+    return {"x": features["image"], "y": 0}
+
+
+def no_label(features, rng):
+    return {"x": np.zeros(64, np.float32)}
+
+
+def square(features, rng):
+    return {"x": np.zeros((8, 8), np.float32), "y": 1}
+
+
+def half_label(features, rng):
+    return {"x": np.zeros(64, np.float32), "y": 0.5}
+
+
+def a_list(features, rng):
+    return [features]
+'''
+
+
+@pytest.fixture(scope="module")
+def exact(models, tmp_path_factory):
+    """Models rewritten with 8 virtual nodes of 8 examples, the all-reduce and exact sums."""
+    return rewritten(models, tmp_path_factory.mktemp("input_fn"), deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def raw(digits, tmp_path_factory):
+    """The digits as 2 TFRecord shards of raw features (``pixels``: 64 bytes, ``label``: int64),
+    and the module of input functions (``fn``: its path)."""
+    import tensorflow as tf
+
+    root = tmp_path_factory.mktemp("input_fn_data")
+    with np.load(digits["train"]) as z:
+        x, y = np.round(z["x"] * 16).astype(np.uint8), z["y"]
+    for s in range(2):
+        with tf.io.TFRecordWriter(str(root / f"raw-{s}.tfrecord")) as w:
+            for i in range(s, len(x), 2):
+                w.write(tf.train.Example(features=tf.train.Features(feature={
+                    "pixels": tf.train.Feature(bytes_list=tf.train.BytesList(value=[x[i].tobytes()])),
+                    "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(y[i])]))})).SerializeToString())
+    (root / "aug.py").write_text(textwrap.dedent(AUGMENT))
+    return {"data": str(root / "raw-*.tfrecord"), "fn": str(root / "aug.py")}
+
+
+def test_augmented_records_train_bit_identical_on_1x8_and_2x4(exact, raw, tmp_path):
+    model, steps = exact("mlp:adam"), 25  # (past the first epoch of 22 steps)
+    one = run_train(0, model, raw["data"], str(tmp_path / "one"), steps, "--input-fn", f"{raw['fn']}:augment")
+    run_train(2, model, raw["data"], str(tmp_path / "two"), steps, "--input-fn", f"{raw['fn']}:augment")
+    same(str(tmp_path / "one"), str(tmp_path / "two"))
+    assert "read 1600 examples" in one.stderr  # (the check of the first 16 not counted)
+    assert len(losses(str(tmp_path / "two"))) == steps
+
+
+def test_a_callable_from_python_trains_as_the_module_function(exact, raw, tmp_path):
+    """The same function given to the Python API as a callable: the same model as from the
+    command line (one rank); each example's randomness is its own whatever thread runs it."""
+    import importlib.util
+
+    from vfgraph.runtime.train import train
+
+    spec = importlib.util.spec_from_file_location("aug_callable", raw["fn"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = exact("mlp:adam")
+    run_train(0, model, raw["data"], str(tmp_path / "cli"), 3, "--input-fn", f"{raw['fn']}:augment")
+    res = train(model, raw["data"], 3, 64, str(tmp_path / "api"), progress=False, input_fn=module.augment)
+    assert res.steps == 3
+    same(str(tmp_path / "cli"), str(tmp_path / "api"))
+
+
+def test_feeds_are_the_same_rows_whatever_the_split_and_differ_by_step(raw):
+    """Rows 0:64 of a step are rows 0:24 and 24:64 of it read apart (the split of a 3+5 layout);
+    the same example at another step is augmented afresh."""
+    import tensorflow as tf
+
+    from vfgraph.runtime.data import TrainData
+    from vfgraph.runtime.preprocess import InputFn
+
+    specs = {"x": tf.TensorSpec([None, 64], tf.float32), "y": tf.TensorSpec([None], tf.int32)}
+    fn = InputFn.resolve(f"{raw['fn']}:augment")
+    data = TrainData.load(raw["data"], specs, "train", 64, 3, input_fn=fn)
+    whole = data.feed(5, 0, 64)
+    parts = [data.feed(5, 0, 24), data.feed(5, 24, 64)]
+    for k in ("x", "y"):
+        assert np.array_equal(whole[k], np.concatenate([p[k] for p in parts])), k
+    assert whole["x"].dtype == np.float32 and whole["y"].dtype == np.int32
+    n = len(data)
+    later = 5 + n // 64  # the next epoch's step at the same position: other examples, or others' noise
+    rows, again = data.rows(5, 0, 64), data.rows(later, 0, 64)
+    both = np.intersect1d(rows, again)
+    assert len(both)
+    a = whole["x"][np.searchsorted(rows, both[0])]
+    b = data.feed(later, 0, 64)["x"][np.searchsorted(again, both[0])]
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("given, said", [
+    ("aug.py", "give MODULE:FUNCTION"),
+    ("no_such_module_here:f", "no module named 'no_such_module_here'"),
+    ("boom.py:f", "importing boom.py failed: RuntimeError: boom at import"),
+    ("aug.py:nothing", "has no function 'nothing' (its functions: a_list, augment, half_label, no_label, raises"),
+    ("aug.py:raises", "raised KeyError: 'image' on example 0 (record 0 of "),
+    ("aug.py:no_label", "returned ['x'] for example 0 (record 0 of "),
+    ("aug.py:square", "returned 'x' of shape [8, 8] for example 0"),
+    ("aug.py:a_list", "returned a list for example 0"),
+    ("aug.py:half_label", "array 'y' holds float64 values, the 'train' signature takes int32: row 0 holds 0.5"),
+])
+def test_a_failing_or_unfit_input_fn_is_one_line_before_the_first_step(given, said, exact, raw, capsys, tmp_path,
+                                                                       monkeypatch):
+    model = exact("mlp:adam")
+    monkeypatch.chdir(os.path.dirname(raw["fn"]))
+    (tmp_path / "boom.py").write_text("raise RuntimeError('boom at import')\n")
+    if given.startswith("boom.py"):
+        monkeypatch.chdir(tmp_path)
+    code, lines = run_in_process(capsys, "train", model, "--data", raw["data"], "--input-fn", given,
+                                 "--steps", 2, "--batch-size", 64, "-o", tmp_path / "out", "--no-progress")
+    assert code == 2, lines
+    errors = [line for line in lines if line.startswith("vfgraph")]
+    assert len(errors) == 1 and said in errors[0], lines
+    assert not any("Traceback" in line for line in lines)
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.ckpt")
