@@ -74,18 +74,27 @@ def raw(digits, tmp_path_factory):
     return {"data": str(root / "raw-*.tfrecord"), "fn": str(root / "aug.py")}
 
 
-def test_augmented_records_train_bit_identical_on_1x8_and_2x4(exact, raw, tmp_path):
-    model, steps = exact("mlp:adam"), 25  # (past the first epoch of 22 steps)
-    one = run_train(0, model, raw["data"], str(tmp_path / "one"), steps, "--input-fn", f"{raw['fn']}:augment")
-    run_train(2, model, raw["data"], str(tmp_path / "two"), steps, "--input-fn", f"{raw['fn']}:augment")
-    same(str(tmp_path / "one"), str(tmp_path / "two"))
-    assert "read 1600 examples" in one.stderr  # (the check of the first 16 not counted)
-    assert len(losses(str(tmp_path / "two"))) == steps
+STEPS = 6
 
 
-def test_a_callable_from_python_trains_as_the_module_function(exact, raw, tmp_path):
+@pytest.fixture(scope="module")
+def one_rank(exact, raw, tmp_path_factory):
+    """The digits MLP trained from the raw records through ``augment`` on one process (1x8)."""
+    out = str(tmp_path_factory.mktemp("input_fn_runs") / "one")
+    res = run_train(0, exact("mlp:adam"), raw["data"], out, STEPS, "--input-fn", f"{raw['fn']}:augment")
+    assert f"read {STEPS * 64} examples" in res.stderr  # (the check of the first 16 not counted)
+    return out
+
+
+def test_augmented_records_train_bit_identical_on_1x8_and_2x4(one_rank, exact, raw, tmp_path):
+    run_train(2, exact("mlp:adam"), raw["data"], str(tmp_path / "two"), STEPS, "--input-fn", f"{raw['fn']}:augment")
+    same(one_rank, str(tmp_path / "two"))
+    assert len(losses(str(tmp_path / "two"))) == STEPS
+
+
+def test_a_callable_from_python_trains_as_the_module_function(one_rank, exact, raw, tmp_path):
     """The same function given to the Python API as a callable: the same model as from the
-    command line (one rank); each example's randomness is its own whatever thread runs it."""
+    command line."""
     import importlib.util
 
     from vfgraph.runtime.train import train
@@ -93,11 +102,10 @@ def test_a_callable_from_python_trains_as_the_module_function(exact, raw, tmp_pa
     spec = importlib.util.spec_from_file_location("aug_callable", raw["fn"])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    model = exact("mlp:adam")
-    run_train(0, model, raw["data"], str(tmp_path / "cli"), 3, "--input-fn", f"{raw['fn']}:augment")
-    res = train(model, raw["data"], 3, 64, str(tmp_path / "api"), progress=False, input_fn=module.augment)
-    assert res.steps == 3
-    same(str(tmp_path / "cli"), str(tmp_path / "api"))
+    res = train(exact("mlp:adam"), raw["data"], STEPS, 64, str(tmp_path / "api"), progress=False,
+                input_fn=module.augment)
+    assert res.steps == STEPS
+    same(one_rank, str(tmp_path / "api"))
 
 
 def test_feeds_are_the_same_rows_whatever_the_split_and_differ_by_step(raw):
@@ -151,3 +159,25 @@ def test_a_failing_or_unfit_input_fn_is_one_line_before_the_first_step(given, sa
     assert len(errors) == 1 and said in errors[0], lines
     assert not any("Traceback" in line for line in lines)
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "out.ckpt")
+
+
+def test_the_jpeg_example_decodes_crops_and_jitters_each_image_by_its_key():
+    """examples/jpeg_input.py on JPEG files from examples/jpeg_pipeline.py: 28x28x1 float32
+    crops between 0 and 1, the same for the same (seed, step, index), another for another step;
+    the validation's centre crop is the middle of the decoded image."""
+    import jpeg_input
+    import jpeg_pipeline
+
+    from vfgraph.runtime.preprocess import example_rng
+
+    images, labels = jpeg_pipeline.digit_images()
+    files = jpeg_pipeline.jpegs(images[:3])
+    features = {"image": np.array([files[0]], dtype=object), "label": np.array([labels[0]])}
+    a, again = (jpeg_input.decode(features, example_rng(0, 4, 0)) for _ in range(2))
+    other = jpeg_input.decode(features, example_rng(0, 5, 0))
+    assert a["x"].shape == (28, 28, 1) and a["x"].dtype == np.float32 and a["y"] == labels[0]
+    assert 0 <= a["x"].min() and a["x"].max() <= 1
+    assert np.array_equal(a["x"], again["x"]) and not np.array_equal(a["x"], other["x"])
+    whole = jpeg_input.pixels(files[0])
+    assert whole.shape == (32, 32, 1) and np.array_equal(jpeg_input.centre(files[0]), whole[2:30, 2:30])
+    assert np.abs(whole[..., 0] * 255 - images[0]).mean() < 8  # (JPEG's loss, at quality 90)
