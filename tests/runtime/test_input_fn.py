@@ -181,3 +181,35 @@ def test_the_jpeg_example_decodes_crops_and_jitters_each_image_by_its_key():
     whole = jpeg_input.pixels(files[0])
     assert whole.shape == (32, 32, 1) and np.array_equal(jpeg_input.centre(files[0]), whole[2:30, 2:30])
     assert np.abs(whole[..., 0] * 255 - images[0]).mean() < 8  # (JPEG's loss, at quality 90)
+
+
+def test_a_later_failure_stops_with_a_checkpoint_and_resume_refuses_another_function(exact, raw, tmp_path):
+    """A function that fails at step 3's examples stops the run (one error naming the example)
+    keeping the checkpoint of step 2; --resume with another function is refused, with the same
+    one it finishes."""
+    import importlib.util
+    import threading
+
+    from vfgraph.errors import InputError
+    from vfgraph.runtime.train import train
+
+    spec = importlib.util.spec_from_file_location("aug_resume", raw["fn"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calls, lock = [0], threading.Lock()
+
+    def tired(features, rng):  # (the check's 16 examples, then steps 0, 1 and 2)
+        with lock:
+            calls[0] += 1
+            if calls[0] > 16 + 3 * 64:
+                raise ValueError("tired")
+        return module.augment(features, rng)
+
+    model, out = exact("mlp:adam"), str(tmp_path / "out")
+    with pytest.raises(InputError, match=r"raised ValueError: tired on example \d+ \(record \d+ of "):
+        train(model, raw["data"], 6, 64, out, progress=False, checkpoint_every=2, input_fn=tired)
+    assert os.path.isdir(out + ".ckpt") and not os.path.exists(out)
+    with pytest.raises(InputError, match=r"another configuration \(--input-fn \S+tired -> aug_resume:augment\)"):
+        train(model, raw["data"], 6, 64, out, progress=False, resume=True, input_fn=module.augment)
+    calls[0] = -10 ** 6  # (the same function, working now)
+    assert train(model, raw["data"], 6, 64, out, progress=False, resume=True, input_fn=tired).steps == 6

@@ -134,12 +134,10 @@ class TrainConfig:
         """The configuration a checkpoint records and ``--resume`` requires unchanged
         (:func:`vfgraph.runtime.checkpoints.changed_config`)."""
         rec = records.read(self.model, VirtualNodes).get(self.signature)
-        config = {"batch_size": self.batch_size, "seed": self.seed, "signature": self.signature,
-                  "vnodes": [rec.vnodes, rec.vnode_batch] if rec else [1, 0],
-                  "model": fingerprint, "data": data.fingerprint()}
-        if data.preprocess is not None:  # (its name: a changed function body is the user's to judge)
-            config["input_fn"] = data.preprocess.input_fn.name
-        return config
+        return {"batch_size": self.batch_size, "seed": self.seed, "signature": self.signature,
+                "vnodes": [rec.vnodes, rec.vnode_batch] if rec else [1, 0],
+                "model": fingerprint, "data": data.fingerprint(),  # (--input-fn by name: an edit of its body
+                "input_fn": data.preprocess.input_fn.name if data.preprocess else None}  # is the user's to judge)
 
 
 @dataclass
