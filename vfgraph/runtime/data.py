@@ -315,6 +315,7 @@ class TrainData:
 
     def log_reads(self, w) -> None:
         """Log the examples and bytes this rank read (of the data's examples)."""
-        s = self.source
-        log.info("%sread %d examples (%d bytes) of the %d in %s", f"rank {w.rank}: " if w.size > 1 else "",
-                 s.decoded, s.bytes_read, len(s), self.path)
+        s, p = self.source, self.preprocess
+        through = f" through --input-fn {p.input_fn.name} ({p.workers} threads)" if p is not None else ""
+        log.info("%sread %d examples (%d bytes) of the %d in %s%s", f"rank {w.rank}: " if w.size > 1 else "",
+                 s.decoded, s.bytes_read, len(s), self.path, through)

@@ -19,6 +19,7 @@ signature's inputs for that example (name -> value of the input's per-example sh
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -54,7 +55,8 @@ class InputFn:
         if given is None or given == "":
             return None
         if callable(given):
-            return cls(given, f"{getattr(given, '__module__', '?')}:{getattr(given, '__qualname__', repr(given))}")
+            qualname = getattr(given, "__qualname__", None) or type(given).__qualname__  # (not a repr: an address
+            return cls(given, f"{getattr(given, '__module__', None) or '?'}:{qualname}")  # differs between ranks)
         if not isinstance(given, str) or given.count(":") != 1 or not all(given.split(":")):
             raise InputError(f"--input-fn {given}: give MODULE:FUNCTION (a module name or a .py file, and the name "
                              "of a function in it), e.g. my_input.py:decode")
@@ -76,10 +78,11 @@ def _import(module_name: str, given: str):
         if module_name.endswith(".py") or os.sep in module_name:
             if not os.path.isfile(module_name):
                 raise InputError(f"--input-fn {given}: no such file {module_name}")
-            name = "vfgraph_input_fn_" + os.path.splitext(os.path.basename(module_name))[0]
+            path = os.path.abspath(module_name)  # (one module per file, whatever other files are named)
+            name = f"vfgraph_input_fn_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
             if name in sys.modules:
                 return sys.modules[name]
-            spec = importlib.util.spec_from_file_location(name, os.path.abspath(module_name))
+            spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             try:
@@ -187,6 +190,3 @@ class Preprocessor:
                                  f"{shown} (one example, without the batch dimension)")
             arrays[k] = arr
         return arrays
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
