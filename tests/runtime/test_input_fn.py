@@ -1,8 +1,9 @@
 """--input-fn: the user's decoding and augmentation of each example, run in the input workers.
 Records holding raw bytes (not the signature's inputs) train through a random augmentation keyed
-by (seed, step, example), bit-identical on 1x8 and 2x4 in deterministic mode; the same function
-given as a callable to the Python API trains the same; a function or module that fails, or
-returns the wrong names, shapes or dtypes, is one line and exit 2 before the first step."""
+by (seed, step, example), bit-identical in deterministic mode on 1x8 (the function given to the
+Python API as a callable) and 2x4 (MODULE:FUNCTION on the command line), and after a stop and
+--resume; a function or module that fails, or returns the wrong names, shapes or dtypes, is one
+line and exit 2 before the first step; the JPEG example's function decodes, crops and jitters."""
 import os
 import textwrap
 
@@ -77,35 +78,37 @@ def raw(digits, tmp_path_factory):
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def one_rank(exact, raw, tmp_path_factory):
-    """The digits MLP trained from the raw records through ``augment`` on one process (1x8)."""
-    out = str(tmp_path_factory.mktemp("input_fn_runs") / "one")
-    res = run_train(0, exact("mlp:adam"), raw["data"], out, STEPS, "--input-fn", f"{raw['fn']}:augment")
-    assert f"read {STEPS * 64} examples" in res.stderr  # (the check of the first 16 not counted)
-    return out
-
-
-def test_augmented_records_train_bit_identical_on_1x8_and_2x4(one_rank, exact, raw, tmp_path):
-    run_train(2, exact("mlp:adam"), raw["data"], str(tmp_path / "two"), STEPS, "--input-fn", f"{raw['fn']}:augment")
-    same(one_rank, str(tmp_path / "two"))
-    assert len(losses(str(tmp_path / "two"))) == STEPS
-
-
-def test_a_callable_from_python_trains_as_the_module_function(one_rank, exact, raw, tmp_path):
-    """The same function given to the Python API as a callable: the same model as from the
-    command line."""
+def augment(raw):
+    """The module's ``augment``, imported here (a callable for the Python API)."""
     import importlib.util
-
-    from vfgraph.runtime.train import train
 
     spec = importlib.util.spec_from_file_location("aug_callable", raw["fn"])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    res = train(exact("mlp:adam"), raw["data"], STEPS, 64, str(tmp_path / "api"), progress=False,
-                input_fn=module.augment)
-    assert res.steps == STEPS
-    same(one_rank, str(tmp_path / "api"))
+    return module.augment
+
+
+@pytest.fixture(scope="module")
+def one_rank(exact, raw, tmp_path_factory):
+    """The digits MLP trained from the raw records through ``augment`` on one process (1x8),
+    from Python, the function given as a callable."""
+    from vfgraph.runtime.train import train
+
+    out = str(tmp_path_factory.mktemp("input_fn_runs") / "one")
+    assert train(exact("mlp:adam"), raw["data"], STEPS, 64, out, progress=False, input_fn=augment(raw)).steps == STEPS
+    return out
+
+
+def test_augmented_records_train_bit_identical_on_1x8_and_2x4(one_rank, exact, raw, tmp_path):
+    """2 ranks of 4 virtual nodes, the function named on the command line, against one process
+    of 8 given it from Python: the same model; each rank decoded its own 4 virtual nodes."""
+    two = run_train(2, exact("mlp:adam"), raw["data"], str(tmp_path / "two"), STEPS, "--input-fn",
+                    f"{raw['fn']}:augment")
+    same(one_rank, str(tmp_path / "two"))
+    assert len(losses(str(tmp_path / "two"))) == STEPS
+    for rank in (0, 1):  # (the check of the first 16 examples not counted)
+        assert f"rank {rank}: read {STEPS * 32} examples" in two.stderr, two.stderr[-2000:]
+    assert f"through --input-fn {raw['fn']}:augment (" in two.stderr
 
 
 def test_feeds_are_the_same_rows_whatever_the_split_and_differ_by_step(raw):
@@ -188,30 +191,26 @@ def test_a_later_failure_stops_with_a_checkpoint_and_resume_refuses_another_func
     """A function that fails at step 3's examples stops the run (one error naming the example)
     keeping the checkpoint of step 2; --resume with another function is refused; with the same
     one it ends as the uninterrupted run (the augmentations are a function of the step)."""
-    import importlib.util
     import threading
 
     from vfgraph.errors import InputError
     from vfgraph.runtime.train import train
 
-    spec = importlib.util.spec_from_file_location("aug_resume", raw["fn"])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    calls, lock = [0], threading.Lock()
+    augmented, calls, lock = augment(raw), [0], threading.Lock()
 
     def tired(features, rng):  # (the check's 16 examples, then steps 0, 1 and 2)
         with lock:
             calls[0] += 1
             if calls[0] > 16 + 3 * 64:
                 raise ValueError("tired")
-        return module.augment(features, rng)
+        return augmented(features, rng)
 
     model, out = exact("mlp:adam"), str(tmp_path / "out")
     with pytest.raises(InputError, match=r"raised ValueError: tired on example \d+ \(record \d+ of "):
         train(model, raw["data"], STEPS, 64, out, progress=False, checkpoint_every=2, input_fn=tired)
     assert os.path.isdir(out + ".ckpt") and not os.path.exists(out)
-    with pytest.raises(InputError, match=r"another configuration \(--input-fn \S+tired -> aug_resume:augment\)"):
-        train(model, raw["data"], STEPS, 64, out, progress=False, resume=True, input_fn=module.augment)
+    with pytest.raises(InputError, match=r"another configuration \(--input-fn \S+tired -> aug_callable:augment\)"):
+        train(model, raw["data"], STEPS, 64, out, progress=False, resume=True, input_fn=augmented)
     calls[0] = -10 ** 6  # (the same function, working now)
     assert train(model, raw["data"], STEPS, 64, out, progress=False, resume=True, input_fn=tired).steps == STEPS
     same(one_rank, out)
