@@ -95,6 +95,9 @@ def draw(curves: Dict[str, List[Tuple[int, float]]], tag: str, out: str) -> None
     try:
         with os.fdopen(fd, "wb") as f:
             img.save(f, format="PNG")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # (as a file opened for writing would be, not mkstemp's 0600)
         os.replace(tmp, out)
     except BaseException:
         os.unlink(tmp)

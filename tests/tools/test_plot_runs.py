@@ -45,6 +45,9 @@ def test_curves_of_several_runs_in_one_png(tmp_path):
         hits = np.argwhere((img == rgb).all(axis=2))
         assert (hits[:, 1] > plot.LEFT + 50).sum() > 100, colour
     assert [f for f in os.listdir(tmp_path) if f.endswith(".png")] == ["curves.png"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out).st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_a_missing_run_or_scalar_is_one_line(tmp_path):
