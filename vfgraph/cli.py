@@ -205,6 +205,10 @@ def _train_command(command) -> None:
     t.add_argument("--data", required=True, help=".npz whose array names match the training signature's inputs, "
                    "or TFRecord or ArrayRecord files (.tfrecord, .array_record, or a glob) of tf.train.Example "
                    "records with those features (read by index: each rank reads only its examples)")
+    t.add_argument("--input-fn", metavar="MODULE:FUNCTION", help="decode and augment each training example with "
+                   "FUNCTION(features, rng) of MODULE (a module name or a .py file): it gets a record's features "
+                   "by name and a numpy Generator keyed by (--seed, step, example), and returns the signature's "
+                   "inputs for the example (docs/data.md)")
     t.add_argument("--steps", type=int, required=True, help="training steps (global batches) in all, at least 1")
     t.add_argument("--batch-size", type=int, required=True,
                    help="global batch per step: a multiple of the model's virtual-node batch b")
@@ -972,7 +976,8 @@ def cmd_train(args) -> int:
                         threads=args.threads, allow_nonfinite=args.allow_nonfinite, elastic=elastic,
                         stall_warning=args.stall_warning, stall_timeout=args.stall_timeout,
                         eval_data=args.eval_data, eval_every=args.eval_every, logdir=args.logdir,
-                        keras_file=args.model if model != args.model else None, imports=args.imports or ())
+                        keras_file=args.model if model != args.model else None, imports=args.imports or (),
+                        input_fn=args.input_fn)
         except Exception as e:
             if args.elastic_join:  # a new rank of an elastic job: the job goes on without it
                 from vfgraph.runtime.elastic import report_failure

@@ -107,11 +107,12 @@ def read_progress(ckpt_dir: str) -> Optional[dict]:
 def changed_config(saved: dict, now: dict) -> List[str]:
     """What differs between the configuration a checkpoint was written with and this run's."""
     names = {"batch_size": "--batch-size", "seed": "--seed", "signature": "--train-signature",
-             "vnodes": "virtual nodes (V, b)", "model": "model fingerprint", "data": "data fingerprint"}
+             "vnodes": "virtual nodes (V, b)", "model": "model fingerprint", "data": "data fingerprint",
+             "input_fn": "--input-fn"}
     out = []
     for key, label in names.items():
-        if key in saved and saved[key] != now[key]:
-            a, b = saved[key], now[key]
+        if key in saved and saved[key] != now.get(key):
+            a, b = saved[key], now.get(key)
             if key in ("model", "data"):
                 a, b = str(a)[:12], str(b)[:12]
             out.append(f"{label} {a} -> {b}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from vfgraph import records
 from vfgraph.errors import InputError
@@ -15,6 +15,7 @@ from vfgraph.runtime import elastic as el
 from vfgraph.runtime.data import TrainData
 from vfgraph.runtime.devices import stages_of
 from vfgraph.runtime.elastic import ElasticOptions
+from vfgraph.runtime.preprocess import InputFn
 from vfgraph.runtime.sources import data_files
 
 
@@ -45,6 +46,11 @@ class TrainConfig:
     logdir: Optional[str] = None
     keras_file: Optional[str] = None  # the compiled .keras file the model was built from (its metrics validate)
     imports: Tuple[str, ...] = ()  # modules that file's model needs
+    input_fn: Union[str, Callable, None] = None  # MODULE:FUNCTION or a callable: decodes each example
+
+    def input_function(self) -> Optional[InputFn]:
+        """--input-fn imported (None: none); one line for one that cannot be."""
+        return InputFn.resolve(self.input_fn)
 
     @property
     def auto(self) -> bool:
@@ -78,6 +84,7 @@ class TrainConfig:
                 raise InputError(f"{name} {shown}: give a number of seconds of at least 0 (0: off)")
         if self.resume and self.force:
             raise InputError("--resume and --force: give one (--resume continues a checkpoint, --force starts over)")
+        self.input_function()
         self._check_reports()
 
     def _check_reports(self) -> None:
@@ -112,7 +119,8 @@ class TrainConfig:
         shown = {"--seed": self.seed, "--batch-size": self.batch_size, "--steps": self.steps,
                  "--checkpoint-every": self.checkpoint_every, "--train-signature": self.signature,
                  "--resume": self.resume, "--force": self.force, "--allow-nonfinite": self.allow_nonfinite,
-                 "-o": self.output, "--eval-data": self.eval_data, "--eval-every": self.eval_every}
+                 "-o": self.output, "--eval-data": self.eval_data, "--eval-every": self.eval_every,
+                 "--input-fn": data.preprocess.input_fn.name if data.preprocess else None}
         elastic = self.elastic
         if elastic is not None:  # (each rank's schedule says when the job changes size)
             shown.update({"--elastic-schedule": elastic.schedule, "--max-ranks": elastic.max_ranks,
@@ -128,7 +136,8 @@ class TrainConfig:
         rec = records.read(self.model, VirtualNodes).get(self.signature)
         return {"batch_size": self.batch_size, "seed": self.seed, "signature": self.signature,
                 "vnodes": [rec.vnodes, rec.vnode_batch] if rec else [1, 0],
-                "model": fingerprint, "data": data.fingerprint()}
+                "model": fingerprint, "data": data.fingerprint(),  # (--input-fn by name: an edit of its body
+                "input_fn": data.preprocess.input_fn.name if data.preprocess else None}  # is the user's to judge)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import numpy as np
 from vfgraph import records
 from vfgraph.errors import InputError
 from vfgraph.records import VirtualNodes
+from vfgraph.runtime.preprocess import InputFn, Preprocessor
 from vfgraph.runtime.sources import (ArraySource, Source, data_digest, data_fingerprint,  # noqa: F401 (read
                                      load_npz, open_source)  # from here too)
 
@@ -190,32 +191,52 @@ class TrainData:
     run's steps, none prepared beyond them)."""
 
     def __init__(self, source: Source, specs, signature: str, batch_size: int, seed: int,
-                 steps: Optional[int] = None, depth: int = 3):
+                 steps: Optional[int] = None, depth: int = 3, input_fn: Optional[InputFn] = None):
         self.source, self.specs, self.signature = source, specs, signature
         self.path, self.keys = source.path, sorted(specs)
         self.batch_size, self.seed, self.steps = batch_size, seed, steps
         self.orders: Dict[int, np.ndarray] = {}
         self.lock = threading.Lock()
-        self.prefetch = None if isinstance(source, ArraySource) else Prefetcher(self._read, depth)
+        self.preprocess = None if input_fn is None else Preprocessor(input_fn, specs, signature, seed, self.where)
+        ahead = input_fn is not None or not isinstance(source, ArraySource)
+        self.prefetch = Prefetcher(self._read, depth) if ahead else None
 
     @classmethod
     def load(cls, path: str, specs, signature: str, batch_size: int, seed: int,
-             steps: Optional[int] = None) -> "TrainData":
+             steps: Optional[int] = None, input_fn: Optional[InputFn] = None) -> "TrainData":
         """The data at ``path`` for the inputs ``specs`` (name -> TensorSpec) of ``signature``,
         checked (:func:`check_data`: the whole of an .npz file, the first records of TFRecord or
-        ArrayRecord files) and holding at least one global batch."""
-        source = open_source(path, specs)
+        ArrayRecord files; with ``input_fn``, its output for the first examples) and holding at
+        least one global batch."""
+        source = open_source(path, None if input_fn else specs)
         if isinstance(source, ArraySource):
-            source.arrays = check_data(source.arrays, specs, path, signature)
+            lengths = {k: len(v) for k, v in source.arrays.items()}
+            if input_fn is None:
+                source.arrays = check_data(source.arrays, specs, path, signature)
+            elif len(set(lengths.values())) > 1:
+                raise InputError(f"{path}: arrays have different lengths {lengths}")
         elif not len(source):
             raise InputError(f"{path}: no records")
-        data = cls(source, specs, signature, batch_size, seed, steps)
-        if not isinstance(source, ArraySource):
+        data = cls(source, specs, signature, batch_size, seed, steps, input_fn=input_fn)
+        if input_fn is not None:
+            data.check_input_fn()
+        elif not isinstance(source, ArraySource):
             data.check_records()
         n = len(source)
         if batch_size > n:
             raise InputError(f"--batch-size {batch_size}: must be between 1 and the {n} examples in {path}")
         return data
+
+    def check_input_fn(self, first: int = 16) -> None:
+        """Run ``--input-fn`` on the first ``first`` examples (at step 0) and check what it returns."""
+        if len(self.source):
+            self.preprocessed(np.arange(min(first, len(self.source))), 0)
+        self.source.decoded = self.source.bytes_read = 0
+
+    def where(self, index: int) -> str:
+        """Where example ``index`` lies: its record and file, or its row of an .npz file."""
+        at = getattr(self.source, "where", None)
+        return at(index) if at is not None else f"row {index} of {self.path}"
 
     def check_records(self, first: int = 256) -> None:
         """Decode and check (:func:`check_data`) the first ``first`` records and the first of each file."""
@@ -250,9 +271,29 @@ class TrainData:
 
     def _read(self, step: int, lo: int, hi: int) -> Dict[str, np.ndarray]:
         rows = self.indices(step)[lo:hi]
-        got = self.source.read(rows)
+        if self.preprocess is not None:
+            return self.preprocessed(rows, step)
+        return self._cast(self.source.read(rows), rows, self.path)
+
+    def preprocessed(self, rows: np.ndarray, step: int) -> Dict[str, np.ndarray]:
+        """The examples ``rows`` through ``--input-fn`` at ``step``, stacked into the signature's inputs."""
+        outs = self.preprocess.examples(self.source.raw(rows), rows, step)
+        what = f"{self.path} through --input-fn {self.preprocess.input_fn.name}"
+        stacked = {}
+        for k in self.keys:
+            shapes = [o[k].shape for o in outs]
+            odd = next((i for i, s in enumerate(shapes) if s != shapes[0]), None)
+            if odd is not None:
+                raise InputError(f"{what}: {k!r} of example {int(rows[odd])} has shape {list(shapes[odd])}, of example "
+                                 f"{int(rows[0])} {list(shapes[0])}; a batch stacks examples of one shape: return "
+                                 "that shape for every example")
+            stacked[k] = np.stack([o[k] for o in outs])
+        return self._cast(stacked, rows, what)
+
+    def _cast(self, got: Dict[str, np.ndarray], rows: np.ndarray, what: str) -> Dict[str, np.ndarray]:
+        """``got`` (the examples ``rows``) cast to the signature's dtypes (:func:`cast_exactly`)."""
         try:
-            return {k: cast_exactly(got[k], self.specs[k].dtype.as_numpy_dtype, k, self.path, self.signature)
+            return {k: cast_exactly(got[k], self.specs[k].dtype.as_numpy_dtype, k, what, self.signature)
                     for k in self.keys}
         except InputError as e:  # (its row is one of the batch's: name the data's)
             import re
@@ -274,6 +315,7 @@ class TrainData:
 
     def log_reads(self, w) -> None:
         """Log the examples and bytes this rank read (of the data's examples)."""
-        s = self.source
-        log.info("%sread %d examples (%d bytes) of the %d in %s", f"rank {w.rank}: " if w.size > 1 else "",
-                 s.decoded, s.bytes_read, len(s), self.path)
+        s, p = self.source, self.preprocess
+        through = f" through --input-fn {p.input_fn.name} ({p.workers} threads)" if p is not None else ""
+        log.info("%sread %d examples (%d bytes) of the %d in %s%s", f"rank {w.rank}: " if w.size > 1 else "",
+                 s.decoded, s.bytes_read, len(s), self.path, through)

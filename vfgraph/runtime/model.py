@@ -46,7 +46,8 @@ def open_model(cfg: TrainConfig, plan: ModelPlan, ranks: Ranks) -> OpenedModel:
     if ranks.ranked:
         fn, held = _open_stage(cfg, plan, ranks, loaded)
     _, specs = fn.structured_input_signature
-    data = TrainData.load(cfg.data_path, specs, signature, cfg.batch_size, cfg.seed, cfg.steps)
+    data = TrainData.load(cfg.data_path, specs, signature, cfg.batch_size, cfg.seed, cfg.steps,
+                          input_fn=cfg.input_function())
     check_batch(model, signature, cfg.batch_size)
     b, broadcast = plan.b, plan.broadcast
     per = [cfg.batch_size // b] if b else [1]

@@ -116,8 +116,9 @@ def is_records(path: str) -> bool:
 
 
 def open_source(path: str, specs) -> "Source":
-    """The data at ``path`` for the inputs ``specs`` (name -> TensorSpec): an .npz file, TFRecord
-    files or ArrayRecord files (a path or a glob pattern) of ``tf.train.Example`` records."""
+    """The data at ``path`` for the inputs ``specs`` (name -> TensorSpec; None: read raw, for
+    ``--input-fn``): an .npz file, TFRecord files or ArrayRecord files (a path or a glob
+    pattern) of ``tf.train.Example`` records."""
     if not is_records(path):
         return ArraySource(path, load_npz(path))
     files = data_files(path)
@@ -143,6 +144,10 @@ class Source:
         """The examples at the sorted ``indices``, by input."""
         raise NotImplementedError
 
+    def raw(self, indices: np.ndarray) -> list:
+        """The examples at the sorted ``indices`` as stored, undecoded (for ``--input-fn``)."""
+        raise NotImplementedError
+
     def fingerprint(self) -> str:
         """A hash of the data, recorded with a checkpoint (--resume requires the same)."""
         raise NotImplementedError
@@ -165,6 +170,11 @@ class ArraySource(Source):
         self.decoded += len(indices)
         return {k: v[indices] for k, v in self.arrays.items()}
 
+    def raw(self, indices: np.ndarray) -> list:
+        """Each example's row of every array, by the arrays' names."""
+        self.decoded += len(indices)
+        return [{k: v[i] for k, v in self.arrays.items()} for i in indices]
+
     def fingerprint(self) -> str:
         return data_fingerprint(self.arrays)
 
@@ -174,13 +184,14 @@ class ArraySource(Source):
 
 class RecordSource(Source):
     """Serialized ``tf.train.Example`` records by index (``starts[i]``: the index of file i's
-    first record), decoded into the inputs ``specs`` by one ``tf.io.parse_example`` per read."""
+    first record), decoded into the inputs ``specs`` by one ``tf.io.parse_example`` per read
+    (``specs`` None: only read, :meth:`raw`, for ``--input-fn`` to decode)."""
 
     kind = "records"
 
     def __init__(self, path: str, files: List[str], specs):
         self.path, self.files, self.specs = path, files, specs
-        self.features = _features(specs)
+        self.features = _features(specs) if specs is not None else None
         self.lock = threading.Lock()
         self.starts = np.zeros(1, dtype=np.int64)
 
@@ -196,9 +207,8 @@ class RecordSource(Source):
         f = int(np.searchsorted(self.starts, index, side="right")) - 1
         return f"record {index - int(self.starts[f])} of {self.files[f]}"
 
-    def read(self, indices: np.ndarray) -> Dict[str, np.ndarray]:
-        import tensorflow as tf
-
+    def raw(self, indices: np.ndarray) -> List[bytes]:
+        """The serialized records at the sorted ``indices``, each checked, counted as read."""
         indices = np.asarray(indices, dtype=np.int64)
         which = np.searchsorted(self.starts, indices, side="right") - 1
         records: List[bytes] = []
@@ -207,6 +217,13 @@ class RecordSource(Source):
                 records += self.serialized(int(f), indices[which == f] - self.starts[f])
             self.decoded += len(records)
             self.bytes_read += sum(len(r) for r in records)
+        return records
+
+    def read(self, indices: np.ndarray) -> Dict[str, np.ndarray]:
+        import tensorflow as tf
+
+        indices = np.asarray(indices, dtype=np.int64)
+        records = self.raw(indices)
         try:
             parsed = tf.io.parse_example(tf.constant(records, dtype=tf.string), self.features)
         except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as e:

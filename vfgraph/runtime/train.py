@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from vfgraph.errors import InputError
 from vfgraph.io import outputs, savedmodel
@@ -61,7 +61,7 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
           elastic: Optional[ElasticOptions] = None, stall_warning: float = 60.0,
           stall_timeout: float = 600.0, eval_data: Optional[str] = None, eval_every: Optional[int] = None,
           logdir: Optional[str] = None, keras_file: Optional[str] = None,
-          imports: Sequence[str] = ()) -> Optional[TrainResult]:
+          imports: Sequence[str] = (), input_fn: Union[str, Callable, None] = None) -> Optional[TrainResult]:
     """Train ``model`` for ``steps`` global batches of ``batch_size`` examples. Under ``mpiexec``
     every rank feeds its share of each global batch (whole virtual nodes, from the same global
     order), the step all-reduces, and rank 0 writes checkpoints and the result; other ranks
@@ -91,10 +91,14 @@ def train(model: str, data_path: str, steps: int, batch_size: int, out: str, res
     how and which metrics); the last metrics are the result's ``validation`` and go in the
     trained model's record; ``keras_file``: the compiled ``.keras`` file ``model`` was built
     from (``imports``: the modules it needs), whose compiled loss and metrics validate then.
-    ``logdir``: write TensorBoard event files there (:mod:`.reports`)."""
+    ``logdir``: write TensorBoard event files there (:mod:`.reports`).
+
+    ``input_fn``: ``"MODULE:FUNCTION"`` or a callable ``f(features, rng) -> inputs`` that
+    decodes and augments each training example in the input workers (:mod:`.preprocess` says
+    what it gets and returns; docs/data.md)."""
     return run(TrainConfig(model, data_path, steps, batch_size, out, resume, force, signature, checkpoint_every, seed,
                            progress, vnodes_per_rank, threads, allow_nonfinite, elastic, stall_warning, stall_timeout,
-                           eval_data, eval_every, logdir, keras_file, tuple(imports)))
+                           eval_data, eval_every, logdir, keras_file, tuple(imports), input_fn))
 
 
 def run(cfg: TrainConfig) -> Optional[TrainResult]:
