@@ -292,7 +292,9 @@ def response_body(outputs: Mapping[str, np.ndarray], fmt: str) -> str:
     return '{"predictions": [' + ", ".join(items) + "]}"
 
 
-def _nest(tokens: np.ndarray) -> str:
+def _nest(tokens) -> str:
+    if not isinstance(tokens, np.ndarray):  # (one value of a 1-D output's row)
+        return tokens
     if tokens.ndim == 0:
         return tokens.item()
     if tokens.ndim == 1:
