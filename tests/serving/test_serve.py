@@ -135,6 +135,34 @@ def digits(tmp_path_factory, models):
     assert server.stop() == 0, server.log()
 
 
+# ---- user mistakes: one line, exit 2, before any model loads -------------------------------
+
+def test_mistakes_are_one_line(tmp_path):
+    import socket
+
+    from vfgraph.testing.cli import one_error
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "saved_model.pb").write_bytes(b"")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cases = [([tmp_path / "nope"], ["does not exist", "base directory of the model's versions"]),
+                 ([tmp_path / "model"], ["is a SavedModel, not a base directory", "vfgraph export"]),
+                 ([], ["give the model's base directory"]),
+                 ([tmp_path, "--model_base_path", tmp_path], ["give the model's base directory once"]),
+                 ([tmp_path, "--rest-port", "8600", "--port", "8600"], ["both 8600"]),
+                 ([tmp_path, "--rest_api_port", "70000"], ["--rest-port 70000", "give a TCP port"]),
+                 ([tmp_path, "--model_name", "a/b"], ["--model-name 'a/b'"]),
+                 ([tmp_path, "--host", "127.0.0.1", "--rest-port", port], [f"--rest-port {port}", "give a free port"])]
+        runs = [subprocess.Popen([sys.executable, "-m", "vfgraph.cli", "serve", *map(str, args)], env=ENV, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args, _ in cases]
+        for run, (args, needles) in zip(runs, cases):
+            out, err = run.communicate(timeout=120)
+            one_error(run.returncode, subprocess.CompletedProcess(run.args, run.returncode, out, err), *needles)
+
+
 # ---- REST: TF Serving's documented examples ----------------------------------------------
 
 def test_rest_status_and_predict_as_tf_serving_documents(half):

@@ -79,12 +79,36 @@ def check_base(base: str) -> str:
 def serve(opts: ServeOptions) -> int:
     """Run the server until SIGTERM or SIGINT; returns the exit code."""
     base = check_base(opts.base_path)
+    for flag, port in (("--rest-port", opts.rest_port), ("--grpc-port", opts.grpc_port)):
+        _check_port(flag, opts.host, port)  # (before the model loads, which takes seconds)
     manager = Manager(opts.model_name, base, opts.poll_seconds)
     manager.poll()
     if manager.serving is None and numbered_versions(base):
         st = manager.statuses()[0]
-        raise InputError(f"{os.path.join(base, str(st.version))}: cannot be served: {st.error_message}")
+        raise InputError(f"{os.path.join(base, str(st.version))}: cannot be served: {st.error_message}; export the "
+                         f"model there again ('vfgraph export MODEL -o {base} --version {st.version} --force') or "
+                         "remove that version")
     return asyncio.run(_serve(opts, manager))
+
+
+def _check_port(flag: str, host: str, port: int) -> None:
+    """A port another process listens on is one line at once."""
+    import socket
+
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise InputError(f"--host {host}: not an address of this machine ({e.strerror}); give e.g. 0.0.0.0 or "
+                         "127.0.0.1")
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise InputError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror or e}); give a free port")
 
 
 async def _serve(opts: ServeOptions, manager: Manager) -> int:

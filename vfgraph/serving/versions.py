@@ -235,9 +235,10 @@ class Manager:
             message = e.message if isinstance(e, ServingError) else f"{type(e).__name__}: {str(e).strip()}"
             st.state, st.error_code, st.error_message = "END", code, message.splitlines()[0][:500]
             st.fingerprint = files
-            log.error("model %r version %d failed to load from %s: %s; %s", self.name, version, path,
-                      st.error_message, f"still serving version {self.serving.version}" if self.serving
-                      else "nothing served")
+            if self.polls > 1:  # (at start-up, the command line says it)
+                log.error("model %r version %d failed to load from %s: %s; %s", self.name, version, path,
+                          st.error_message, f"still serving version {self.serving.version}" if self.serving
+                          else "nothing served")
             return
         with self._lock:
             old, self.serving = self.serving, servable
