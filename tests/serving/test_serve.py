@@ -262,6 +262,12 @@ def test_rest_errors_with_tf_serving_statuses_and_messages(half):
     assert half.call("/v1/models/half_plus_three:predict", {"instances": [1.0]}) == (200, {"predictions": [3.5]})
     log = half.log()
     assert "REST GET /v1/models/nope model=nope version=- status=404" in log
+    # and in the metrics, under TF Serving's names (Prometheus' client adds _total to counters)
+    with urllib.request.urlopen(half.url("/monitoring/prometheus/metrics"), timeout=60) as r:
+        page = r.read().decode()
+    assert ':tensorflow:serving:request_count_total{model_name="nope",status="NOT_FOUND"} 1.0' in page, page
+    assert re.search(r':tensorflow:serving:request_latency_count\{API="predict",entrypoint="REST",'
+                     r'model_name="half_plus_three"\} [1-9]', page), page
     assert re.search(r"REST POST /v1/models/half_plus_three:predict model=half_plus_three version=123 status=200 "
                      r"\d+\.\dms", log), log
 

@@ -52,24 +52,33 @@ def _status(models: Models, request) -> get_model_status_pb2.GetModelStatusRespo
     return models.status(spec.name, spec.version.value if spec.HasField("version") else None)
 
 
-def add_services(server, models: Models, run: Callable, access: Callable) -> None:
+_API = {"Predict": "predict", "GetModelMetadata": "metadata", "GetModelStatus": "status"}
+
+
+def add_services(server, models: Models, run: Callable, requests) -> None:
     """Add the services to grpc.aio server ``server``: each call runs ``work(models, request)``
-    by ``run`` (on the server's threads) and is logged by ``access``."""
+    by ``run`` (on the server's threads) and is recorded by ``requests``
+    (:class:`~vfgraph.serving.metrics.Requests`)."""
 
     async def call(name: str, work, request, context):
         started = time.perf_counter()
         spec = getattr(request, "model_spec", None)
+        asked = spec.version.value if spec is not None and spec.HasField("version") else None
+
+        def record(code: str, version=None, error=None):
+            requests.record("gRPC", name, _API[name], getattr(spec, "name", ""), version if version is not None
+                            else asked, code, code, time.perf_counter() - started, error)
+
         try:
             answer = await run(work, models, request)
         except ServingError as e:
-            access(name, spec, e.code, time.perf_counter() - started)
+            record(e.code)
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         except Exception as e:  # (a bug in answering one request never stops the server)
-            access(name, spec, "INTERNAL", time.perf_counter() - started, error=e)
+            record("INTERNAL", error=e)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
         has_spec = "model_spec" in answer.DESCRIPTOR.fields_by_name and answer.HasField("model_spec")
-        version = answer.model_spec.version.value if has_spec else None
-        access(name, spec, "OK", time.perf_counter() - started, version=version)
+        record("OK", answer.model_spec.version.value if has_spec else None)
         return answer
 
     class Prediction(prediction_service_pb2_grpc.PredictionServiceServicer):

@@ -30,29 +30,33 @@ _METHODS = {"predict": "tensorflow/serving/predict", "classify": "tensorflow/ser
 
 
 class Answer:
-    """A REST answer: HTTP status, JSON body, and what the access log says of it."""
+    """A REST answer: HTTP status, JSON body, and what the access log and metrics say of it (the
+    model, the version that answered, the API, the canonical status code)."""
 
-    def __init__(self, status: int, body: str, model: str = "", version: Optional[int] = None):
-        self.status, self.body, self.model, self.version = status, body, model, version
+    def __init__(self, status: int, body: str, model: str = "", version: Optional[int] = None, api: str = "",
+                 code: str = "OK"):
+        self.status, self.body, self.model, self.version, self.api, self.code = status, body, model, version, api, code
 
 
 def handle(models: Models, method: str, path: str, body: bytes) -> Answer:
     """Answer one request under ``/v1/`` (``path``: the raw path, without the query)."""
-    model = ""
+    model, api = "", ""
     try:
         model, version, label, verb, sub = _parse(method, path)
+        api = verb or sub or "status"
         if label is not None and not (method == "GET" and sub is None):
             raise invalid(f"Unrecognized servable version label: {label}")
         if method == "GET":
             if sub == "metadata":
-                return Answer(200, _metadata_json(models, model, version), model, version)
-            return Answer(200, _status_json(models, model, version), model, version)
+                served, text = _metadata_json(models, model, version)
+                return Answer(200, text, model, served, api)
+            return Answer(200, _status_json(models, model, version), model, version, api)
         if verb == "predict":
             served, text = _predict(models, model, version, body)
-            return Answer(200, text, model, served)
-        return Answer(*_classify_or_regress(models, model, version, verb, body), model, version)
+            return Answer(200, text, model, served, api)
+        return Answer(*_classify_or_regress(models, model, version, verb, body), model, version, api)
     except ServingError as e:
-        return Answer(e.http_status, _error_json(e.message), model)
+        return Answer(e.http_status, _error_json(e.message), model, None, api, e.code)
 
 
 def _parse(method: str, path: str) -> Tuple[str, Optional[int], Optional[str], str, Optional[str]]:
@@ -81,7 +85,7 @@ def _status_json(models: Models, name: str, version: Optional[int]) -> str:
     return json.dumps(json_format.MessageToDict(msg, always_print_fields_with_no_presence=True), indent=1)
 
 
-def _metadata_json(models: Models, name: str, version: Optional[int]) -> str:
+def _metadata_json(models: Models, name: str, version: Optional[int]) -> Tuple[int, str]:
     """As http_rest_api_util.cc's ToJsonString: the model spec and the SignatureDefMap, with
     the protos' own field names."""
     from google.protobuf import json_format
@@ -95,7 +99,8 @@ def _metadata_json(models: Models, name: str, version: Optional[int]) -> str:
         return json_format.MessageToDict(m, preserving_proto_field_name=True,
                                          always_print_fields_with_no_presence=True)
 
-    return json.dumps({"model_spec": as_dict(msg.model_spec), "metadata": {"signature_def": as_dict(sigs)}}, indent=1)
+    text = json.dumps({"model_spec": as_dict(msg.model_spec), "metadata": {"signature_def": as_dict(sigs)}}, indent=1)
+    return msg.model_spec.version.value, text
 
 
 def _predict(models: Models, name: str, version: Optional[int], body: bytes) -> Tuple[int, str]:
@@ -127,28 +132,34 @@ def _error_json(message: str) -> str:
     return json.dumps({"error": message}, indent=1)
 
 
-def make_app(models: Models, run: Callable, access: Callable):
+def make_app(models: Models, run: Callable, requests):
     """The aiohttp application: ``/v1/`` answered by :func:`handle` on ``run`` (an awaitable
-    running a function on the server's threads), ``/monitoring/prometheus/metrics`` (if
-    prometheus-client is there); ``access(method, path, answer, seconds)`` logs each request."""
+    running a function on the server's threads), TF Serving's metrics path by ``requests``
+    (:class:`~vfgraph.serving.metrics.Requests`), which also records each request."""
     import time
 
     from aiohttp import web
+
+    from vfgraph.serving.metrics import PATH
 
     async def v1(request: web.Request) -> web.Response:
         started = time.perf_counter()
         body = await request.read()
         path = request.rel_url.raw_path
+        error = None
         try:
             answer = await run(handle, models, request.method, path, body)
         except Exception as e:  # (a bug in answering one request never stops the server)
-            answer = Answer(500, _error_json(f"internal error: {type(e).__name__}: {e}"))
-            access(request.method, path, answer, time.perf_counter() - started, error=e)
-        else:
-            access(request.method, path, answer, time.perf_counter() - started)
+            answer, error = Answer(500, _error_json(f"internal error: {type(e).__name__}: {e}"), code="INTERNAL"), e
+        requests.record("REST", f"{request.method} {path}", answer.api, answer.model, answer.version, answer.status,
+                        answer.code, time.perf_counter() - started, error)
         return web.Response(status=answer.status, body=answer.body.encode("utf-8"), headers=_HEADERS)
 
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=await run(requests.page), headers={"Content-Type": "text/plain"})
+
     app = web.Application(client_max_size=1 << 30)
+    app.router.add_route("GET", PATH, metrics)
     app.router.add_route("*", r"/v1/{tail:.*}", v1)
     app.router.add_route("*", "/v1", v1)
     return app

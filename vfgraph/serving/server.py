@@ -23,13 +23,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
 
 from vfgraph.errors import InputError
 from vfgraph.serving.versions import Manager, numbered_versions
 
 log = logging.getLogger("vfgraph.serve")
-access_log = logging.getLogger("vfgraph.serve.access")
 
 
 @dataclass(frozen=True)
@@ -117,6 +115,7 @@ async def _serve(opts: ServeOptions, manager: Manager) -> int:
 
     from vfgraph.serving import grpc_api, rest
     from vfgraph.serving.api import Models
+    from vfgraph.serving.metrics import Requests
 
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(opts.threads, thread_name_prefix="vfgraph-serve")
@@ -124,8 +123,8 @@ async def _serve(opts: ServeOptions, manager: Manager) -> int:
     async def run(fn, *args):
         return await loop.run_in_executor(pool, fn, *args)
 
-    models = Models(manager)
-    runner = web.AppRunner(rest.make_app(models, run, _rest_access), access_log=None, handle_signals=False,
+    models, requests = Models(manager), Requests()
+    runner = web.AppRunner(rest.make_app(models, run, requests), access_log=None, handle_signals=False,
                            shutdown_timeout=opts.drain_seconds)
     await runner.setup()
     site = web.TCPSite(runner, opts.host, opts.rest_port, reuse_address=True)
@@ -137,7 +136,7 @@ async def _serve(opts: ServeOptions, manager: Manager) -> int:
                          f"({e.strerror or e}); give a free port")
     rest_port = runner.addresses[0][1]
     server = grpc.aio.server(migration_thread_pool=None, options=[("grpc.so_reuseport", 0)])
-    grpc_api.add_services(server, models, run, _grpc_access)
+    grpc_api.add_services(server, models, run, requests)
     try:
         grpc_port = server.add_insecure_port(f"{opts.host}:{opts.grpc_port}")
     except RuntimeError:
@@ -165,31 +164,12 @@ async def _serve(opts: ServeOptions, manager: Manager) -> int:
     return 0
 
 
-def _line(api: str, what: str, model: str, version, status, seconds: float) -> str:
-    return f"{api} {what} model={model or '-'} version={version if version is not None else '-'} " \
-           f"status={status} {seconds * 1e3:.1f}ms"
-
-
-def _rest_access(method: str, path: str, answer, seconds: float, error: Optional[BaseException] = None) -> None:
-    access_log.info("%s", _line("REST", f"{method} {path}", answer.model, answer.version, answer.status, seconds))
-    if error is not None:
-        log.error("internal error answering %s %s", method, path, exc_info=error)
-
-
-def _grpc_access(name: str, spec, status: str, seconds: float, version=None,
-                 error: Optional[BaseException] = None) -> None:
-    model = getattr(spec, "name", "")
-    if version is None and spec is not None and spec.HasField("version"):
-        version = spec.version.value
-    access_log.info("%s", _line("gRPC", name, model, version, status, seconds))
-    if error is not None:
-        log.error("internal error answering %s", name, exc_info=error)
-
-
 def setup_logging() -> None:
     """Access lines and the server's own messages on stderr, one line each."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("vfgraph serve: %(message)s"))
+    from vfgraph.serving.metrics import access_log
+
     for logger in (log, access_log):
         logger.handlers = [handler]
         logger.propagate = False

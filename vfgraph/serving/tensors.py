@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping
 
 import numpy as np
 from tensorflow.core.framework import types_pb2
@@ -346,11 +346,3 @@ def _decimal_tokens(arr: np.ndarray) -> np.ndarray:
         flat_out[i] = s
     return out
 
-
-def signature_dtypes(inputs: Mapping[str, object]) -> Dict[str, int]:
-    """Input name -> DataType enum, from a SignatureDef's inputs map (TensorInfo)."""
-    return {k: v.dtype for k, v in inputs.items()}
-
-
-def names(values: Sequence[str]) -> str:
-    return ",".join(sorted(values))

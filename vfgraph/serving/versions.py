@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -289,6 +289,3 @@ class Manager:
             live = ([self.serving] if self.serving else []) + self._draining
         return sum(s.in_flight for s in live)
 
-
-def model_names(manager: Manager) -> Tuple[str, ...]:
-    return (manager.name,)
