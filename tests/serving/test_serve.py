@@ -115,10 +115,25 @@ def half_plus_three(path):
     tf.saved_model.save(m, str(path), signatures={"serving_default": m.serve, "strings": m.strings, "spin": m.spin})
 
 
+def write_warm_up(version_dir, inputs):
+    """TF Serving's warm-up file in a version: one PredictionLog of a predict request with ``inputs``."""
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
+
+    req = predict_pb2.PredictRequest()
+    for name, value in inputs.items():
+        req.inputs[name].CopyFrom(tf.make_tensor_proto(value))
+    entry = prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=req))
+    os.makedirs(os.path.join(version_dir, "assets.extra"), exist_ok=True)
+    with tf.io.TFRecordWriter(os.path.join(version_dir, "assets.extra", "tf_serving_warmup_requests")) as w:
+        w.write(entry.SerializeToString())
+
+
 @pytest.fixture(scope="module")
 def half(tmp_path_factory):
     base = tmp_path_factory.mktemp("serve") / "half_plus_three"
     half_plus_three(base / "00000123")  # TF Serving reads version 123 from it, as in its testdata
+    write_warm_up(base / "00000123", {"x": np.array([1.0, 2.0], np.float32)})
     server = Server(base, "half_plus_three", base.parent / "half.log")
     yield server
     assert server.stop() == 0, server.log()
@@ -169,6 +184,8 @@ def test_rest_status_and_predict_as_tf_serving_documents(half):
     # api_rest.md, "Make REST API calls to ModelServer"
     assert half.call("/v1/models/half_plus_three") == (200, {"model_version_status": [
         {"version": "123", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}}]})
+    assert "serving model 'half_plus_three' version 123 (" in half.log()
+    assert "1 warm-up request(s)" in half.log()  # assets.extra/tf_serving_warmup_requests, run first
     assert half.call("/v1/models/half_plus_three:predict", {"instances": [1.0, 2.0, 5.0]}) == \
         (200, {"predictions": [3.5, 4.0, 5.5]})
     assert half.call("/v1/models/half:predict", {"instances": [1.0, 5.0]}) == \
@@ -323,7 +340,11 @@ def test_grpc_and_rest_answer_as_the_loaded_signature(digits):
              'Serving signature key "nope" not found.'),  # predict_util.cc, RunPredict
             (wrong, grpc.StatusCode.INVALID_ARGUMENT,  # predict_util.cc, VerifyRequestInputsSize
              "input size does not match signature: 1!=1 len({y}) != len({x}). Sent extra: {y}. Missing but "
-             "required: {x}.")]:
+             "required: {x}."),
+            (_predict_request("digits", x.astype(np.float64)), grpc.StatusCode.INVALID_ARGUMENT,
+             "input x: expects float32 but float64 is provided"),
+            (_predict_request("digits", x[:, :8]), grpc.StatusCode.INVALID_ARGUMENT,
+             "input x: shape [20,8] given, the signature takes [?,64]")]:
         with pytest.raises(grpc.RpcError) as e:
             stub.Predict(req, timeout=60)
         assert (e.value.code(), e.value.details()) == (code, message)
@@ -333,11 +354,23 @@ def test_grpc_and_rest_answer_as_the_loaded_signature(digits):
                                                    "GetModelMetadataRequest must specify at least one metadata_field")
 
 
+def wait_for_end(server, version, seconds=120):
+    """Until the model's status says ``version`` ended (failed to load)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        status, out = server.call(f"/v1/models/digits/versions/{version}")
+        if status == 200 and out["model_version_status"][0]["state"] == "END":
+            return
+        time.sleep(POLL / 2)
+    raise AssertionError(f"version {version} did not end: {server.log()}")
+
+
 def test_new_version_is_served_without_a_failed_request(digits):
     """A client loop runs while version 2 is dropped into the base path (renamed into place, as
-    an export writes it) and then a version 3 that does not load: no request fails, version 2
-    answers once loaded (picked up within 2 polls), version 1 is released, version 3's error is
-    in the status and version 2 goes on."""
+    an export writes it), then a version 3 that does not load and a version 4 whose warm-up
+    request fails: no request fails, version 2 answers once loaded (picked up within 2 polls),
+    version 1 is released, the errors of versions 3 and 4 are in the status and version 2 goes
+    on."""
     from tensorflow_serving.apis import get_model_status_pb2
 
     server, base = digits
@@ -366,7 +399,11 @@ def test_new_version_is_served_without_a_failed_request(digits):
         switched = time.monotonic()
         (base / "3").mkdir()
         (base / "3" / "saved_model.pb").write_bytes(b"not a SavedModel")
-        time.sleep(4 * POLL)
+        wait_for_end(server, 3)
+        shutil.copytree(base / "1", base / ".incoming")
+        write_warm_up(base / ".incoming", {"y": x})
+        os.rename(base / ".incoming", base / "4")
+        wait_for_end(server, 4)
     finally:
         stop.set()
         t.join(timeout=60)
@@ -382,7 +419,12 @@ def test_new_version_is_served_without_a_failed_request(digits):
     assert states[2] == ("AVAILABLE", 0) and states[1] == ("END", 0), states
     assert states[3][0] == "END" and states[3][1] != 0, states
     status, out = server.call("/v1/models/digits/versions/3")
-    assert status == 200 and out["model_version_status"][0]["status"]["error_message"], out
+    assert status == 200 and "saved_model.pb" not in out and out["model_version_status"][0]["status"]["error_message"]
+    status, out = server.call("/v1/models/digits/versions/4")
+    assert out["model_version_status"][0]["status"] == {
+        "error_code": "INVALID_ARGUMENT", "error_message": f"warm-up record 0 of {base / '4'}/assets.extra/"
+        "tf_serving_warmup_requests: input size does not match signature: 1!=1 len({y}) != len({x}). Sent extra: "
+        "{y}. Missing but required: {x}."}, out
     assert stub.Predict(_predict_request("digits", x), timeout=60).model_spec.version.value == 2
 
 

@@ -26,10 +26,12 @@ _NUMPY = {types_pb2.DT_FLOAT: np.float32, types_pb2.DT_DOUBLE: np.float64, types
           types_pb2.DT_INT16: np.int16, types_pb2.DT_INT8: np.int8, types_pb2.DT_UINT8: np.uint8,
           types_pb2.DT_INT64: np.int64, types_pb2.DT_BOOL: np.bool_, types_pb2.DT_STRING: object,
           types_pb2.DT_UINT32: np.uint32, types_pb2.DT_UINT64: np.uint64}
-_INT_RANGE = {types_pb2.DT_INT32: (-2 ** 31, 2 ** 31), types_pb2.DT_INT16: (-2 ** 31, 2 ** 31),
-              types_pb2.DT_INT8: (-2 ** 31, 2 ** 31), types_pb2.DT_UINT8: (-2 ** 31, 2 ** 31),
+# the whole numbers each type holds (TF Serving takes any int32 for the narrower ones and
+# truncates it; here a value out of range is refused with TF Serving's type error)
+_INT_RANGE = {types_pb2.DT_INT32: (-2 ** 31, 2 ** 31), types_pb2.DT_INT16: (-2 ** 15, 2 ** 15),
+              types_pb2.DT_INT8: (-2 ** 7, 2 ** 7), types_pb2.DT_UINT8: (0, 2 ** 8),
               types_pb2.DT_INT64: (-2 ** 63, 2 ** 63), types_pb2.DT_UINT32: (0, 2 ** 32),
-              types_pb2.DT_UINT64: (0, 2 ** 64)}  # rapidjson's IsInt / IsInt64 / IsUint / IsUint64
+              types_pb2.DT_UINT64: (0, 2 ** 64)}
 _DEBUG_BYTES = 256  # json_tensor.cc's kMaxJsonDebugStringBytes
 
 

@@ -26,6 +26,8 @@ log = logging.getLogger("vfgraph.serve")
 
 SERVE_TAG = "serve"
 PREDICT_METHOD = "tensorflow/serving/predict"
+WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")  # TF Serving's
+MAX_WARMUP = 1000  # TF Serving's WarmupConsts::kMaxNumRecords
 
 
 @dataclass
@@ -65,6 +67,48 @@ class Servable:
         self.functions = dict(self._loaded.signatures)
         self._lock = threading.Lock()
         self.in_flight = 0
+        self.warm_ups = self._warm_up()
+
+    def _warm_up(self) -> int:
+        """Run the requests of ``assets.extra/tf_serving_warmup_requests`` (TF Serving's format:
+        a TFRecord file of PredictionLog protos, at most 1000) before the version is served; the
+        number run. One that fails fails the load (TF Serving's saved_model_warmup_util.cc)."""
+        path = os.path.join(self.path, WARMUP_FILE)
+        if not os.path.isfile(path):
+            return 0
+        import tensorflow as tf
+        from google.protobuf.message import DecodeError
+        from tensorflow_serving.apis import prediction_log_pb2
+
+        count = 0
+        try:
+            for record in tf.data.TFRecordDataset(path):
+                entry = prediction_log_pb2.PredictionLog()
+                try:
+                    entry.ParseFromString(record.numpy())
+                except DecodeError:
+                    raise invalid(f"Failed to parse warmup record: {record.numpy()[:64]!r} from {path}")
+                self._warm_up_one(entry, count, path)
+                count += 1
+                if count > MAX_WARMUP:
+                    raise invalid(f"Number of warmup records exceeds the maximum ({MAX_WARMUP}) at {path}")
+        except tf.errors.DataLossError as e:
+            raise ServingError("DATA_LOSS", f"{e.message}. Please verify your warmup data is in TFRecord format.")
+        return count
+
+    def _warm_up_one(self, entry, index: int, path: str) -> None:
+        import tensorflow as tf
+
+        kind = entry.WhichOneof("log_type")
+        if kind != "predict_log":
+            raise ServingError("UNIMPLEMENTED", f"warm-up record {index} of {path}: {kind or 'an empty log'} is not "
+                                                "run by vfgraph serve (predict_log is)")
+        req = entry.predict_log.request
+        try:
+            self.predict(req.model_spec.signature_name, {k: tf.make_ndarray(v) for k, v in req.inputs.items()},
+                         list(req.output_filter))
+        except ServingError as e:
+            raise ServingError(e.code, f"warm-up record {index} of {path}: {e.message}")
 
     def predict(self, signature: str, inputs: Dict[str, np.ndarray], output_filter=()) -> Dict[str, np.ndarray]:
         """Run signature ``signature`` (default ``serving_default``) on ``inputs``; the outputs
@@ -87,10 +131,7 @@ class Servable:
         if fn is None:
             raise ServingError("FAILED_PRECONDITION", f'Serving signature key "{key}" has no function to run in '
                                                       f"{self.path}")
-        feeds = {}
-        for name, value in inputs.items():
-            info = sig.inputs[name]
-            feeds[name] = _input_tensor(tf, name, value, info)
+        feeds = {name: _input_tensor(tf, name, value, sig.inputs[name]) for name, value in inputs.items()}
         try:
             out = fn(**feeds)
         except tf.errors.OpError as e:
@@ -135,8 +176,9 @@ def _output_names(sig, output_filter) -> List[str]:
 
 
 def _input_tensor(tf, name: str, value: np.ndarray, info):
-    """``value`` as the tensor signature input ``name`` takes: its dtype, a shape its static
-    shape allows (an INVALID_ARGUMENT naming the input otherwise)."""
+    """``value`` as the tensor signature input ``name`` takes: of its dtype and a shape its
+    static shape allows (an INVALID_ARGUMENT naming the input otherwise, as TensorFlow refuses
+    a feed of another type)."""
     dtype = tf.dtypes.as_dtype(info.dtype)
     shape = [] if info.tensor_shape.unknown_rank else [d.size for d in info.tensor_shape.dim]
     value = np.asarray(value)
@@ -145,13 +187,13 @@ def _input_tensor(tf, name: str, value: np.ndarray, info):
         want = "[" + ",".join("?" if d < 0 else str(d) for d in shape) + "]"
         raise invalid(f"input {name}: shape [{','.join(map(str, value.shape))}] given, the signature takes {want}")
     if dtype == tf.string:
-        return tf.constant(value.astype(object) if value.size else value.astype(bytes), dtype=tf.string)
-    try:
-        return tf.constant(value.astype(dtype.as_numpy_dtype, casting="same_kind" if value.dtype.kind != "O"
-                                        else "unsafe"))
-    except (TypeError, ValueError):
-        raise invalid(f"input {name}: values of type {value.dtype} given, the signature takes "
-                      f"{dtype.name}")
+        if value.dtype.kind not in "OSU":
+            raise invalid(f"input {name}: expects string but {value.dtype} is provided")
+        return tf.constant(value.astype(object), dtype=tf.string)
+    if value.dtype != dtype.as_numpy_dtype:
+        got = tf.dtypes.as_dtype(value.dtype).name if value.dtype.kind not in "OSU" else "string"
+        raise invalid(f"input {name}: expects {dtype.name} but {got} is provided")
+    return tf.constant(value)
 
 
 def fingerprint(path: str) -> tuple:
@@ -246,8 +288,9 @@ class Manager:
             if old is not None:
                 self.states[old.version].state = "UNLOADING"
                 self._draining.append(old)
-        log.warning("serving model %r version %d (%s, loaded in %.1fs)", self.name, version, path,
-                    time.monotonic() - started)
+        warm = getattr(servable, "warm_ups", 0)
+        log.warning("serving model %r version %d (%s, %sloaded in %.1fs)", self.name, version, path,
+                    f"{warm} warm-up request(s), " if warm else "", time.monotonic() - started)
 
     def _release_drained(self) -> None:
         for old in list(self._draining):
