@@ -311,6 +311,12 @@ def _serve_command(command) -> None:
     s.add_argument("--threads", type=int, default=8, help="requests run at once (default 8)")
     s.add_argument("--drain-seconds", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, the longest wait for requests in flight (default 30)")
+    s.add_argument("--enable-batching", "--enable_batching", action="store_true",
+                   help="merge concurrent predict requests into batches (TF Serving's batching parameters and "
+                        "defaults)")
+    s.add_argument("--batching-parameters-file", "--batching_parameters_file", metavar="FILE",
+                   help="with --enable-batching: TF Serving's text-format batching parameters, e.g. "
+                        "'max_batch_size { value: 32 } batch_timeout_micros { value: 2000 }'")
 
 
 def _other_commands(command) -> None:
@@ -1041,8 +1047,17 @@ def cmd_serve(args) -> int:
     if bool(args.base_path) == bool(args.model_base_path):
         raise InputError("give the model's base directory once: BASE_PATH or --model-base-path" if args.base_path
                          else "give the model's base directory: BASE_PATH (or --model-base-path)")
+    if args.batching_parameters_file and not args.enable_batching:
+        raise InputError(f"--batching-parameters-file {args.batching_parameters_file}: add --enable-batching (the "
+                         "file sets how requests are batched)")
+    batching = None
+    if args.enable_batching:
+        from vfgraph.serving.batching import BatchingParameters
+
+        batching = (BatchingParameters.read(args.batching_parameters_file) if args.batching_parameters_file
+                    else BatchingParameters())
     opts = ServeOptions(args.base_path or args.model_base_path, args.model_name, args.rest_port, args.grpc_port,
-                        args.host, args.file_system_poll_wait_seconds, args.threads, args.drain_seconds)
+                        args.host, args.file_system_poll_wait_seconds, args.threads, args.drain_seconds, batching)
     setup_logging()
     if args.verbose:
         logging.getLogger("vfgraph.serve").setLevel(logging.INFO)

@@ -45,15 +45,15 @@ POLL = 0.5  # --file-system-poll-wait-seconds of the servers here
 class Server:
     """``vfgraph serve BASE`` in a process of its own on free loopback ports."""
 
-    def __init__(self, base, name, log_path, poll=POLL):
+    def __init__(self, base, name, log_path, poll=POLL, extra=()):
         self.name, self.log_path = name, str(log_path)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vfgraph.cli", "serve", str(base), "--model-name", name, "--rest-port", "0",
-             "--grpc-port", "0", "--host", "127.0.0.1", "--file-system-poll-wait-seconds", str(poll)],
+             "--grpc-port", "0", "--host", "127.0.0.1", "--file-system-poll-wait-seconds", str(poll), *extra],
             stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True, env=ENV)
-        line = self._line(timeout=180)
-        m = re.search(r"REST on http://127\.0\.0\.1:(\d+), gRPC on 127\.0\.0\.1:(\d+)", line)
-        assert m, (line, self.log())
+        self.ready = self._line(timeout=180)
+        m = re.search(r"REST on http://127\.0\.0\.1:(\d+), gRPC on 127\.0\.0\.1:(\d+)", self.ready)
+        assert m, (self.ready, self.log())
         self.rest_port, self.grpc_port = int(m.group(1)), int(m.group(2))
 
     def _line(self, timeout):

@@ -20,8 +20,9 @@ SIGNATURE_DEF = "signature_def"  # the one metadata field TF Serving supports
 class Models:
     """The models served, by name (one model per server for now)."""
 
-    def __init__(self, *managers: Manager):
+    def __init__(self, *managers: Manager, batcher=None):
         self.managers = {m.name: m for m in managers}
+        self.batcher = batcher  # a batching.Batcher merging concurrent predict requests, or None
 
     def manager(self, name: str, version: Optional[int] = None, for_status: bool = False) -> Manager:
         if not name:
@@ -63,6 +64,8 @@ class Models:
                 output_filter=()):
         """(version served, outputs by name)."""
         with self.manager(name, version).acquire(version) as s:
+            if self.batcher is not None:
+                return s.version, self.batcher.predict(s, signature, inputs, output_filter)
             return s.version, s.predict(signature, inputs, output_filter)
 
     def input_dtypes(self, name: str, version: Optional[int], signature: str) -> Dict[str, int]:

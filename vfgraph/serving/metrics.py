@@ -32,6 +32,12 @@ class Requests:
                                  "Distribution of wall time (in microseconds) for Tensorflow Serving request.",
                                  ["model_name", "API", "entrypoint"], registry=self.registry,
                                  buckets=[10 * 1.8 ** k for k in range(33)] + [float("inf")])
+        self.batch_size = Histogram("vfgraph_serve_batch_size", "Rows of each batch of merged requests run "
+                                    "(with --enable-batching), padding included.", registry=self.registry,
+                                    buckets=[2 ** k for k in range(14)] + [float("inf")])
+
+    def batch(self, rows: int) -> None:
+        self.batch_size.observe(rows)
 
     def record(self, entrypoint: str, what: str, api: str, model: str, version, status, code: str, seconds: float,
                error: Optional[BaseException] = None) -> None:

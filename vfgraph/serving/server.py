@@ -24,10 +24,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from typing import Optional
+
 from vfgraph.errors import InputError
+from vfgraph.serving.batching import BatchingParameters
 from vfgraph.serving.versions import Manager, numbered_versions
 
 log = logging.getLogger("vfgraph.serve")
+WAITING = 64  # with batching: requests that may wait for their batch at once
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class ServeOptions:
     poll_seconds: float = 1.0
     threads: int = 8
     drain_seconds: float = 30.0
+    batching: Optional[BatchingParameters] = None  # None: requests run as they come
 
     def __post_init__(self):
         for flag, port in (("--rest-port", self.rest_port), ("--grpc-port", self.grpc_port)):
@@ -115,15 +120,20 @@ async def _serve(opts: ServeOptions, manager: Manager) -> int:
 
     from vfgraph.serving import grpc_api, rest
     from vfgraph.serving.api import Models
+    from vfgraph.serving.batching import Batcher
     from vfgraph.serving.metrics import Requests
 
     loop = asyncio.get_running_loop()
-    pool = ThreadPoolExecutor(opts.threads, thread_name_prefix="vfgraph-serve")
+    # (with batching, a request waits for its batch on a thread of the pool: room for those waiting)
+    pool = ThreadPoolExecutor(opts.threads if opts.batching is None else max(opts.threads, WAITING),
+                              thread_name_prefix="vfgraph-serve")
 
     async def run(fn, *args):
         return await loop.run_in_executor(pool, fn, *args)
 
-    models, requests = Models(manager), Requests()
+    requests = Requests()
+    batcher = None if opts.batching is None else Batcher(opts.batching, requests.batch)
+    models = Models(manager, batcher=batcher)
     runner = web.AppRunner(rest.make_app(models, run, requests), access_log=None, handle_signals=False,
                            shutdown_timeout=opts.drain_seconds)
     await runner.setup()
@@ -151,14 +161,19 @@ async def _serve(opts: ServeOptions, manager: Manager) -> int:
         loop.add_signal_handler(sig, stop.set)
     poller = manager.start()
     served = manager.serving.version if manager.serving else "none yet"
+    b = opts.batching
+    batching = "" if b is None else (f"; batching up to {b.max_batch_size} rows, {b.batch_timeout_micros} us, "
+                                     f"{b.num_batch_threads} thread(s)")
     print(f"vfgraph serve: model {manager.name!r} version {served} from {manager.base}; REST on "
-          f"http://{opts.host}:{rest_port}, gRPC on {opts.host}:{grpc_port}", flush=True)
+          f"http://{opts.host}:{rest_port}, gRPC on {opts.host}:{grpc_port}{batching}", flush=True)
     await stop.wait()
     started = time.monotonic()
     log.warning("stopping: answering the %d request(s) in flight, accepting no new ones", manager.in_flight())
     manager.stop()
     await asyncio.gather(runner.cleanup(), server.stop(grace=opts.drain_seconds))
     pool.shutdown(wait=True)
+    if batcher is not None:
+        batcher.stop()
     poller.join(timeout=opts.poll_seconds + 5)
     log.warning("stopped after %.1fs", time.monotonic() - started)
     return 0
