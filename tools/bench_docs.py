@@ -495,11 +495,17 @@ def render_serve(r: dict) -> str:
             rows.append([api, str(x["clients"]), f"{x['requests']} ({x['errors']} failed)", num(x["p50_ms"]),
                          num(x["p99_ms"]), num(x["per_second"], 1)])
     over = ", ".join(f"{api} {num(ms)} ms" for api, ms in r["overhead_ms"].items())
-    return (f"{c['model']}; requests of {c['request']}, client threads on the same {c['cpus']} CPUs, loopback, "
-            f"{c['server_threads']} server threads, no request batching.\n\n"
+    text = (f"{c['model']}; requests of {c['request']}, client threads on the same {c['cpus']} CPUs, loopback, "
+            f"{c['server_threads']} server threads.\n\n"
             + table(["API", "clients", "requests", "p50 (ms)", "p99 (ms)", "requests/s"], rows)
             + f"\nServer overhead per request (p50 at one client minus the in-process p50): {over} "
               "(target <= 2 ms).\n")
+    if "batching" in r:
+        b = r["batching"]
+        ratios = ", ".join(f"{api} {num(x)}x" for api, x in b["throughput_ratio_at_32"].items())
+        text += (f"\nBatched (`{' '.join(b['parameters'].split())}`) against not, requests/s at 32 clients: "
+                 f"{ratios} (target >= 3x).\n")
+    return text
 
 
 RENDERERS: Dict[str, Callable[[dict], str]] = {

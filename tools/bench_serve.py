@@ -1,5 +1,6 @@
 """Load test of ``vfgraph serve`` on loopback: latency and throughput of REST and gRPC against
-calling the loaded signature in-process, the baseline measured in the same run.
+calling the loaded signature in-process, the baseline measured in the same run, and with
+request batching against without.
 
 The digits CNN (examples/export.py) exported with ``vfgraph export --vnode-batch 32`` is served
 by ``vfgraph serve`` in a process of its own; a client thread pool of 1, 8 and 32 threads sends
@@ -7,7 +8,9 @@ one-example predict requests (REST: JSON ``instances`` over a kept-alive connect
 gRPC: tensorflow-serving-api's stub on one channel) until ``--requests`` are answered or
 ``--seconds`` pass. Reported per API and concurrency: p50 and p99 latency, requests per second,
 and the server's overhead: p50 at one client minus the in-process call's median (the same
-example, the same loaded SavedModel). Bounded in count and time; loopback only.
+example, the same loaded SavedModel); then the same with ``--enable_batching`` (parameters in
+BATCHING) and the throughput at 32 clients against the unbatched server's. Bounded in count
+and time; loopback only.
 
     python tools/bench_serve.py [--requests 300] [--seconds 15] [--json docs/results/bench_serve.json]
 """
@@ -34,9 +37,13 @@ import numpy as np
 CLIENTS = (1, 8, 32)
 
 
-def start_server(base: str, log_path: str):
+BATCHING = ("max_batch_size { value: 32 }\nbatch_timeout_micros { value: 1000 }\nnum_batch_threads { value: 2 }\n"
+            "max_enqueued_batches { value: 100 }\n")
+
+
+def start_server(base: str, log_path: str, extra=()):
     proc = subprocess.Popen([sys.executable, "-m", "vfgraph.cli", "serve", base, "--model-name", "digits",
-                             "--rest-port", "0", "--grpc-port", "0", "--host", "127.0.0.1", "--threads", "8"],
+                             "--rest-port", "0", "--grpc-port", "0", "--host", "127.0.0.1", "--threads", "8", *extra],
                             stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 300)
     line = proc.stdout.readline() if ready else ""
@@ -144,19 +151,27 @@ def main() -> int:
         vfgraph.export(os.path.join(tmp, "cnn"), base, version=1, vnode_batch=32)
         x = np.random.default_rng(0).normal(size=(1, 64)).astype(np.float32)
         baseline = in_process(os.path.join(base, "1"), x, 300)
-        proc, rest_port, grpc_port = start_server(base, os.path.join(tmp, "server.log"))
-        try:
-            results = {}
-            for api, make in (("REST", rest_client(rest_port, x)), ("gRPC", grpc_client(grpc_port, x))):
-                results[api] = [load(make, c, args.requests, args.seconds) for c in CLIENTS]
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(timeout=120)
+        with open(os.path.join(tmp, "batching.txt"), "w") as f:
+            f.write(BATCHING)
+        results, codes = {}, []
+        for label, extra in (("", ()), (" batched", ("--enable_batching", "--batching_parameters_file",
+                                                     os.path.join(tmp, "batching.txt")))):
+            proc, rest_port, grpc_port = start_server(base, os.path.join(tmp, "server.log"), extra)
+            try:
+                for api, make in (("REST", rest_client(rest_port, x)), ("gRPC", grpc_client(grpc_port, x))):
+                    results[api + label] = [load(make, c, args.requests, args.seconds) for c in CLIENTS]
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                codes.append(proc.wait(timeout=120))
+        code = max(codes)
     report = {"config": {"model": "digits CNN (examples/export.py), vfgraph export --vnode-batch 32",
                          "request": "1 example", "clients": list(CLIENTS), "requests": args.requests,
                          "seconds": args.seconds, "server_threads": 8, "cpus": os.cpu_count()},
               "in_process": baseline, "results": results, "server_exit": code,
-              "overhead_ms": {api: r[0]["p50_ms"] - baseline["p50_ms"] for api, r in results.items()},
+              "overhead_ms": {api: results[api][0]["p50_ms"] - baseline["p50_ms"] for api in ("REST", "gRPC")},
+              "batching": {"parameters": BATCHING, "throughput_ratio_at_32": {
+                  api: results[api + " batched"][-1]["per_second"] / results[api][-1]["per_second"]
+                  for api in ("REST", "gRPC")}},
               "git": benchlib.git_state()}
     print(f"in-process signature call: p50 {baseline['p50_ms']:.2f} ms, p99 {baseline['p99_ms']:.2f} ms")
     print(f"{'API':5} {'clients':>7} {'requests':>8} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
@@ -166,6 +181,8 @@ def main() -> int:
                   f"{r['p99_ms']:8.2f} {r['per_second']:8.1f}")
     for api, ms in report["overhead_ms"].items():
         print(f"server overhead, {api}: {ms:.2f} ms per request (p50 at 1 client - in-process p50)")
+    for api, ratio in report["batching"]["throughput_ratio_at_32"].items():
+        print(f"batching, {api}: {ratio:.2f}x the requests/s at 32 clients")
     if args.json:
         benchlib.write_report(args.json, report)
     return 0 if code == 0 and not any(r["errors"] for rows in results.values() for r in rows) else 1

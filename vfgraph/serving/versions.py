@@ -266,7 +266,8 @@ class Manager:
         self._release_drained()
 
     def _load(self, version: int, path: str) -> None:
-        st = self.states.setdefault(version, VersionState(version))
+        with self._lock:  # (the APIs' threads read the states)
+            st = self.states.setdefault(version, VersionState(version))
         st.state, st.error_code, st.error_message = "LOADING", "OK", ""
         files = fingerprint(path)
         started = time.monotonic()
@@ -304,13 +305,15 @@ class Manager:
     def statuses(self, version: Optional[int] = None) -> List[VersionState]:
         """The states of every version seen (or of ``version``), newest first; NOT_FOUND as
         TF Serving's GetModelStatus words it."""
+        with self._lock:
+            states = dict(self.states)
         if version is not None:
-            if version not in self.states:
+            if version not in states:
                 raise not_found(f"Could not find version {version} of model {self.name}")
-            return [self.states[version]]
-        if not self.states:
+            return [states[version]]
+        if not states:
             raise not_found(f"Could not find any versions of model {self.name}")
-        return [self.states[v] for v in sorted(self.states, reverse=True)]
+        return [states[v] for v in sorted(states, reverse=True)]
 
     def start(self) -> threading.Thread:
         def run():
