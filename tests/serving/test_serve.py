@@ -320,6 +320,11 @@ def test_grpc_and_rest_answer_as_the_loaded_signature(digits):
     status, out = server.call("/v1/models/digits:predict", {"instances": x.tolist()})
     assert status == 200, out
     np.testing.assert_allclose(np.array(out["predictions"], np.float32), want, rtol=1e-6, atol=1e-7)
+    # a request of 5 MB (over gRPC's default limit of 4 MiB, which TF Serving lifts too), 2,500 slices of 8
+    big = np.random.default_rng(1).normal(size=(20000, 64)).astype(np.float32)
+    res = stub.Predict(_predict_request("digits", big), timeout=120)
+    want = tf.saved_model.load(str(base / "1")).signatures["serving_default"](x=tf.constant(big))["logits"].numpy()
+    np.testing.assert_array_equal(tf.make_ndarray(res.outputs["logits"]), want)
 
     meta = stub.GetModelMetadata(get_model_metadata_pb2.GetModelMetadataRequest(
         model_spec={"name": "digits"}, metadata_field=["signature_def"]), timeout=60)

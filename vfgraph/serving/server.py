@@ -145,7 +145,10 @@ async def _serve(opts: ServeOptions, manager: Manager) -> int:
         raise InputError(f"--rest-port {opts.rest_port}: cannot listen on {opts.host}:{opts.rest_port} "
                          f"({e.strerror or e}); give a free port")
     rest_port = runner.addresses[0][1]
-    server = grpc.aio.server(migration_thread_pool=None, options=[("grpc.so_reuseport", 0)])
+    # as TF Serving: messages of any size (gRPC's default refuses requests over 4 MiB), and a busy
+    # port is an error rather than shared
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1),
+                                      ("grpc.max_send_message_length", -1)])
     grpc_api.add_services(server, models, run, requests)
     try:
         grpc_port = server.add_insecure_port(f"{opts.host}:{opts.grpc_port}")
