@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -23,7 +24,7 @@ FULL = "The batch scheduling queue to which this task was submitted is full"
 
 
 def doubling(path):
-    """y = 2x, and a slow signature of the same (it spins about a second whatever the batch)."""
+    """y = 2x, and a slow signature of the same (it spins n times, the largest n of the batch)."""
     import tensorflow as tf
 
     class Doubling(tf.Module):
@@ -31,9 +32,10 @@ def doubling(path):
         def serve(self, x):
             return {"y": 2.0 * x}
 
-        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x")])
-        def slow(self, x):
-            spun = tf.while_loop(lambda i: i < 40000, lambda i: i + 1, [tf.constant(0)])[0]
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32, name="x"),
+                                      tf.TensorSpec([None], tf.int32, name="n")])
+        def slow(self, x, n):
+            spun = tf.while_loop(lambda i: i < tf.reduce_max(n), lambda i: i + 1, [tf.constant(0)])[0]
             return {"y": 2.0 * x + 0.0 * tf.cast(spun, tf.float32)}
 
     m = Doubling()
@@ -113,7 +115,11 @@ def test_concurrent_requests_are_merged_and_split_back(batching):
 
 
 def test_a_full_queue_is_unavailable_at_once(batching):
-    bodies = [{"signature_name": "slow", "instances": [float(k)]} for k in range(32)]
+    started = time.monotonic()  # (a batch waits up to 0.2 s for more requests before it runs)
+    assert batching.call("/v1/models/doubling:predict", {"signature_name": "slow", "instances": [{"x": 1.0, "n": 20000}]}) \
+        == (200, {"predictions": [2.0]})
+    n = int(min(max(20000 * 1.5 / max(time.monotonic() - started - 0.2, 1e-3), 20000), 20_000_000))  # ~1.5 s
+    bodies = [{"signature_name": "slow", "instances": [{"x": float(k), "n": n}]} for k in range(32)]
     answers = _concurrently(batching, bodies)
     full = [a for a in answers if a[0] == 503]
     assert full and all(a == (503, {"error": FULL}) for a in full), answers

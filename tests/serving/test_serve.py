@@ -43,18 +43,25 @@ POLL = 0.5  # --file-system-poll-wait-seconds of the servers here
 
 
 class Server:
-    """``vfgraph serve BASE`` in a process of its own on free loopback ports."""
+    """``vfgraph serve BASE`` in a process of its own on free loopback ports (``wait=False``:
+    started, ready once :meth:`wait` returns)."""
 
-    def __init__(self, base, name, log_path, poll=POLL, extra=()):
+    def __init__(self, base, name, log_path, poll=POLL, extra=(), wait=True):
         self.name, self.log_path = name, str(log_path)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vfgraph.cli", "serve", str(base), "--model-name", name, "--rest-port", "0",
              "--grpc-port", "0", "--host", "127.0.0.1", "--file-system-poll-wait-seconds", str(poll), *extra],
             stdout=subprocess.PIPE, stderr=open(self.log_path, "w"), text=True, env=ENV)
-        self.ready = self._line(timeout=180)
-        m = re.search(r"REST on http://127\.0\.0\.1:(\d+), gRPC on 127\.0\.0\.1:(\d+)", self.ready)
-        assert m, (self.ready, self.log())
-        self.rest_port, self.grpc_port = int(m.group(1)), int(m.group(2))
+        if wait:
+            self.wait()
+
+    def wait(self) -> "Server":
+        if not hasattr(self, "ready"):
+            self.ready = self._line(timeout=180)
+            m = re.search(r"REST on http://127\.0\.0\.1:(\d+), gRPC on 127\.0\.0\.1:(\d+)", self.ready)
+            assert m, (self.ready, self.log())
+            self.rest_port, self.grpc_port = int(m.group(1)), int(m.group(2))
+        return self
 
     def _line(self, timeout):
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -130,32 +137,40 @@ def write_warm_up(version_dir, inputs):
 
 
 @pytest.fixture(scope="module")
-def half(tmp_path_factory):
-    base = tmp_path_factory.mktemp("serve") / "half_plus_three"
-    half_plus_three(base / "00000123")  # TF Serving reads version 123 from it, as in its testdata
-    write_warm_up(base / "00000123", {"x": np.array([1.0, 2.0], np.float32)})
-    server = Server(base, "half_plus_three", base.parent / "half.log")
-    yield server
-    assert server.stop() == 0, server.log()
+def servers(tmp_path_factory, models):
+    """TF Serving's example model and the digits MLP's export, each served by a process of its
+    own, started side by side."""
+    import vfgraph
+
+    root = tmp_path_factory.mktemp("serve")
+    half_base, digits_base = root / "half_plus_three", root / "digits"
+    half_plus_three(half_base / "00000123")  # TF Serving reads version 123 from it, as in its testdata
+    write_warm_up(half_base / "00000123", {"x": np.array([1.0, 2.0], np.float32)})
+    half_server = Server(half_base, "half_plus_three", root / "half.log", wait=False)
+    vfgraph.export(models("mlp"), str(digits_base), version=1, vnode_batch=8)
+    digits_server = Server(digits_base, "digits", root / "digits.log", wait=False)
+    yield {"half": half_server, "digits": (digits_server, digits_base)}
+    for server in (half_server, digits_server):
+        assert server.stop() == 0, server.log()
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory, models):
-    import vfgraph
+def half(servers):
+    return servers["half"].wait()
 
-    base = tmp_path_factory.mktemp("serve") / "digits"
-    vfgraph.export(models("mlp"), str(base), version=1, vnode_batch=8)
-    server = Server(base, "digits", base.parent / "digits.log")
-    yield server, base
-    assert server.stop() == 0, server.log()
+
+@pytest.fixture(scope="module")
+def digits(servers):
+    server, base = servers["digits"]
+    return server.wait(), base
 
 
 # ---- user mistakes: one line, exit 2, before any model loads -------------------------------
 
-def test_mistakes_are_one_line(tmp_path):
+def test_mistakes_are_one_line(tmp_path, capsys):
     import socket
 
-    from vfgraph.testing.cli import one_error
+    from vfgraph.testing.cli import one_error, run_in_process
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "saved_model.pb").write_bytes(b"")
@@ -163,19 +178,16 @@ def test_mistakes_are_one_line(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        cases = [([tmp_path / "nope"], ["does not exist", "base directory of the model's versions"]),
-                 ([tmp_path / "model"], ["is a SavedModel, not a base directory", "vfgraph export"]),
-                 ([], ["give the model's base directory"]),
-                 ([tmp_path, "--model_base_path", tmp_path], ["give the model's base directory once"]),
-                 ([tmp_path, "--rest-port", "8600", "--port", "8600"], ["both 8600"]),
-                 ([tmp_path, "--rest_api_port", "70000"], ["--rest-port 70000", "give a TCP port"]),
-                 ([tmp_path, "--model_name", "a/b"], ["--model-name 'a/b'"]),
-                 ([tmp_path, "--host", "127.0.0.1", "--rest-port", port], [f"--rest-port {port}", "give a free port"])]
-        runs = [subprocess.Popen([sys.executable, "-m", "vfgraph.cli", "serve", *map(str, args)], env=ENV, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args, _ in cases]
-        for run, (args, needles) in zip(runs, cases):
-            out, err = run.communicate(timeout=120)
-            one_error(run.returncode, subprocess.CompletedProcess(run.args, run.returncode, out, err), *needles)
+        for args, needles in [
+                ([tmp_path / "nope"], ["does not exist", "base directory of the model's versions"]),
+                ([tmp_path / "model"], ["is a SavedModel, not a base directory", "vfgraph export"]),
+                ([], ["give the model's base directory"]),
+                ([tmp_path, "--model_base_path", tmp_path], ["give the model's base directory once"]),
+                ([tmp_path, "--rest-port", "8600", "--port", "8600"], ["both 8600"]),
+                ([tmp_path, "--rest_api_port", "70000"], ["--rest-port 70000", "give a TCP port"]),
+                ([tmp_path, "--model_name", "a/b"], ["--model-name 'a/b'"]),
+                ([tmp_path, "--host", "127.0.0.1", "--rest-port", port], [f"--rest-port {port}", "give a free port"])]:
+            one_error(*run_in_process(capsys, "serve", *args), *needles)
 
 
 # ---- REST: TF Serving's documented examples ----------------------------------------------
@@ -439,8 +451,15 @@ def test_sigterm_answers_the_request_in_flight(half):
     """(The last test of the module: it stops the server of TF Serving's example model.)"""
     server, answer = half, {}
 
+    def spin(n):
+        return server.call("/v1/models/half_plus_three:predict", {"signature_name": "spin", "inputs": n})
+
+    started = time.monotonic()
+    assert spin(20000) == (200, {"outputs": 20000})
+    n = int(min(max(20000 * 3.0 / max(time.monotonic() - started, 1e-3), 20000), 20_000_000))  # about 3 s
+
     def slow():
-        answer["reply"] = server.call("/v1/models/half_plus_three:predict", {"signature_name": "spin", "inputs": 100000})
+        answer["reply"] = spin(n)
         answer["at"] = time.monotonic()
 
     t = threading.Thread(target=slow)
@@ -449,7 +468,7 @@ def test_sigterm_answers_the_request_in_flight(half):
     sent = time.monotonic()
     code = server.stop()
     t.join(timeout=120)
-    assert answer["reply"] == (200, {"outputs": 100000})
+    assert answer["reply"] == (200, {"outputs": n})
     assert code == 0, server.log()
     assert answer["at"] > sent, "the request ended before SIGTERM: nothing was drained"
     assert "stopping: answering the 1 request(s) in flight" in server.log()
