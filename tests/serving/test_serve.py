@@ -3,7 +3,7 @@ its own on free loopback ports, plain HTTP (urllib) and the gRPC stubs of
 tensorflow-serving-api.
 
 Expected answers are TF Serving's, quoted from its repository (tensorflow/serving):
-- g3doc/api_rest.md (the REST API's documentation): its example session with the
+- g3doc/api_rest.md (the REST API's documentation): its worked example with the
   half_plus_three model (status of version 123, ``{"instances": [1.0,2.0,5.0]}`` ->
   ``{"predictions": [3.5, 4.0, 5.5]}``, ``POST /v1/models/half:predict`` -> 404
   ``Servable not found for request: Latest(half)``) and its b64 example values;
@@ -188,6 +188,13 @@ def test_mistakes_are_one_line(tmp_path, capsys):
                 ([tmp_path, "--model_name", "a/b"], ["--model-name 'a/b'"]),
                 ([tmp_path, "--host", "127.0.0.1", "--rest-port", port], [f"--rest-port {port}", "give a free port"])]:
             one_error(*run_in_process(capsys, "serve", *args), *needles)
+
+
+def test_missing_libraries_are_one_line(tmp_path, capsys, monkeypatch):
+    from vfgraph.testing.cli import one_error, run_in_process
+
+    monkeypatch.setitem(sys.modules, "tensorflow_serving", None)  # (as if not installed)
+    one_error(*run_in_process(capsys, "serve", tmp_path), "needs tensorflow-serving-api", "serve-requirements.txt")
 
 
 # ---- REST: TF Serving's documented examples ----------------------------------------------

@@ -79,8 +79,28 @@ def check_base(base: str) -> str:
     return base
 
 
+def check_dependencies() -> None:
+    """The libraries of the ``serve`` extra and serve-requirements.txt are there (one line
+    saying how to install them otherwise)."""
+    import importlib.util
+
+    missing = []
+    for dist, module in (("aiohttp", "aiohttp"), ("grpcio", "grpc"), ("prometheus-client", "prometheus_client"),
+                         ("tensorflow-serving-api", "tensorflow_serving")):
+        try:
+            found = sys.modules.get(module, True) is not None and importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(dist)
+    if missing:
+        raise InputError(f"vfgraph serve needs {', '.join(missing)}: pip install \"vfgraph[serve]\" (-e \".[serve]\" "
+                         "in a checkout), then pip install --no-deps -r serve-requirements.txt")
+
+
 def serve(opts: ServeOptions) -> int:
     """Run the server until SIGTERM or SIGINT; returns the exit code."""
+    check_dependencies()
     base = check_base(opts.base_path)
     for flag, port in (("--rest-port", opts.rest_port), ("--grpc-port", opts.grpc_port)):
         _check_port(flag, opts.host, port)  # (before the model loads, which takes seconds)
