@@ -329,6 +329,7 @@ def test_grpc_and_rest_answer_as_the_loaded_signature(digits):
     from tensorflow_serving.apis import get_model_metadata_pb2, get_model_status_pb2
 
     server, base = digits
+    assert "version 1 (" in server.log() and "micro-batched: serving_default in slices of 8" in server.log()
     x = np.random.default_rng(0).normal(size=(20, 64)).astype(np.float32)  # 3 slices of 8 in the model's loop
     want = tf.saved_model.load(str(base / "1")).signatures["serving_default"](x=tf.constant(x))["logits"].numpy()
     stub = server.stub()

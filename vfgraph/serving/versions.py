@@ -63,6 +63,7 @@ class Servable:
             raise ServingError("NOT_FOUND", f"Could not find meta graph def matching supplied tags: {{ {SERVE_TAG} }}."
                                             f" (tag sets in the model: {tags or 'none'})")
         self.signature_defs = dict(graphs[0].signature_def)
+        self.slices = _slices(path)
         self._loaded = tf.saved_model.load(path, tags=[SERVE_TAG])
         self.functions = dict(self._loaded.signatures)
         self._lock = threading.Lock()
@@ -153,6 +154,19 @@ class Servable:
     def _enter(self) -> None:
         with self._lock:
             self.in_flight += 1
+
+
+def _slices(path: str) -> Dict[str, int]:
+    """Signature -> the examples of one slice, for the signatures micro-batched in the model's
+    own loop (its microbatch-inference records); empty for a model vfgraph did not write."""
+    from vfgraph import records
+    from vfgraph.errors import VfgraphError
+    from vfgraph.records import Microbatch
+
+    try:
+        return {key: int(r.vnode_batch) for key, r in sorted(records.read(path, Microbatch).items())}
+    except VfgraphError as e:
+        raise ServingError("DATA_LOSS", str(e))
 
 
 def _check_input_names(sig, inputs: Dict[str, np.ndarray]) -> None:
@@ -289,9 +303,11 @@ class Manager:
             if old is not None:
                 self.states[old.version].state = "UNLOADING"
                 self._draining.append(old)
-        warm = getattr(servable, "warm_ups", 0)
-        log.warning("serving model %r version %d (%s, %sloaded in %.1fs)", self.name, version, path,
-                    f"{warm} warm-up request(s), " if warm else "", time.monotonic() - started)
+        warm, slices = getattr(servable, "warm_ups", 0), getattr(servable, "slices", {})
+        sliced = ", ".join(f"{k} in slices of {b}" for k, b in slices.items())
+        log.warning("serving model %r version %d (%s, %s%sloaded in %.1fs)", self.name, version, path,
+                    f"micro-batched: {sliced}, " if sliced else "", f"{warm} warm-up request(s), " if warm else "",
+                    time.monotonic() - started)
 
     def _release_drained(self) -> None:
         for old in list(self._draining):
