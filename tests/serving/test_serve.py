@@ -373,6 +373,18 @@ def test_grpc_and_rest_answer_as_the_loaded_signature(digits):
         with pytest.raises(grpc.RpcError) as e:
             stub.Predict(req, timeout=60)
         assert (e.value.code(), e.value.details()) == (code, message)
+    from tensorflow_serving.apis import classification_pb2, regression_pb2
+
+    with pytest.raises(grpc.RpcError) as e:  # classifier.cc, a classify request on a predict signature
+        stub.Classify(classification_pb2.ClassificationRequest(model_spec={"name": "digits"}), timeout=60)
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, (
+        "Expected classification signature method_name to be tensorflow/serving/classify. Was: "
+        "tensorflow/serving/predict"))
+    with pytest.raises(grpc.RpcError) as e:  # regressor.cc, a signature that is not there
+        stub.Regress(regression_pb2.RegressionRequest(model_spec={"name": "digits", "signature_name": "r"}),
+                     timeout=60)
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                   "No signature was found with the name: r")
     with pytest.raises(grpc.RpcError) as e:  # get_model_metadata_impl.cc
         stub.GetModelMetadata(get_model_metadata_pb2.GetModelMetadataRequest(model_spec={"name": "digits"}))
     assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,

@@ -77,6 +77,23 @@ class Models:
             return {k: v.dtype for k, v in s.signature_defs[key].inputs.items()}
 
 
+    def classify_or_regress(self, name: str, version: Optional[int], signature: str, verb: str):
+        """Classify and regress need a signature of that kind (TF Serving's classifier.cc and
+        regressor.cc words); these run tf.Example inputs, which vfgraph serve does not run yet."""
+        key = signature or "serving_default"
+        with self.manager(name, version).acquire(version) as s:
+            sig = s.signature_defs.get(key)
+            if sig is None:
+                raise invalid(f"No signature was found with the name: {key}")
+            kind = "classification" if verb == "classify" else "regression"
+            method = f"tensorflow/serving/{verb}"
+            if sig.method_name != method:
+                raise invalid(f"Expected {kind} signature method_name to be {method}. Was: {sig.method_name}")
+        raise ServingError("UNIMPLEMENTED", f"{verb} of tf.Example inputs (signature {key!r}) is not served by "
+                                            "vfgraph serve yet; call its function through predict with the serialized "
+                                            "examples")
+
+
 def model_spec(name: str, version: int, signature: str = "") -> model_pb2.ModelSpec:
     spec = model_pb2.ModelSpec(name=name, signature_name=signature)
     spec.version.value = version

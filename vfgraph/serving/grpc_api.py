@@ -52,7 +52,22 @@ def _status(models: Models, request) -> get_model_status_pb2.GetModelStatusRespo
     return models.status(spec.name, spec.version.value if spec.HasField("version") else None)
 
 
-_API = {"Predict": "predict", "GetModelMetadata": "metadata", "GetModelStatus": "status"}
+def _classify(models: Models, request):
+    spec = request.model_spec
+    models.classify_or_regress(spec.name, _version(spec), spec.signature_name, "classify")
+
+
+def _regress(models: Models, request):
+    spec = request.model_spec
+    models.classify_or_regress(spec.name, _version(spec), spec.signature_name, "regress")
+
+
+def _multi_inference(models: Models, request):
+    raise ServingError("UNIMPLEMENTED", "MultiInference is not served by vfgraph serve")
+
+
+_API = {"Predict": "predict", "GetModelMetadata": "metadata", "GetModelStatus": "status", "Classify": "classify",
+        "Regress": "regress", "MultiInference": "multi_inference"}
 
 
 def add_services(server, models: Models, run: Callable, requests) -> None:
@@ -87,6 +102,15 @@ def add_services(server, models: Models, run: Callable, requests) -> None:
 
         async def GetModelMetadata(self, request, context):
             return await call("GetModelMetadata", _metadata, request, context)
+
+        async def Classify(self, request, context):
+            return await call("Classify", _classify, request, context)
+
+        async def Regress(self, request, context):
+            return await call("Regress", _regress, request, context)
+
+        async def MultiInference(self, request, context):
+            return await call("MultiInference", _multi_inference, request, context)
 
     class ModelStatus(model_service_pb2_grpc.ModelServiceServicer):
         async def GetModelStatus(self, request, context):

@@ -25,8 +25,6 @@ _POST = re.compile(r"/v1/models/([^/:]+)(?:(?:/versions/(\d+))|(?:/labels/([^/:]
 _GET = re.compile(r"/v1/models(?:/([^/:]+))?(?:(?:/versions/(\d+))|(?:/labels/([^/:]+)))?(?:/(metadata))?",
                   re.IGNORECASE)
 _HEADERS = {"Content-Type": "application/json"}  # (http_rest_api_util.cc's AddHeaders)
-_METHODS = {"predict": "tensorflow/serving/predict", "classify": "tensorflow/serving/classify",
-            "regress": "tensorflow/serving/regress"}
 
 
 class Answer:
@@ -54,7 +52,8 @@ def handle(models: Models, method: str, path: str, body: bytes) -> Answer:
         if verb == "predict":
             served, text = _predict(models, model, version, body)
             return Answer(200, text, model, served, api)
-        return Answer(*_classify_or_regress(models, model, version, verb, body), model, version, api)
+        _classify_or_regress(models, model, version, verb, body)  # (raises)
+        raise invalid(f"Malformed request: {method} {path}")
     except ServingError as e:
         return Answer(e.http_status, _error_json(e.message), model, None, api, e.code)
 
@@ -113,19 +112,8 @@ def _predict(models: Models, name: str, version: Optional[int], body: bytes) -> 
 
 
 def _classify_or_regress(models: Models, name: str, version: Optional[int], verb: str, body: bytes):
-    """Classify and regress need a signature of that kind (TF Serving's classifier.cc and
-    regressor.cc words); these run tf.Example inputs, which this server does not run yet."""
     doc = tensors.parse_body(body)
-    key = tensors.signature_name(doc) or "serving_default"
-    with models.manager(name, version).acquire(version) as s:
-        sig = s.signature_defs.get(key)
-        if sig is None:
-            raise invalid(f"No signature was found with the name: {key}")
-        kind = "classification" if verb == "classify" else "regression"
-        if sig.method_name != _METHODS[verb]:
-            raise invalid(f"Expected {kind} signature method_name to be {_METHODS[verb]}. Was: {sig.method_name}")
-    raise ServingError("UNIMPLEMENTED", f"{verb} of tf.Example inputs (signature {key!r}) is not served by vfgraph "
-                                        "serve yet; call its function through :predict with the serialized examples")
+    models.classify_or_regress(name, version, tensors.signature_name(doc), verb)
 
 
 def _error_json(message: str) -> str:
