@@ -486,6 +486,28 @@ def render_input(r: dict) -> str:
             f"{num(med['npz'], 1)} from .npz in memory: {num(s['ratio'], 3)} (target >= 0.95).\n")
 
 
+def render_serve(r: dict) -> str:
+    """tools/bench_serve.py: vfgraph serve's latency and throughput against an in-process call."""
+    c, base = r["config"], r["in_process"]
+    rows = [["in-process call", "1", "-", num(base["p50_ms"]), num(base["p99_ms"]), "-"]]
+    for api, results in r["results"].items():
+        for x in results:
+            rows.append([api, str(x["clients"]), f"{x['requests']} ({x['errors']} failed)", num(x["p50_ms"]),
+                         num(x["p99_ms"]), num(x["per_second"], 1)])
+    over = ", ".join(f"{api} {num(ms)} ms" for api, ms in r["overhead_ms"].items())
+    text = (f"{c['model']}; requests of {c['request']}, client threads on the same {c['cpus']} CPUs, loopback, "
+            f"{c['server_threads']} server threads.\n\n"
+            + table(["API", "clients", "requests", "p50 (ms)", "p99 (ms)", "requests/s"], rows)
+            + f"\nServer overhead per request (p50 at one client minus the in-process p50): {over} "
+              "(target <= 2 ms).\n")
+    if "batching" in r:
+        b = r["batching"]
+        ratios = ", ".join(f"{api} {num(x)}x" for api, x in b["throughput_ratio_at_32"].items())
+        text += (f"\nBatched (`{' '.join(b['parameters'].split())}`) against not, requests/s at 32 clients: "
+                 f"{ratios} (target >= 3x).\n")
+    return text
+
+
 RENDERERS: Dict[str, Callable[[dict], str]] = {
     "step": render_step, "rewrite": render_rewrite, "save": render_save, "memory": render_memory,
     "serving": render_serving, "allreduce": render_allreduce, "scaling": render_scaling, "fusion": render_fusion,
@@ -494,7 +516,7 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     "deterministic": render_deterministic,
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
     "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,
-    "wait-backoff": render_wait_backoff, "input": render_input,
+    "wait-backoff": render_wait_backoff, "input": render_input, "serve": render_serve,
 }
 
 

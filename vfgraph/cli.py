@@ -1,4 +1,4 @@
-"""vfgraph command line: rewrite | inspect | diff | verify | train | export | build-ops."""
+"""vfgraph command line: rewrite | inspect | diff | verify | train | export | serve | build-ops."""
 from __future__ import annotations
 
 import argparse
@@ -79,7 +79,7 @@ def _parser(flags_of: Optional[str] = None, parser_class: type = _Parser) -> arg
         return c
 
     for add in (_rewrite_command, _inspect_command, _profile_command, _diff_command, _verify_command,
-                _train_command, _resize_command, _export_command, _other_commands):
+                _train_command, _resize_command, _export_command, _serve_command, _other_commands):
         add(command)
     return p
 
@@ -292,6 +292,37 @@ def _export_command(command) -> None:
     _keras_options(e)
 
 
+def _serve_command(command) -> None:
+    """serve, with TF Serving's own spellings of its options accepted as aliases."""
+    s = command("serve", "serve the newest version under BASE_PATH with TF Serving's REST and gRPC APIs",
+                "Serve model versions BASE_PATH/1/, BASE_PATH/2/, ... (as 'vfgraph export' writes them, or any TF2 "
+                "SavedModel with a serving signature) with TF Serving's REST API (/v1/models/NAME...) and gRPC API "
+                "(PredictionService.Predict and GetModelMetadata, ModelService.GetModelStatus): the newest version "
+                "is served, new ones are picked up while serving, the old one answers its requests first. SIGTERM "
+                "or Ctrl-C: requests in flight are answered, then exit 0. TF Serving's flag names are accepted too.")
+    s.add_argument("base_path", nargs="?", metavar="BASE_PATH", help="the directory of numbered versions")
+    s.add_argument("--model-base-path", "--model_base_path", dest="model_base_path", metavar="BASE_PATH",
+                   help="the same as BASE_PATH (TF Serving's flag)")
+    s.add_argument("--model-name", "--model_name", default="default", metavar="NAME",
+                   help="the model's name in requests (default 'default', as TF Serving)")
+    s.add_argument("--rest-port", "--rest_api_port", type=int, default=8501, metavar="PORT",
+                   help="REST API port (default 8501; 0: any free port, printed when ready)")
+    s.add_argument("--grpc-port", "--port", type=int, default=8500, metavar="PORT",
+                   help="gRPC API port (default 8500; 0: any free port, printed when ready)")
+    s.add_argument("--host", default="0.0.0.0", help="the address to listen on (default 0.0.0.0: all)")
+    s.add_argument("--file-system-poll-wait-seconds", "--file_system_poll_wait_seconds", type=float, default=1.0,
+                   metavar="SECONDS", help="how often to look for new versions (default 1)")
+    s.add_argument("--threads", type=int, default=8, help="requests run at once (default 8)")
+    s.add_argument("--drain-seconds", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, the longest wait for requests in flight (default 30)")
+    s.add_argument("--enable-batching", "--enable_batching", action="store_true",
+                   help="merge concurrent predict requests into batches (TF Serving's batching parameters and "
+                        "defaults)")
+    s.add_argument("--batching-parameters-file", "--batching_parameters_file", metavar="FILE",
+                   help="with --enable-batching: TF Serving's text-format batching parameters, e.g. "
+                        "'max_batch_size { value: 32 } batch_timeout_micros { value: 2000 }'")
+
+
 def _other_commands(command) -> None:
     ps = command("passes", "list the passes a --pipeline can name, with their options")
     ps.add_argument("--json", action="store_true", help="machine-readable output")
@@ -411,7 +442,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         _check_inputs_exist(args)
         run = {"rewrite": cmd_rewrite, "inspect": cmd_inspect, "diff": cmd_diff, "verify": cmd_verify,
                "train": cmd_train, "export": cmd_export, "passes": cmd_passes, "build-ops": cmd_build_ops,
-               "resize": cmd_resize, "profile": cmd_profile}[args.command]
+               "resize": cmd_resize, "profile": cmd_profile, "serve": cmd_serve}[args.command]
         line = " ".join(["vfgraph", *(sys.argv[1:] if argv is None else map(str, argv))])  # (in its output locks)
         with outputs.command(line):  # the output locks the command takes, held until it ends
             return run(args)
@@ -1013,6 +1044,29 @@ def cmd_export(args) -> int:
     sigs = ", ".join(f"{k} (slices of {sliced[k]})" if k in sliced else k for k in rec.get("signatures", []))
     print(f"wrote {path} (serving only: {sigs})")
     return 0
+
+
+def cmd_serve(args) -> int:
+    from vfgraph.serving.server import ServeOptions, serve, setup_logging
+
+    if bool(args.base_path) == bool(args.model_base_path):
+        raise InputError("give the model's base directory once: BASE_PATH or --model-base-path" if args.base_path
+                         else "give the model's base directory: BASE_PATH (or --model-base-path)")
+    if args.batching_parameters_file and not args.enable_batching:
+        raise InputError(f"--batching-parameters-file {args.batching_parameters_file}: add --enable-batching (the "
+                         "file sets how requests are batched)")
+    batching = None
+    if args.enable_batching:
+        from vfgraph.serving.batching import BatchingParameters
+
+        batching = (BatchingParameters.read(args.batching_parameters_file) if args.batching_parameters_file
+                    else BatchingParameters())
+    opts = ServeOptions(args.base_path or args.model_base_path, args.model_name, args.rest_port, args.grpc_port,
+                        args.host, args.file_system_poll_wait_seconds, args.threads, args.drain_seconds, batching)
+    setup_logging()
+    if args.verbose:
+        logging.getLogger("vfgraph.serve").setLevel(logging.INFO)
+    return serve(opts)
 
 
 def cmd_passes(args) -> int:
