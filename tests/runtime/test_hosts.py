@@ -1,0 +1,102 @@
+"""Training across separate hosts: two hosts made of Linux namespaces (vfgraph.testing.hosts),
+each with its own address, host name and /dev/shm, so MPICH's ranks on them talk over TCP, as
+across machines; hydra starts them through the hosts' launcher script (as it would by ssh)."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from test_mpi_train import BATCH, ENV, losses, params, rewritten
+from vfgraph.testing.hosts import Hosts, missing
+
+pytestmark = pytest.mark.mpi
+
+WHY = missing()
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    if WHY:
+        pytest.skip(f"separate hosts: {WHY}")
+    with Hosts(2) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def v8(models, tmp_path_factory):
+    return rewritten(models, tmp_path_factory.mktemp("hosts_models"), allreduce="mpi")
+
+
+@pytest.fixture(scope="module")
+def exact(models, tmp_path_factory):
+    return rewritten(models, tmp_path_factory.mktemp("hosts_exact"), deterministic=True)
+
+
+def train_args(model, data, out, steps, *extra):
+    return [sys.executable, "-m", "vfgraph.cli", "-v", "train", model, "--data", data, "--steps", str(steps),
+            "--batch-size", str(BATCH), "-o", out, "--no-progress", *extra]
+
+
+def on_hosts(hosts, names, ranks, args, timeout=300):
+    """Run ``args`` as ``ranks`` ranks on the hosts ``names``; its stderr (it must succeed)."""
+    res = subprocess.run(hosts.mpiexec(names) + ["-n", str(ranks)] + args, capture_output=True, text=True,
+                         env=hosts.env(ENV), timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stderr
+
+
+def one_process(model, data, out, steps, *extra):
+    res = subprocess.run(train_args(model, data, out, steps, *extra), capture_output=True, text=True, env=ENV,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def gradient_bytes(model, value_bytes):
+    """Bytes of the gradient sums one step all-reduces: ``value_bytes`` per trainable value."""
+    import tensorflow as tf
+
+    loaded = tf.saved_model.load(model)
+    return value_bytes * sum(int(np.prod(v.shape)) for v in loaded.signatures["train"].trainable_variables)
+
+
+def test_two_hosts_train_as_one_process_over_tcp(hosts, v8, digits, tmp_path):
+    """Default mode, 1 rank on each host: the parameters of one process within 1e-6; the ranks
+    run on different hosts (their names in the rank table, resolving to their own addresses),
+    each host's link carries at least the gradients' all-reduce volume both ways, and each rank
+    takes the CPUs of its host (one rank per host) by default."""
+    model, steps = v8("mlp:momentum"), 6
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    one_process(model, digits["train"], one, steps)
+    before = [hosts.bytes(i) for i in range(2)]
+    err = on_hosts(hosts, hosts.names, 2, train_args(model, digits["train"], two, steps))
+    after = [hosts.bytes(i) for i in range(2)]
+    table = dict(re.findall(r"rank (\d): (node\d) pid \d+", err))
+    assert table == {"0": "node0", "1": "node1"}, err[-3000:]
+    for i, name in enumerate(hosts.names):  # each name is its host's own address there
+        got = hosts.run(i, sys.executable, "-c", "import socket; print(socket.gethostbyname(socket.gethostname()))")
+        assert got.stdout.strip() == hosts.addresses[i]
+    cpus = os.cpu_count()
+    assert re.search(rf"2 ranks, {cpus} intra-op and 1 inter-op TensorFlow threads each", err), err[-3000:]
+    volume = steps * gradient_bytes(model, 4)
+    for i in range(2):
+        for way in ("rx", "tx"):
+            assert after[i][way] - before[i][way] >= volume, (i, way, before[i], after[i], volume)
+    from test_mpi_train import assert_same_params
+
+    assert_same_params(one, two, 1e-6)
+    np.testing.assert_allclose(losses(two), losses(one), rtol=1e-6)
+
+
+def test_deterministic_mode_on_two_hosts_is_bit_identical_to_one_process(hosts, exact, digits, tmp_path):
+    model, steps = exact("mlp:adam"), 6
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    one_process(model, digits["train"], one, steps, "--threads", "1")
+    on_hosts(hosts, hosts.names, 2, train_args(model, digits["train"], two, steps, "--threads", "1"))
+    want, got = params(one), params(two)
+    assert [k for k in want if not np.array_equal(want[k], got[k])] == []
+    assert losses(two) == losses(one)
