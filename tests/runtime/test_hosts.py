@@ -4,6 +4,7 @@ across machines; hydra starts them through the hosts' launcher script (as it wou
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -100,3 +101,93 @@ def test_deterministic_mode_on_two_hosts_is_bit_identical_to_one_process(hosts, 
     want, got = params(one), params(two)
     assert [k for k in want if not np.array_equal(want[k], got[k])] == []
     assert losses(two) == losses(one)
+
+
+class Lines:
+    """The lines of a stream, read on a thread, to wait for with a deadline (a hang fails the
+    test instead of stopping it)."""
+
+    def __init__(self, stream):
+        import threading
+
+        self.lines, self.stream = [], stream
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.stream:
+            self.lines.append(line)
+
+    def wait(self, pattern, seconds):
+        """The first match of ``pattern`` in the lines within ``seconds`` (None if none)."""
+        deadline = time.time() + seconds
+        while True:
+            found = re.search(pattern, self.text())
+            if found or time.time() > deadline or not self.reader.is_alive():
+                return found or re.search(pattern, self.text())
+            time.sleep(0.05)
+
+    def text(self):
+        return "".join(self.lines)
+
+
+def grown_onto_node1(hosts, model, digits, out, listed, *extra):
+    """An elastic job started on node0 alone, grown by its host-discovery script onto node1 (the
+    new rank started by hydra on node0 through the hosts' launcher) and training on 2 ranks:
+    the job and its lines (read as they come)."""
+    listed.write_text("node0:1\nnode1:1\n")
+    args = train_args(model, digits["train"], out, 1000000, "--threads", "1", "--max-ranks", "2",
+                      "--host-discovery-script", f"cat {listed}", "--discovery-interval", "0.2", *extra)
+    proc = subprocess.Popen(hosts.mpiexec(["node0"]) + ["-n", "1"] + args, stderr=subprocess.PIPE, text=True,
+                            env=hosts.env(ENV))
+    log = Lines(proc.stderr)
+    assert log.wait(r"resized 1 -> 2 ranks at step \d+", 120), log.text()[-3000:]
+    assert re.search(r"starting 1 new rank for the next growth on node1:1\n", log.text()), log.text()[-3000:]
+    assert hosts.processes(1), "no process runs on node1"
+    time.sleep(1)  # training on 2 ranks
+    listed.write_text("node0:1\n")
+    return proc, log
+
+
+def stopped(proc, log):
+    """Stop the job (SIGTERM; hydra passes it on); its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.reader.join(10)
+
+
+def assert_resumes_to_one_process(model, digits, out, tmp_path):
+    """The checkpoint the job left in ``out`` resumes, on one process, to the parameters of one
+    process trained throughout, bit for bit."""
+    with open(out + ".ckpt/progress.json") as f:
+        step = json.load(f)["step"]
+    one = str(tmp_path / "one")
+    one_process(model, digits["train"], out, step + 2, "--threads", "1", "--resume")
+    one_process(model, digits["train"], one, step + 2, "--threads", "1")
+    want, got = params(one), params(out)
+    assert [k for k in want if not np.array_equal(want[k], got[k])] == []
+
+
+def test_an_elastic_job_grows_onto_a_second_host_and_survives_losing_it(hosts, exact, digits, tmp_path):
+    """node1's processes all die: within 60 s rank 0 names the lost host and trains on alone
+    from its last completed step; stopped then, its checkpoint resumes to the uninterrupted
+    one-process result, bit for bit."""
+    model, out = exact("mlp:adam"), str(tmp_path / "elastic")
+    proc, log = grown_onto_node1(hosts, model, digits, out, tmp_path / "hosts.txt")
+    try:
+        hosts.kill(1)
+        lost = log.wait(r"1 rank that joined the job on node1:1 \(launcher pid \d+\) ended with status \d+ at step "
+                        r"\d+; the job goes on alone from step \d+", 60)
+        assert lost, log.text()[-3000:]
+        time.sleep(1)  # training on alone
+    finally:
+        code = stopped(proc, log)
+    assert code == 130 and "interrupted: stopped after" in log.text(), log.text()[-3000:]
+    assert "Traceback" not in log.text()
+    assert_resumes_to_one_process(model, digits, out, tmp_path)

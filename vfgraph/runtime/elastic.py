@@ -77,7 +77,8 @@ PORT_ENV = "VFGRAPH_ELASTIC_PORT"  # the port a new process connects to (set by 
 GROUP_ENV = "VFGRAPH_ELASTIC_GROUP"  # which start of new processes a process is (1, 2, ...; the job's own ranks: 0)
 LOST_EXIT = 4  # the exit status of a job that lost ranks
 # what a launcher tells the processes it starts: not passed on to a launcher of their own
-_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+# (HYDRA_* are the user's settings of MPICH's launcher, e.g. HYDRA_LAUNCHER_EXEC: passed on)
+_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDI_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
 
 
 def survivable_transports() -> None:
@@ -279,6 +280,7 @@ class Start:
     merged: bool = False
     left: bool = False
     unblocked: float = 0.0  # when a process of rank 0's connected in their place (they never did)
+    hosts: str = ""  # where they were started (HOST:N,...), when a host-discovery script placed them
 
 
 class Elastic:
@@ -469,7 +471,8 @@ class Elastic:
             if self.discovery is not None and self.discovery.hosts:  # on the hosts' free slots
                 hosts = place(n, self.discovery.hosts, self.where + [p[3] for p in self.parked])
             command = [sys.executable, "-m", "vfgraph.cli", *self.argv, JOIN_FLAG]
-            self.groups.append(Start(launch(n, command, self.port, self.launched, hosts), n, self.launched))
+            self.groups.append(Start(launch(n, command, self.port, self.launched, hosts), n, self.launched,
+                                     hosts=",".join(f"{h}:{k}" for h, k in hosts or ())))
             if self.watching is None:
                 self.watching = threading.Thread(target=self._watch, name="vfgraph-watch", daemon=True)
                 self.watching.start()
@@ -525,6 +528,7 @@ class Elastic:
                     continue
                 what = (f"{n} rank{'s' if n > 1 else ''} that joined the job" if start.merged else
                         f"{n} new process{'es' if n > 1 else ''} that never connected")
+                what += f" on {start.hosts}" if start.hosts else ""
                 if start.merged and self.spawning is None and MPI.COMM_WORLD.Get_size() == 1:
                     self._lose(f"{what} (launcher pid {pid}) ended with status {code}", start.group)
                     break

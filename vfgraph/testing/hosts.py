@@ -250,10 +250,14 @@ class Hosts:
         return [int(p) for p in pids.split() if p != self._pid(i)]
 
     def kill(self, i: int) -> None:
-        """Host ``i`` fails: every process on it is killed (SIGKILL) and its link goes down."""
-        _run(IP, "link", "set", self.veth(i), "down")
+        """Host ``i``'s processes all die (SIGKILL); its kernel still closes their connections."""
         for pid in self.processes(i):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def cut(self, i: int, up: bool = False) -> None:
+        """Host ``i``'s link goes down (``up``: back up): its processes run on, unreachable, and
+        their peers see nothing close."""
+        _run(IP, "link", "set", self.veth(i), "up" if up else "down")
