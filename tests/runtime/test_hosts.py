@@ -191,3 +191,26 @@ def test_an_elastic_job_grows_onto_a_second_host_and_survives_losing_it(hosts, e
     assert code == 130 and "interrupted: stopped after" in log.text(), log.text()[-3000:]
     assert "Traceback" not in log.text()
     assert_resumes_to_one_process(model, digits, out, tmp_path)
+
+
+def test_a_host_cut_off_ends_the_job_in_one_line_naming_it(hosts, exact, digits, tmp_path):
+    """node1's link goes down: its processes run on, unreachable, and no connection closes, so
+    nothing ends; rank 0's wait for it makes no progress. Within 60 s (--stall-timeout 20) the
+    job ends with one line naming node1 and the checkpoint kept, which resumes to the
+    uninterrupted one-process result, bit for bit."""
+    model, out = exact("mlp:adam"), str(tmp_path / "elastic")
+    proc, log = grown_onto_node1(hosts, model, digits, out, tmp_path / "hosts.txt", "--stall-timeout", "20")
+    began = time.time()
+    try:
+        hosts.cut(1)
+        ended = log.wait(r"vfgraph train: .*", 60)
+        took = time.time() - began
+    finally:
+        hosts.cut(1, up=True)
+        code = stopped(proc, log)
+    assert ended and took < 60, log.text()[-3000:]
+    line = ended.group(0)
+    assert code == 75 and line.startswith("vfgraph train: stalled: rank 0"), log.text()[-3000:]
+    assert "for rank 1 on node1 (not seen entering it)" in line and "checkpoint" in line, line
+    assert "Traceback" not in log.text()
+    assert_resumes_to_one_process(model, digits, out, tmp_path)

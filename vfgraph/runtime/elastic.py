@@ -40,6 +40,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -721,6 +722,18 @@ class Elastic:
         for a growth (the world and the step it comes back at)."""
         said = _wait(w.comm.irecv(source=0, tag=END))
         return None if said is None else self._come_back(said["port"])
+
+    def name_hosts(self, line: str) -> str:
+        """(rank 0) A stall's ``line`` with the hosts of the ranks it waited for: a host cut off
+        from the network is seen only as a wait that makes no progress."""
+        m = re.search(r"for (ranks? )([\d, ]+) \(not seen entering it\)", line)
+        if not m:
+            return line
+        ranks = [int(r) for r in m.group(2).split(",") if r.strip().isdigit()]
+        hosts = sorted({self.where[r] for r in ranks if r < len(self.where)})
+        if not hosts:
+            return line
+        return line.replace(m.group(0), f"for {m.group(1)}{m.group(2)} on {', '.join(hosts)} (not seen entering it)")
 
     def finish(self, w: World, failed: bool = False) -> None:
         """On rank 0 at the end of the job: release the ranks that left and any new processes
