@@ -103,6 +103,27 @@ def test_deterministic_mode_on_two_hosts_is_bit_identical_to_one_process(hosts, 
     assert losses(two) == losses(one)
 
 
+def test_two_pipeline_stages_on_two_hosts_train_as_one_process(hosts, models, digits, tmp_path):
+    """The MLP cut into 2 stages (1F1B), stage 1 on node0 and stage 2 on node1: the activations
+    and their gradients cross the link (VfSend / VfRecv over TCP), and the parameters are those
+    of the unpartitioned step in one process."""
+    import vfgraph
+    from test_mpi_train import assert_same_params
+
+    model = str(tmp_path / "staged")
+    vfgraph.save(vfgraph.rewrite(models("mlp:adam"), vnodes=8, vnode_batch=8, stages=2, schedule="1f1b"), model)
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    one_process(model, digits["train"], one, 3)
+    before = hosts.bytes(1)
+    on_hosts(hosts, hosts.names, 2, train_args(model, digits["train"], two, 3))
+    after = hosts.bytes(1)
+    activations = 3 * BATCH * 32 * 4  # the hidden layer's output, each step, one way (its gradient: the other)
+    assert after["rx"] - before["rx"] >= activations and after["tx"] - before["tx"] >= activations
+    assert_same_params(one, two, 1e-6)
+    for a, b in zip(losses(one), losses(two)):
+        assert b == pytest.approx(a, rel=1e-6)
+
+
 class Lines:
     """The lines of a stream, read on a thread, to wait for with a deadline (a hang fails the
     test instead of stopping it)."""
