@@ -65,6 +65,26 @@ def gradient_bytes(model, value_bytes):
     return value_bytes * sum(int(np.prod(v.shape)) for v in loaded.signatures["train"].trainable_variables)
 
 
+def test_what_a_killed_run_left_is_removed_by_the_next(hosts):
+    """A process that made hosts and was killed (SIGKILL, no teardown) leaves its namespaces,
+    bridge and processes; the next run removes them before it makes its own."""
+    from vfgraph.testing import hosts as harness
+
+    code = ("import os, signal, sys; from vfgraph.testing.hosts import Hosts\n"
+            "h = Hosts(1).__enter__(); print(h.namespaces[0], h.bridge, flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ns, bridge = proc.stdout.readline().split()
+    proc.kill()
+    proc.wait()
+    listed = subprocess.run([harness.IP, "netns", "list"], capture_output=True, text=True).stdout
+    assert ns in listed
+    assert proc.pid in harness.clean_leftovers()
+    listed = subprocess.run([harness.IP, "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run([harness.IP, "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert ns not in listed and f" {bridge}:" not in links
+    assert not os.path.exists(os.path.join(harness.RUN_DIR, str(proc.pid)))
+
+
 def test_two_hosts_train_as_one_process_over_tcp(hosts, v8, digits, tmp_path):
     """Default mode, 1 rank on each host: the parameters of one process within 1e-6; the ranks
     run on different hosts (their names in the rank table, resolving to their own addresses),

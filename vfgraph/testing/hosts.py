@@ -51,7 +51,7 @@ def missing() -> Optional[str]:
     for tool in (IP, "unshare", "nsenter"):
         if not shutil.which(tool):
             return f"{tool} is not installed"
-    name = f"{PREFIX}{os.getpid()}probe"
+    name = f"{PREFIX}{os.getpid()}h999"  # (named as a host: removed with the run's left-overs)
     made = subprocess.run([IP, "netns", "add", name], capture_output=True, text=True)
     if made.returncode != 0:
         return f"ip netns add fails here: {made.stderr.strip()}"
