@@ -447,6 +447,22 @@ def render_elastic_scheduling(r: dict) -> str:
             table(["policy", "mean JCT (s)", "median JCT (s)", "makespan (s)", "resizes", "mean JCT cut"], rows))
 
 
+def render_hosts(r: dict) -> str:
+    """tools/bench_hosts.py: 2 ranks on two hosts (TCP) against 2 ranks on one host (shared memory)."""
+    rows = [[x["size"], num(x["tcp_gbps"], 3), num(x["shm_gbps"], 3), num(x["tcp_s"] * 1e6, 1),
+             num(x["shm_s"] * 1e6, 1), num(x["tcp_over_shm_time"])] for x in r["allreduce"]]
+    s = r["step"]
+    return (f"In-place all-reduce (mpi4py, float32), best of {r['rounds']} interleaved runs, slower rank's median "
+            "per call:\n\n" +
+            table(["size", "TCP (GB/s)", "shared memory (GB/s)", "TCP (us)", "shared memory (us)",
+                   "TCP time / shared memory time"], rows) +
+            f"\nTraining step, 2 ranks, digits MLP of width {r['hidden']} ({num(r['gradient_bytes'] / MIB)} MiB of "
+            f"gradients), {r['vnodes']} virtual nodes of {r['batch'] // r['vnodes']}, one thread per rank:\n\n" +
+            table(["", "examples/s"], [["two hosts (TCP)", num(s["tcp_examples_per_s"], 0)],
+                                       ["one host (shared memory)", num(s["shm_examples_per_s"], 0)],
+                                       ["TCP / shared memory", num(s["tcp_over_shm"])]]))
+
+
 def _memory_row(x: dict, whole: int, one: dict) -> List[str]:
     return [f"{num(x['held_bytes'] / MIB, 1)} MiB", f"{x['held_bytes'] / whole:.0%}",
             f"{num(x['peak_bytes'] / MIB, 0)} MiB", f"{num(x['rise_bytes'] / MIB, 0)} MiB",
@@ -516,7 +532,7 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     "deterministic": render_deterministic,
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
     "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,
-    "wait-backoff": render_wait_backoff, "input": render_input, "serve": render_serve,
+    "wait-backoff": render_wait_backoff, "input": render_input, "serve": render_serve, "hosts": render_hosts,
 }
 
 

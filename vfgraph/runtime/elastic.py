@@ -40,6 +40,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -77,7 +78,8 @@ PORT_ENV = "VFGRAPH_ELASTIC_PORT"  # the port a new process connects to (set by 
 GROUP_ENV = "VFGRAPH_ELASTIC_GROUP"  # which start of new processes a process is (1, 2, ...; the job's own ranks: 0)
 LOST_EXIT = 4  # the exit status of a job that lost ranks
 # what a launcher tells the processes it starts: not passed on to a launcher of their own
-_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
+# (HYDRA_* are the user's settings of MPICH's launcher, e.g. HYDRA_LAUNCHER_EXEC: passed on)
+_LAUNCHER_ENV = ("PMI_", "PMIX_", "HYDI_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
 
 
 def survivable_transports() -> None:
@@ -279,6 +281,7 @@ class Start:
     merged: bool = False
     left: bool = False
     unblocked: float = 0.0  # when a process of rank 0's connected in their place (they never did)
+    hosts: str = ""  # where they were started (HOST:N,...), when a host-discovery script placed them
 
 
 class Elastic:
@@ -469,7 +472,8 @@ class Elastic:
             if self.discovery is not None and self.discovery.hosts:  # on the hosts' free slots
                 hosts = place(n, self.discovery.hosts, self.where + [p[3] for p in self.parked])
             command = [sys.executable, "-m", "vfgraph.cli", *self.argv, JOIN_FLAG]
-            self.groups.append(Start(launch(n, command, self.port, self.launched, hosts), n, self.launched))
+            self.groups.append(Start(launch(n, command, self.port, self.launched, hosts), n, self.launched,
+                                     hosts=",".join(f"{h}:{k}" for h, k in hosts or ())))
             if self.watching is None:
                 self.watching = threading.Thread(target=self._watch, name="vfgraph-watch", daemon=True)
                 self.watching.start()
@@ -525,6 +529,7 @@ class Elastic:
                     continue
                 what = (f"{n} rank{'s' if n > 1 else ''} that joined the job" if start.merged else
                         f"{n} new process{'es' if n > 1 else ''} that never connected")
+                what += f" on {start.hosts}" if start.hosts else ""
                 if start.merged and self.spawning is None and MPI.COMM_WORLD.Get_size() == 1:
                     self._lose(f"{what} (launcher pid {pid}) ended with status {code}", start.group)
                     break
@@ -717,6 +722,18 @@ class Elastic:
         for a growth (the world and the step it comes back at)."""
         said = _wait(w.comm.irecv(source=0, tag=END))
         return None if said is None else self._come_back(said["port"])
+
+    def name_hosts(self, line: str) -> str:
+        """(rank 0) A stall's ``line`` with the hosts of the ranks it waited for: a host cut off
+        from the network is seen only as a wait that makes no progress."""
+        m = re.search(r"for (ranks? )([\d, ]+) \(not seen entering it\)", line)
+        if not m:
+            return line
+        ranks = [int(r) for r in m.group(2).split(",") if r.strip().isdigit()]
+        hosts = sorted({self.where[r] for r in ranks if r < len(self.where)})
+        if not hosts:
+            return line
+        return line.replace(m.group(0), f"for {m.group(1)}{m.group(2)} on {', '.join(hosts)} (not seen entering it)")
 
     def finish(self, w: World, failed: bool = False) -> None:
         """On rank 0 at the end of the job: release the ranks that left and any new processes

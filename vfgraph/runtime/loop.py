@@ -20,7 +20,7 @@ from vfgraph.runtime.config import ModelPlan, TrainConfig
 from vfgraph.runtime.model import OpenedModel
 from vfgraph.runtime.placement import Ranks, Share
 from vfgraph.runtime.step import StepRunner
-from vfgraph.runtime.stops import STOP, STOP_GRACE, Interrupted, StopRequests, WatchedExchanges
+from vfgraph.runtime.stops import STOP, STOP_GRACE, Interrupted, Stalled, StopRequests, WatchedExchanges
 from vfgraph.runtime.world import RankLost, World, shares
 
 log = logging.getLogger("vfgraph.train")
@@ -91,6 +91,8 @@ class TrainLoop:
             err = self.runner.failure(e, w.rank, self.where, self.step, self.share, self.checkpoints.kept())
             if err is None:
                 raise
+            if isinstance(err, Stalled) and self.scheduled is not None and w.is_root:  # name the host
+                err = Stalled(self.scheduled.name_hosts(str(err)))
             raise err from None
         finally:
             world_module.watcher = None
@@ -115,7 +117,7 @@ class TrainLoop:
     def _watch(self, stop: StopRequests) -> None:
         """(several ranks) The stall limits and stop requests for the ops' waits and the World's."""
         cfg = self.cfg
-        self.watching = self.share.w.size > 1
+        self.watching = self.share.w.size > 1 or self.scheduled is not None  # (an elastic job may grow)
         if self.watching:  # (after the handlers of StopRequests, which the signals then reach too)
             watch(cfg.stall_warning, cfg.stall_timeout, STOP_GRACE, signals=True)
             world_module.watcher = WatchedExchanges(stop, cfg.stall_warning, cfg.stall_timeout,
