@@ -54,6 +54,12 @@ def test_a_budget_with_the_virtual_nodes_given_is_refused(models, capsys, tmp_pa
     for flags in (["--vnodes", 4], ["--vnode-batch", 8]):
         one_error(*run_in_process(capsys, "rewrite", model, "--memory-budget", "1GiB", *flags, "-o", tmp_path / "o"),
                   "--memory-budget 1GiB", "leave out one of them")
+    one_error(*run_in_process(capsys, "rewrite", model, "--memory-margin", 0.2, "-o", tmp_path / "o"),
+              "--memory-margin 0.2", "without memory-budget")
+    one_error(*run_in_process(capsys, "rewrite", model, "--memory-budget", "1GiB", "--memory-margin", 0.95,
+                              "-o", tmp_path / "o"), "--memory-margin 0.95")
+    with pytest.raises(OptionError, match="memory-margin"):
+        vfgraph.rewrite(model, memory_margin=0.2)
     assert not (tmp_path / "o").exists()
 
 
