@@ -58,6 +58,8 @@ def test_a_budget_with_the_virtual_nodes_given_is_refused(models, capsys, tmp_pa
               "--memory-margin 0.2", "without memory-budget")
     one_error(*run_in_process(capsys, "rewrite", model, "--memory-budget", "1GiB", "--memory-margin", 0.95,
                               "-o", tmp_path / "o"), "--memory-margin 0.95")
+    one_error(*run_in_process(capsys, "rewrite", model, "--memory-budget", "1GiB", "--stages", 2, "-o", tmp_path / "o"),
+              "memory-budget with pipeline stages", "give vnode-batch")
     with pytest.raises(OptionError, match="memory-margin"):
         vfgraph.rewrite(model, memory_margin=0.2)
     assert not (tmp_path / "o").exists()
