@@ -12,8 +12,6 @@ into stages on MPI ranks, :mod:`vfgraph.rewrites.stage_steps` adds each stage's 
 """
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass, replace
 
 from typing import ClassVar, List, Optional, Tuple
@@ -117,7 +115,7 @@ class SplitVnodesPass(Pass):
                 raise PipelineError(f"signature {sig.key!r}: memory-budget with a step of several phases (updates "
                                     "that read earlier ones) is not measured yet; give vnode-batch instead") from None
             return split_phased(self, item, sig, g, b, dependent)
-        budget = self._budget(item, sig, _sum_bytes(g, step)) if self.memory_budget else None
+        budget = self._budget(item, sig) if self.memory_budget else None
         b = budget.chosen if budget else b
         vnode_fn = function_name(sig.function, "vnode")
         update_fn = function_name(sig.function, "update")
@@ -203,10 +201,10 @@ class SplitVnodesPass(Pass):
                                 "other batches; export it with an unknown batch dimension (None), or give "
                                 "vnode-batch instead of memory-budget")
 
-    def _budget(self, item: GraphItem, sig, sums: int) -> MemoryBudget:
+    def _budget(self, item: GraphItem, sig) -> MemoryBudget:
         """The virtual-node batch the memory budget allows (:mod:`vfgraph.analysis.memory`): the
-        step's peaks read from ``profile``, or measured on the model ``item`` was loaded from,
-        plus ``sums`` bytes the virtual-node loop holds besides the step (its sums)."""
+        peaks of the step as this pass runs it, read from ``profile``, or measured on the model
+        ``item`` was loaded from."""
         from vfgraph.analysis.memory import fit_budget, measure_budget, parse_size
         from vfgraph.analysis.profile import read_profile
 
@@ -218,16 +216,15 @@ class SplitVnodesPass(Pass):
                         else "holds no memory measurement")
                 raise PipelineError(f"{self.profile}: the profile {what}; profile the step with this vfgraph: "
                                     f"vfgraph profile MODEL --train-signature {sig.key} -o FILE")
-            fit = fit_budget(profile.memory, parse_size(self.memory_budget), self.memory_margin, where=where,
-                             extra=sums)
+            fit = fit_budget(profile.memory, parse_size(self.memory_budget), self.memory_margin, where=where)
             source = "profile"
         else:
             fit = measure_budget(item.source, sig.key, parse_size(self.memory_budget), self.memory_margin,
-                                 where=where, extra=sums)
+                                 where=where)
             source = "measured"
         p = fit.peaks
         return MemoryBudget(fit.budget, fit.margin, fit.fixed, fit.per_example, fit.chosen, p.batches, p.peaks,
-                            p.device, source, p.measured_on, sums)
+                            p.device, source, p.measured_on)
 
 
 def _budget_notes(budget: Optional[MemoryBudget]) -> List[str]:
@@ -235,21 +232,9 @@ def _budget_notes(budget: Optional[MemoryBudget]) -> List[str]:
     if budget is None:
         return []
     return [f"memory budget {size_text(budget.budget)}: b={budget.chosen} examples per virtual node (fit "
-            f"{size_text(budget.fixed)} + {size_text(budget.sums)} of sums + {size_text(budget.per_example)} per "
+            f"{size_text(budget.fixed)} + {size_text(budget.per_example)} per "
             f"example from b={','.join(map(str, budget.batches))}, {budget.margin:.0%} margin); feed a multiple of "
             f"{budget.chosen} examples"]
-
-
-def _sum_bytes(g: FunctionGraph, step: TrainStep) -> int:
-    """The bytes of the sums the virtual-node loop carries besides what the step holds: one of
-    each dense tensor at the cut (a gradient or statistic of known shape, in float32 or its
-    own type when wider); a sparse gradient's rows grow with the virtual nodes, not counted."""
-    total = 0
-    for c in step.cut:
-        if c.role == "indices" or c.combine != "mean" or not c.shape or any(d < 0 for d in c.shape):
-            continue
-        total += (8 if c.dtype == types_pb2.DT_DOUBLE else 4) * math.prod(c.shape)
-    return total
 
 
 def _key_random_ops(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, deterministic: bool, in_flight: int):

@@ -757,8 +757,7 @@ def _print_vnodes(rw) -> None:
     if rw.memory is not None:
         m, size = rw.memory, outputs.size_text
         print(f"  memory budget: {size(m.budget)} less a {m.margin:.0%} margin: b={m.chosen}; fit {size(m.fixed)} "
-              f"+ {size(m.sums)} of the virtual nodes' sums + {size(m.per_example)} per example ({m.source} on "
-              f"{m.device}: "
+              f"+ {size(m.per_example)} per example ({m.source} on {m.device}: "
               + ", ".join(f"{size(p)} at b={b}" for b, p in zip(m.batches, m.peaks)) + ")")
     if rw.accumulate_signature:
         print(f"  step-wise: signatures {rw.accumulate_signature!r} (repeat) and {rw.apply_signature!r}")
@@ -896,7 +895,7 @@ def cmd_profile(args) -> int:
     if not fixed:  # the step's peak memory at a few batches, for --memory-budget
         from vfgraph.analysis.memory import measure_peaks
 
-        profile = dataclasses.replace(profile, memory=measure_peaks(args.model, sig.key))
+        profile = dataclasses.replace(profile, memory=measure_peaks(args.model, sig.key, loop=True))
     else:
         print(f"note: no memory measured (for --memory-budget): the batch of {sig.key!r} is fixed at {fixed}",
               file=sys.stderr)

@@ -75,9 +75,9 @@ class MemoryBudget:
     ``batches`` (``peaks``, bytes, on ``device``, where ``measured_on`` says), the fit memory =
     ``fixed`` + ``per_example`` x b through them (least squares), the ``budget`` (bytes) and
     the ``margin`` kept free of it, and the ``chosen`` b: the largest whose fitted memory is
-    within budget x (1 - margin) with ``sums`` bytes more (the virtual-node loop's sums of the
-    gradients, which the step alone does not hold). ``source``: "measured" (here, at the
-    rewrite) or "profile" (read from a profile's file)."""
+    within budget x (1 - margin). The peaks are of the step as split-vnodes runs it (the
+    virtual-node loop, its sums). ``source``: "measured" (here, at the rewrite) or "profile"
+    (read from a profile's file)."""
 
     budget: int
     margin: float
@@ -89,20 +89,17 @@ class MemoryBudget:
     device: str = "CPU"
     source: str = "measured"
     measured_on: Tuple[Tuple[str, str], ...] = ()
-    sums: int = 0
 
     def to_json(self) -> dict:
         return {"budget": self.budget, "margin": self.margin, "fixed": self.fixed, "per_example": self.per_example,
                 "chosen": self.chosen, "batches": list(self.batches), "peaks": list(self.peaks),
-                "device": self.device, "source": self.source, "measured_on": dict(self.measured_on),
-                "sums": self.sums}
+                "device": self.device, "source": self.source, "measured_on": dict(self.measured_on)}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "MemoryBudget":
         return cls(int(d["budget"]), float(d["margin"]), int(d["fixed"]), int(d["per_example"]), int(d["chosen"]),
                    tuple(d.get("batches", ())), tuple(d.get("peaks", ())), d.get("device", "CPU"),
-                   d.get("source", "measured"), tuple(sorted(d.get("measured_on", {}).items())),
-                   int(d.get("sums", 0)))
+                   d.get("source", "measured"), tuple(sorted(d.get("measured_on", {}).items())))
 
 
 @dataclass(frozen=True)

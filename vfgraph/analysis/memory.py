@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from vfgraph.errors import InputError
+from vfgraph.errors import InputError, VfgraphError
 from vfgraph.io.outputs import size_text
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)  # the virtual-node batches the step is measured at
@@ -154,28 +154,30 @@ def measure_budget(path: str, signature: str, budget: int, margin: float = DEFAU
     """:func:`fit_budget` of the step measured here (:func:`measure_peaks`) at
     :data:`DEFAULT_BATCHES`, then once more at the b that fit chose, where it is larger than
     them: the final fit is of the measurements nearest the budget (``extra``: as there)."""
-    peaks = measure_peaks(path, signature, DEFAULT_BATCHES, device)
+    peaks = measure_peaks(path, signature, DEFAULT_BATCHES, device, loop=True)
     fit = fit_budget(peaks, budget, margin, where=where, extra=extra)
     if fit.chosen <= max(peaks.batches):
         return fit
-    more = measure_peaks(path, signature, (fit.chosen,), device)
+    more = measure_peaks(path, signature, (fit.chosen,), device, loop=True)
     both = Peaks(peaks.batches + more.batches, peaks.peaks + more.peaks, peaks.device, peaks.measured_on)
     return fit_budget(both, budget, margin, where=where, extra=extra)
 
 
 def measure_peaks(path: str, signature: str, batches: Sequence[int] = DEFAULT_BATCHES,
-                  device: str = "CPU") -> Peaks:
+                  device: str = "CPU", loop: bool = False) -> Peaks:
     """The peak memory of a training step of signature ``signature`` of the SavedModel at
     ``path`` at each of ``batches`` examples (see the module's note), measured in a process of
-    its own. Raises InputError when the step cannot be run there (the message the step's
-    failure gave)."""
+    its own; ``loop``: of the step as split-vnodes runs it (the model rewritten there with one
+    virtual node of the fed batch, no all-reduce: the loop and its sums with the step). Raises
+    InputError when the step cannot be run there (the message the step's failure gave)."""
     import vfgraph
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(vfgraph.__file__)))
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                     if p]))
-    cmd = [sys.executable, "-m", "vfgraph.analysis.memory", path, signature, ",".join(map(str, batches)), device]
+    cmd = [sys.executable, "-m", "vfgraph.analysis.memory", path, signature, ",".join(map(str, batches)), device,
+           "loop" if loop else "step"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -194,7 +196,8 @@ def measure_peaks(path: str, signature: str, batches: Sequence[int] = DEFAULT_BA
 
 
 def _measure_here(path: str, key: str, batches: Sequence[int], device: str) -> Dict[str, object]:
-    """:func:`measure_peaks` in this process (started with the BFC allocator turned on)."""
+    """:func:`measure_peaks` of the step as it is, in this process (started with the BFC
+    allocator turned on)."""
     import gc
 
     import numpy as np
@@ -246,16 +249,31 @@ def _measure_here(path: str, key: str, batches: Sequence[int], device: str) -> D
     return {"batches": list(batches), "peaks": peaks, "device": device, "measured_on": _machine()}
 
 
+def _measure_loop(path: str, key: str, batches: str, device: str) -> Dict[str, object]:
+    """:func:`measure_peaks` of the step of ``path`` rewritten by split-vnodes (one virtual
+    node of the fed batch, no all-reduce), saved in a temporary directory."""
+    import tempfile
+
+    import vfgraph
+
+    item = vfgraph.rewrite(path, vnodes=1, allreduce="none", train_signature=key)
+    with tempfile.TemporaryDirectory() as tmp:
+        vfgraph.save(item, os.path.join(tmp, "loop"))
+        del item
+        return _measure_here(os.path.join(tmp, "loop"), key, [int(b) for b in batches.split(",")], device)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m vfgraph.analysis.memory PATH SIGNATURE B1,B2,... DEVICE``: the peaks as one
+    """``python -m vfgraph.analysis.memory PATH SIGNATURE B1,B2,... DEVICE loop|step``: the peaks as one
     line of JSON (``{"error": ...}`` and exit 2 for a step that cannot be measured)."""
-    path, key, batches, device = argv if argv is not None else sys.argv[1:]
+    path, key, batches, device, what = argv if argv is not None else sys.argv[1:]
     if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") != "true" and device == "CPU":
         print(json.dumps({"error": "TF_CPU_ALLOCATOR_USE_BFC=true is needed to read the CPU allocator's peak"}))
         return 2
     try:
-        out = _measure_here(path, key, [int(b) for b in batches.split(",")], device)
-    except InputError as e:
+        out = _measure_loop(path, key, batches, device) if what == "loop" else \
+            _measure_here(path, key, [int(b) for b in batches.split(",")], device)
+    except VfgraphError as e:  # (an input error; with loop, also a model split-vnodes refuses)
         print(json.dumps({"error": str(e)}))
         return 2
     print(json.dumps(out, sort_keys=True))
