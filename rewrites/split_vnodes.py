@@ -20,10 +20,12 @@ from tensorflow.core.framework import types_pb2
 
 from vfgraph import records
 from vfgraph.analysis import random_ops
+from vfgraph.analysis.memory import DEFAULT_MARGIN, size_problem
 from vfgraph.analysis.phases import NO_STAGES, split_phases
 from vfgraph.analysis.train_step import (DependentUpdates, TrainStep, analyze_train_step, check_batch_inputs,
                                          static_batch, training_signature, with_dynamic_batch)
 from vfgraph.errors import DetectionError, PipelineError
+from vfgraph.io.outputs import size_text
 from vfgraph.io.signatures import (add_graph_signature, add_graph_variables, add_object_variables, add_signature,
                                    entry_header, has_object_graph, signature_wrapper)
 from vfgraph.ir.attrs import func_attr, type_attr, types_attr
@@ -31,8 +33,8 @@ from vfgraph.ir.blocks import EXACT_MAX_TERMS, I32, I64, check, list_concat, zer
 from vfgraph.ir.graph import FunctionGraph, Node, TensorRef, verify_function_def
 from vfgraph.ir.names import function_name
 from vfgraph.item import GraphItem
-from vfgraph.passes.base import Pass, PassResult, option, register
-from vfgraph.records import Gradient, Stages, VirtualNodes
+from vfgraph.passes.base import OptionError, Pass, PassResult, option, register
+from vfgraph.records import Gradient, MemoryBudget, Stages, VirtualNodes
 from vfgraph.rewrites.stage_steps import add_stage_steps, check_stage_messages  # noqa: F401 - the stage rewrite
 from vfgraph.rewrites.vnode_loop import (F32, VnodeLoop, assemble_outputs, call_function, call_update,
                                          mean_gradients, output_sum_specs, reduce_function, reduce_specs)
@@ -57,6 +59,29 @@ class SplitVnodesPass(Pass):
     deterministic: bool = option(False, "sum the virtual nodes' gradients and outputs exactly (fixed point): any "
                                         "layout of the virtual nodes over ranks (1x8, 2x4, 5+3) trains bit-identical "
                                         "parameters", flag=True)
+    memory_budget: str = option("", "the memory a training step may use, e.g. 2GiB, 512MiB, 1.5GB or bytes: b is the "
+                                    "largest batch whose step, measured at b=1,2,4,..,32 and near the b chosen on this "
+                                    "machine's CPU (or read from profile) and fitted as fixed + per-example x b, "
+                                    "fits the budget less memory-margin (10%); V is then the fed batch / b (not with "
+                                    "vnodes or vnode-batch)",
+                                flag=True, metavar="SIZE", check=size_problem)
+    memory_margin: float = option(DEFAULT_MARGIN, "with memory-budget: the share of the budget kept free of the "
+                                                  "fitted memory", low=0.0, high=0.9, flag=True, metavar="SHARE")
+    profile: str = option("", "with memory-budget: a step profile's JSON file ('vfgraph profile MODEL -o FILE', of "
+                              "the machine the model will train on) whose measured memory chooses b, instead of a "
+                              "step measured here; the same file gives the same rewrite", flag=True, metavar="FILE")
+
+    def __post_init__(self) -> None:
+        """The options' own checks, then a memory budget alone: it chooses b, and so V."""
+        super().__post_init__()
+        if not self.memory_budget and self.memory_margin != DEFAULT_MARGIN:
+            raise OptionError(self.name, "memory-margin", self.memory_margin, "without memory-budget: nothing to keep "
+                              "free; give a memory budget, or leave out the margin")
+        if self.memory_budget and (self.vnodes != 1 or self.vnode_batch):
+            given = f"vnodes={self.vnodes}" if self.vnodes != 1 else f"vnode-batch={self.vnode_batch}"
+            raise OptionError(self.name, "memory-budget", self.memory_budget,
+                              f"with {given}: the budget chooses b, and the virtual nodes are the fed batch / b; "
+                              "leave out one of them")
 
     def differences(self, record: VirtualNodes) -> List[str]:
         """V, b (when given), deterministic and step-wise signatures against the record's."""
@@ -79,13 +104,19 @@ class SplitVnodesPass(Pass):
         original = FunctionGraph.over(item.function(sig.function), item.library)
         original.verify()
         check_batch_inputs(original, sig)
-        b = self._vnode_batch(original, sig)
+        self._check_budget(item, original, sig)
+        b = 0 if self.memory_budget else self._vnode_batch(original, sig)
         static = static_batch(original, sig) > 0
         g = with_dynamic_batch(original, sig, b) if static else original
         try:
             step = analyze_train_step(g, sig)
         except DependentUpdates as dependent:  # several phases, one after the other
+            if self.memory_budget:
+                raise PipelineError(f"signature {sig.key!r}: memory-budget with a step of several phases (updates "
+                                    "that read earlier ones) is not measured yet; give vnode-batch instead") from None
             return split_phased(self, item, sig, g, b, dependent)
+        budget = self._budget(item, sig) if self.memory_budget else None
+        b = budget.chosen if budget else b
         vnode_fn = function_name(sig.function, "vnode")
         update_fn = function_name(sig.function, "update")
         vnode_outputs = [o for o in step.outputs if o.side == "vnode"]
@@ -137,8 +168,8 @@ class SplitVnodesPass(Pass):
             update_function=update_fn, per_vnode_seeds=tuple(seeded), stepwise=stepwise,
             reduce_functions=reduce_fns, gradients=gradients, deterministic=self.deterministic,
             random_ops=tuple(randoms), index_function=index_fn, accumulate_signature=named[0],
-            apply_signature=named[1]))
-        return PassResult(item, True, notes)
+            apply_signature=named[1], memory=budget))
+        return PassResult(item, True, notes + _budget_notes(budget))
 
     def _vnode_batch(self, g: FunctionGraph, sig) -> int:
         if self.vnode_batch:
@@ -152,7 +183,58 @@ class SplitVnodesPass(Pass):
             return static // self.vnodes
         return 0
 
+    def _check_budget(self, item: GraphItem, g: FunctionGraph, sig) -> None:
+        """Refuses a memory budget where it cannot choose b (with pipeline stages, a fixed batch),
+        and a profile nothing reads."""
+        where = f"signature {sig.key!r}: "
+        if not self.memory_budget:
+            if self.profile and records.get(item, Stages).get(sig.key) is None:
+                raise PipelineError(f"profile={self.profile} without memory-budget or stages: nothing reads the "
+                                    "profile; give a memory budget (or pipeline stages), or leave out the profile")
+            return
+        if records.get(item, Stages).get(sig.key) is not None:
+            raise PipelineError(f"{where}memory-budget with pipeline stages: a budget per stage device is not "
+                                "measured yet; give vnode-batch (or vnodes) with the stages")
+        static = static_batch(g, sig)
+        if static > 0:
+            raise PipelineError(f"{where}the batch is fixed at {static} examples, so the step cannot be measured at "
+                                "other batches; export it with an unknown batch dimension (None), or give "
+                                "vnode-batch instead of memory-budget")
 
+    def _budget(self, item: GraphItem, sig) -> MemoryBudget:
+        """The virtual-node batch the memory budget allows (:mod:`vfgraph.analysis.memory`): the
+        peaks of the step as this pass runs it, read from ``profile``, or measured on the model
+        ``item`` was loaded from."""
+        from vfgraph.analysis.memory import fit_budget, measure_budget, parse_size
+        from vfgraph.analysis.profile import read_profile
+
+        where = f"signature {sig.key!r}: "
+        if self.profile:
+            profile = read_profile(self.profile)
+            if profile.signature != sig.key or profile.memory is None:
+                what = (f"is of signature {profile.signature!r}" if profile.signature != sig.key
+                        else "holds no memory measurement")
+                raise PipelineError(f"{self.profile}: the profile {what}; profile the step with this vfgraph: "
+                                    f"vfgraph profile MODEL --train-signature {sig.key} -o FILE")
+            fit = fit_budget(profile.memory, parse_size(self.memory_budget), self.memory_margin, where=where)
+            source = "profile"
+        else:
+            fit = measure_budget(item.source, sig.key, parse_size(self.memory_budget), self.memory_margin,
+                                 where=where)
+            source = "measured"
+        p = fit.peaks
+        return MemoryBudget(fit.budget, fit.margin, fit.fixed, fit.per_example, fit.chosen, p.batches, p.peaks,
+                            p.device, source, p.measured_on)
+
+
+def _budget_notes(budget: Optional[MemoryBudget]) -> List[str]:
+    """The note of the b a memory budget chose (none without one)."""
+    if budget is None:
+        return []
+    return [f"memory budget {size_text(budget.budget)}: b={budget.chosen} examples per virtual node (fit "
+            f"{size_text(budget.fixed)} + {size_text(budget.per_example)} per "
+            f"example from b={','.join(map(str, budget.batches))}, {budget.margin:.0%} margin); feed a multiple of "
+            f"{budget.chosen} examples"]
 
 
 def _key_random_ops(item: GraphItem, g: FunctionGraph, step: TrainStep, vdef, deterministic: bool, in_flight: int):

@@ -48,7 +48,7 @@ def test_the_keywords_are_the_default_pipeline_passes_flags():
     options = api.pass_options()
     assert {s for f in options.values() for s in f.sets} == set(declared)
     assert {"vnodes", "vnode_batch", "fusion_mb", "stages", "devices", "split_at", "schedule", "balance",
-            "profile_batch", "profile", "deterministic", "train_signature"} == set(options)
+            "profile_batch", "profile", "deterministic", "train_signature", "memory_budget", "memory_margin"} == set(options)
     for key in options:
         assert params[key].kind is inspect.Parameter.KEYWORD_ONLY and params[key].default is None, key
     own = [p for p in params if p not in options]

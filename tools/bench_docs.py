@@ -522,6 +522,26 @@ def render_serve(r: dict) -> str:
         text += (f"\nBatched (`{' '.join(b['parameters'].split())}`) against not, requests/s at 32 clients: "
                  f"{ratios} (target >= 3x).\n")
     return text
+BUDGET_MODELS = {"mobilenet_v2": "MobileNetV2, 64x64 (momentum)", "resnet50": "ResNet-50, 64x64 (momentum)",
+                 "gpt2": "GPT-2 backbone, 2 layers of 128, 64 tokens (Adam)"}
+
+
+def render_memory_budget(r: dict) -> str:
+    """tools/bench_memory_budget.py: the b a memory budget chose, and the rewritten step's peaks."""
+    rows = []
+    for m in r["results"]:
+        for x in m["budgets"]:
+            ok = x["peak_at_b"] <= x["budget"] and x["used"] >= 0.7 and x["next_over_margin"]
+            rows.append([BUDGET_MODELS.get(m["model"], m["model"]), num(x["budget"] / MIB, 1), str(x["chosen"]),
+                         num(x["fixed"] / MIB, 1), num(x["per_example"] / MIB, 3),
+                         num(x["peak_at_b"] / MIB, 1), f"{x['used']:.0%}", num(x["peak_at_next"] / MIB, 1),
+                         "yes" if ok else "no"])
+    c = r["config"]
+    return (f"Peaks in MiB of the rewritten training step (TensorFlow's BFC allocator on the CPU) on a global "
+            f"batch of {c['vnodes']} virtual nodes; b chosen by `--memory-budget` from a `vfgraph profile` file "
+            f"(margin {r['results'][0]['margin']:.0%}); fit = fixed + per example x b.\n\n" + table(
+                ["model", "budget", "b", "fixed", "per example", "peak at b", "of the budget",
+                 "peak at b + 1", "kept and used"], rows))
 
 
 RENDERERS: Dict[str, Callable[[dict], str]] = {
@@ -533,6 +553,7 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
     "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,
     "wait-backoff": render_wait_backoff, "input": render_input, "serve": render_serve, "hosts": render_hosts,
+    "memory-budget": render_memory_budget,
 }
 
 

@@ -170,7 +170,7 @@ def _options_doc() -> str:
         where = ", ".join(f"{p}.{o.replace('_', '-')}" for p, o in f.sets)
         kind = "list of str" if key in _LISTS else f.type.__name__
         lines += textwrap.wrap(f"``{key}`` ({kind}, default {f.default!r}; {where}): {f.help}", 96,
-                               initial_indent="    - ", subsequent_indent="      ")
+                               initial_indent="    - ", subsequent_indent="      ", break_on_hyphens=False)
     return "\n".join(lines)
 
 

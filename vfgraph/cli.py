@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -618,7 +619,7 @@ def _check_balance(args, stages) -> None:
                              "--batch N')")
         args.balance = "profile"
     args.balance = args.balance or _default("partition-stages", "balance")
-    if args.balance != "estimate" and stages is None:
+    if args.balance != "estimate" and stages is None and not (args.profile and getattr(args, "memory_budget", None)):
         raise InputError(f"{'--profile' if args.profile is not None else '--balance profile'} without --stages: give "
                          "the number of pipeline stages to balance")
     if args.profile is not None:
@@ -788,6 +789,11 @@ def _print_vnodes(rw) -> None:
     """inspect's text of a signature's virtual nodes (its :class:`VirtualNodes` record ``rw``)."""
     print(f"  virtual nodes: V={rw.vnodes} b={rw.vnode_batch or 'fed batch / V'}"
           + ("; deterministic (exact) sums" if rw.deterministic else ""))
+    if rw.memory is not None:
+        m, size = rw.memory, outputs.size_text
+        print(f"  memory budget: {size(m.budget)} less a {m.margin:.0%} margin: b={m.chosen}; fit {size(m.fixed)} "
+              f"+ {size(m.per_example)} per example ({m.source} on {m.device}: "
+              + ", ".join(f"{size(p)} at b={b}" for b, p in zip(m.batches, m.peaks)) + ")")
     if rw.accumulate_signature:
         print(f"  step-wise: signatures {rw.accumulate_signature!r} (repeat) and {rw.apply_signature!r}")
     if rw.random_ops:
@@ -918,16 +924,34 @@ def cmd_profile(args) -> int:
     if sig is None:
         raise InputError(f"{args.model}: no training signature {args.train_signature or 'train'!r} to profile "
                          f"(signatures: {', '.join(sorted(item.signatures)) or 'none'}); pass --train-signature NAME")
+    fixed = _static_batch(item, sig)
     del item
     profile = profile_step(args.model, sig, batch=args.batch, steps=args.steps)
+    if not fixed:  # the step's peak memory at a few batches, for --memory-budget
+        from vfgraph.analysis.memory import measure_peaks
+
+        profile = dataclasses.replace(profile, memory=measure_peaks(args.model, sig.key, loop=True))
+    else:
+        print(f"note: no memory measured (for --memory-budget): the batch of {sig.key!r} is fixed at {fixed}",
+              file=sys.stderr)
     write_profile(profile, out, model=os.path.abspath(args.model))
     by_op = collections.Counter()
     for node, us in profile.ops.items():
         by_op[profile.kinds.get(node) or "?"] += us
     top = ", ".join(f"{op} {us / 1e3:.2f} ms" for op, us in by_op.most_common(5))
     print(f"wrote {out}: signature {sig.key!r}, a step of {profile.batch} examples in {profile.step_us / 1e3:.2f} ms "
-          f"(median of {profile.steps}); most time: {top}")
+          f"(median of {profile.steps}); most time: {top}" + ("" if profile.memory is None else "; peak memory "
+          + ", ".join(f"{outputs.size_text(p)} at b={b}" for b, p in zip(profile.memory.batches,
+                                                                           profile.memory.peaks))))
     return 0
+
+
+def _static_batch(item, sig) -> int:
+    """The fixed batch of training signature ``sig`` of ``item`` (0 when it is not fixed)."""
+    from vfgraph.analysis.train_step import static_batch
+    from vfgraph.ir.graph import FunctionGraph
+
+    return static_batch(FunctionGraph(item.library[sig.function], item.library), sig)
 
 
 def cmd_diff(args) -> int:

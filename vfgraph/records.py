@@ -70,6 +70,39 @@ class RandomOp:
 
 
 @dataclass(frozen=True)
+class MemoryBudget:
+    """How a memory budget chose the virtual-node batch b: the step's peak memory measured at
+    ``batches`` (``peaks``, bytes, on ``device``, where ``measured_on`` says), the fit memory =
+    ``fixed`` + ``per_example`` x b through them (least squares), the ``budget`` (bytes) and
+    the ``margin`` kept free of it, and the ``chosen`` b: the largest whose fitted memory is
+    within budget x (1 - margin). The peaks are of the step as split-vnodes runs it (the
+    virtual-node loop, its sums). ``source``: "measured" (here, at the rewrite) or "profile"
+    (read from a profile's file)."""
+
+    budget: int
+    margin: float
+    fixed: int
+    per_example: int
+    chosen: int
+    batches: Tuple[int, ...]
+    peaks: Tuple[int, ...]
+    device: str = "CPU"
+    source: str = "measured"
+    measured_on: Tuple[Tuple[str, str], ...] = ()
+
+    def to_json(self) -> dict:
+        return {"budget": self.budget, "margin": self.margin, "fixed": self.fixed, "per_example": self.per_example,
+                "chosen": self.chosen, "batches": list(self.batches), "peaks": list(self.peaks),
+                "device": self.device, "source": self.source, "measured_on": dict(self.measured_on)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "MemoryBudget":
+        return cls(int(d["budget"]), float(d["margin"]), int(d["fixed"]), int(d["per_example"]), int(d["chosen"]),
+                   tuple(d.get("batches", ())), tuple(d.get("peaks", ())), d.get("device", "CPU"),
+                   d.get("source", "measured"), tuple(sorted(d.get("measured_on", {}).items())))
+
+
+@dataclass(frozen=True)
 class VirtualNodes:
     """split-vnodes: training signature ``function`` runs ``vnodes`` virtual nodes of
     ``vnode_batch`` examples each (0: the fed batch / V) in a loop over
@@ -82,6 +115,7 @@ class VirtualNodes:
     virtual node (called when random ops are keyed); ``accumulate_signature``
     and ``apply_signature``: the keys of the step-wise signatures ("" when not added; a record
     written before they were recorded gets them from ``stepwise`` and its signature key).
+    ``memory``: how a memory budget chose ``vnode_batch`` (None without a budget).
     A reduce function's arguments are named ``SUMMED`` + k (summed over processes) or
     ``GATHERED`` + k (rows concatenated), which insert-allreduce reads."""
 
@@ -102,6 +136,7 @@ class VirtualNodes:
     index_function: str = ""
     accumulate_signature: str = ""
     apply_signature: str = ""
+    memory: Optional[MemoryBudget] = None
 
     @staticmethod
     def stepwise_signatures(key: str) -> Tuple[str, str]:
@@ -123,6 +158,8 @@ class VirtualNodes:
         if self.accumulate_signature:
             d["accumulate_signature"] = self.accumulate_signature
             d["apply_signature"] = self.apply_signature
+        if self.memory is not None:
+            d["memory"] = self.memory.to_json()
         return d
 
     @classmethod
@@ -138,7 +175,7 @@ class VirtualNodes:
                    tuple(d.get("reduce_functions", ())), tuple(Gradient.from_json(g) for g in d.get("gradients", ())),
                    bool(d.get("deterministic", False)),
                    tuple(RandomOp.from_json(r) for r in d.get("random_ops", ())), d.get("index_function", ""),
-                   *named)
+                   *named, MemoryBudget.from_json(d["memory"]) if d.get("memory") else None)
 
 
 @dataclass(frozen=True)

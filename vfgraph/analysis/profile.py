@@ -18,7 +18,8 @@ its call. :func:`vfgraph.analysis.stages.plan_stages` balances stages with it.
 A profile is of the machine it ran on and varies from run to run. :func:`write_profile` keeps
 one in a JSON file (``vfgraph profile``) and :func:`read_profile` reads it back, so that a
 model can be profiled once where it will train and rewritten anywhere, the same rewrite from
-the same file.
+the same file. ``vfgraph profile`` also records the step's peak memory at a few batches
+(:mod:`vfgraph.analysis.memory`), from which a memory budget chooses the virtual-node batch.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
+from vfgraph.analysis.memory import Peaks
 from vfgraph.errors import InputError
 from vfgraph.io.outputs import PROFILE_FORMAT, write_file
 from vfgraph.ir.graph import FunctionGraph
@@ -45,6 +47,7 @@ class StepProfile:
     ops: Mapping[str, float] = field(default_factory=dict)    # session node -> time per step
     kinds: Mapping[str, str] = field(default_factory=dict)    # session node -> the op it ran
     measured_on: Mapping[str, str] = field(default_factory=dict)  # machine, CPU, TensorFlow, threads
+    memory: Optional["Peaks"] = None  # the step's peak memory at a few batches (vfgraph.analysis.memory)
 
 
 def synthetic_batch(specs: Sequence[Tuple[str, int, Optional[Sequence[int]]]], batch: int, where: str,
@@ -183,6 +186,8 @@ def write_profile(profile: StepProfile, path: str, model: str = "") -> None:
               "signature": profile.signature, "function": profile.function, "batch": profile.batch,
               "steps": profile.steps, "step_us": round(profile.step_us, 3), "measured_on": dict(profile.measured_on),
               "ops": {n: round(us, 3) for n, us in profile.ops.items()}, "kinds": dict(profile.kinds)}
+    if profile.memory is not None:
+        record["memory"] = profile.memory.to_json()
     write_file(path, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
 
 
@@ -208,7 +213,8 @@ def read_profile(path: str) -> StepProfile:
         kinds = {str(n): str(k) for n, k in record.get("kinds", {}).items()}
         profile = StepProfile(str(record["signature"]), str(record["function"]), int(record["batch"]),
                               int(record["steps"]), float(record["step_us"]), ops, kinds,
-                              {str(k): str(v) for k, v in record.get("measured_on", {}).items()})
+                              {str(k): str(v) for k, v in record.get("measured_on", {}).items()},
+                              Peaks.from_json(record["memory"]) if "memory" in record else None)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise InputError(f"{path}: a damaged profile ({type(e).__name__}: {e}); profile the model again") from None
     if profile.batch < 1 or not ops or any(us < 0 for us in ops.values()):
@@ -217,12 +223,12 @@ def read_profile(path: str) -> StepProfile:
     return profile
 
 
-def _session_graph(fn, feed_values: Mapping[str, "object"]):
+def _session_graph(fn, feed_values: Mapping[str, "object"], device: str = "/CPU:0"):
     """A graph that runs the loaded training function ``fn`` as a session runs a step: its
     inputs placeholders fed ``feed_values``, its variables and captured values variables of
     the graph, initialised from the values they hold now (fed, not written into the graph: a
     graph proto holds at most 2 GiB). Returns (graph, fetches, initializer, feeds, the
-    initializer's feeds)."""
+    initializer's feeds). ``device``: where the graph runs."""
     import tensorflow as tf
     from tensorflow.python.ops import resource_variable_ops
 
@@ -237,7 +243,7 @@ def _session_graph(fn, feed_values: Mapping[str, "object"]):
     fed = [t for t in fn.graph.inputs if all(t is not c for c in captures)]
     values = [value_of(c) for c in fn.captured_inputs]  # (eagerly: before the graph is the default)
     g = tf.Graph()
-    with g.as_default(), tf.device("/CPU:0"):
+    with g.as_default(), tf.device(device):
         input_map, feeds, initial = {}, {}, {}
         for ph, (value, dtype, variable) in zip(captures, values):
             given = tf.compat.v1.placeholder(dtype, value.shape, name="profiled_value")

@@ -123,7 +123,7 @@ INT_MAX = 2 ** 31 - 1  # an int option is at most this: it becomes an int32 in t
 
 def option(default, help: str, low: Optional[float] = None, high: Optional[float] = None,
            above: Optional[float] = None, flag: Union[bool, str] = False, metavar: Optional[str] = None,
-           choices: Optional[Tuple[str, ...]] = None):
+           choices: Optional[Tuple[str, ...]] = None, check: Optional[typing.Callable[[typing.Any], str]] = None):
     """A pass option: its default, a line of help (``vfgraph passes`` and the flag's ``--help``
     show it) and, for a number, its bounds (``low`` / ``high`` inclusive, ``above`` exclusive;
     an int is at most :data:`INT_MAX`, a float is finite). The pass checks them when it is built
@@ -133,9 +133,11 @@ def option(default, help: str, low: Optional[float] = None, high: Optional[float
     option's kebab-case name, or its spelling (``"--x"``); options of several passes may share
     one, which then sets each of them. ``metavar``: the flag's value in ``--help``.
     ``choices``: the texts a str option takes (the flag refuses others at once; the pass when
-    it runs)."""
+    it runs). ``check``: a further check of a value of the right type (a size's text), giving
+    what is wrong with it ('' for nothing), made wherever the bounds are."""
     return dataclasses.field(default=default, metadata={"help": help, "low": low, "high": high, "above": above,
-                                                        "flag": flag, "metavar": metavar, "choices": choices})
+                                                        "flag": flag, "metavar": metavar, "choices": choices,
+                                                        "check": check})
 
 
 def _option_problem(value, typ: type, meta) -> str:
@@ -145,7 +147,9 @@ def _option_problem(value, typ: type, meta) -> str:
     if typ is bool:
         return "" if isinstance(value, bool) else "give true or false"
     if typ is str:
-        return "" if isinstance(value, str) else "give a name (text)"
+        if not isinstance(value, str):
+            return "give a name (text)"
+        return meta["check"](value) if meta.get("check") else ""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (typ is int and not isinstance(value, int)):
         return f"give {_OPTION_TYPES[typ]}"
     if typ is float and not math.isfinite(value):
