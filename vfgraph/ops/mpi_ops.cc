@@ -163,6 +163,27 @@ std::atomic<int64_t>& BlockedNanos() {
   return *nanos;
 }
 
+// What VfAllreduce spent its time on, summed over its calls (vf_mpi_allreduce_stats): the
+// benchmarks read it to tell the reduction's own time inside a step from the rest.
+struct AllreduceStats {
+  std::atomic<int64_t> calls{0};
+  std::atomic<int64_t> total_ns{0};    // from the kernel's start to its end
+  std::atomic<int64_t> copy_ns{0};     // copying an input it could not reduce in place
+  std::atomic<int64_t> arrive_ns{0};   // waiting for every rank to arrive (the barrier, where there is one)
+  std::atomic<int64_t> reduce_ns{0};   // the reduction's own calls and waits
+  std::atomic<int64_t> bytes{0};
+  // Every wait of the ops (Await): tests of its request, yields, sleeps and the time asleep.
+  std::atomic<int64_t> tests{0};
+  std::atomic<int64_t> yields{0};
+  std::atomic<int64_t> sleeps{0};
+  std::atomic<int64_t> slept_ns{0};
+};
+
+AllreduceStats& Stats() {
+  static AllreduceStats* stats = new AllreduceStats;
+  return *stats;
+}
+
 // Adds the time from its construction to its destruction to BlockedNanos().
 class BlockedClock {
  public:
@@ -477,6 +498,7 @@ int Await(MPI_Request* request, MPI_Status* status) {
   ++watch.waiting;
   for (;;) {
     int flag = 0;
+    Stats().tests.fetch_add(1, std::memory_order_relaxed);
     const int rc = MPI_Test(request, &flag, status);
     if (rc != MPI_SUCCESS || flag) {
       if (warned || watch.warned.load(std::memory_order_relaxed)) watch.warned.store(false);  // progress
@@ -509,9 +531,13 @@ int Await(MPI_Request* request, MPI_Status* status) {
     }
     if (timeout > 0 && waited > timeout) return Stall(w, waited);
     if (waited < kSpinNs) {
+      Stats().yields.fetch_add(1, std::memory_order_relaxed);
       std::this_thread::yield();
     } else {
+      Stats().sleeps.fetch_add(1, std::memory_order_relaxed);
+      const int64_t before = MonotonicNs();
       std::this_thread::sleep_for(std::chrono::nanoseconds(std::min(kMaxSleepNs, waited / 8)));
+      Stats().slept_ns.fetch_add(MonotonicNs() - before, std::memory_order_relaxed);
     }
   }
 }
@@ -853,12 +879,22 @@ class AllreduceOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* context) override {
+    const int64_t began = MonotonicNs();
+    struct Total {
+      int64_t began;
+      ~Total() {
+        Stats().calls.fetch_add(1);
+        Stats().total_ns.fetch_add(MonotonicNs() - began);
+      }
+    } total{began};
     const Tensor& input = context->input(0);
     Tensor* output = nullptr;
     int forwarded = -1;
     OP_REQUIRES_OK(context, context->forward_input_or_allocate_output(
                                 {0}, 0, input.shape(), &output, &forwarded));
     CopyUnlessForwarded(forwarded, input, output);
+    Stats().bytes.fetch_add(static_cast<int64_t>(input.TotalBytes()));
+    Stats().copy_ns.fetch_add(MonotonicNs() - began);
 
     std::lock_guard<std::mutex> lock(CollectiveMutex());
     BlockedClock blocked;
@@ -871,9 +907,16 @@ class AllreduceOp : public OpKernel {
     }
     T* data = static_cast<T*>(output->data());
     const int64_t count = output->NumElements();
+    const int64_t arriving = MonotonicNs();
     const int arrived = ArriveTogether(comm.comm);
+    const int64_t reducing = MonotonicNs();
+    Stats().arrive_ns.fetch_add(reducing - arriving);
     OP_REQUIRES(context, arrived == MPI_SUCCESS,
                 MpiFailure("VfAllreduce", name(), "MPI_Ibarrier", arrived, comm));
+    struct Reduced {
+      int64_t began;
+      ~Reduced() { Stats().reduce_ns.fetch_add(MonotonicNs() - began); }
+    } reduced{reducing};
     // Zero elements still take part, so that every rank makes the same calls.
     int64_t done = 0;
     do {
@@ -1978,6 +2021,19 @@ extern "C" __attribute__((visibility("default"))) void vf_mpi_abandon(int on) {
 // Nanoseconds this process has spent in vfgraph's collectives so far (BlockedNanos).
 extern "C" __attribute__((visibility("default"))) int64_t vf_mpi_blocked_ns() {
   return vfgraph::BlockedNanos().load();
+}
+
+// VfAllreduce's counters (AllreduceStats), in this order, into `out` (at most `n` of them):
+// calls, total_ns, copy_ns, arrive_ns, reduce_ns, bytes, tests, yields, sleeps, slept_ns.
+// Returns how many there are.
+extern "C" __attribute__((visibility("default"))) int vf_mpi_allreduce_stats(int64_t* out, int n) {
+  const vfgraph::AllreduceStats& s = vfgraph::Stats();
+  const int64_t values[] = {s.calls.load(), s.total_ns.load(), s.copy_ns.load(), s.arrive_ns.load(),
+                            s.reduce_ns.load(), s.bytes.load(), s.tests.load(), s.yields.load(),
+                            s.sleeps.load(), s.slept_ns.load()};
+  const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
+  for (int i = 0; i < std::min(n, count); ++i) out[i] = values[i];
+  return count;
 }
 
 namespace {
