@@ -21,9 +21,14 @@ The all-reduce's own time inside the step comes from VfAllreduce's counters
 (``vfgraph.ops.allreduce_stats``): per step, the kernel's time (waiting for the other rank
 included), split into waiting for the ranks to arrive and reducing, and the waits' sleeps.
 
+With ``--baseline TREE`` (a checkout of vfgraph, with ``vfgraph/rewrites`` linked as installed),
+each model's timing runs --runs times under each tree's op library, alternating (baseline first),
+on the same rewritten models; each tree's figures are the medians over its runs.
+
 Targets (2 ranks): over <= 2 x mpi4py; vfgraph / ceiling >= 0.85 (MLP 256) and >= 0.9 (MLP 1024).
 
-    python tools/bench_latency.py [--quick] [--json PATH] [--ranks 2] [--rounds 7] [--models mlp256,mlp1024]
+    python tools/bench_latency.py [--quick] [--json PATH] [--ranks 2] [--rounds 9] [--models mlp256,mlp1024]
+                                  [--baseline TREE --runs 2]
 """
 from __future__ import annotations
 
@@ -58,7 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30, help="at least this many steps per variant and round")
     p.add_argument("--min-round-seconds", type=float, default=0.3, help="each variant's run in a round lasts about this")
     p.add_argument("--fusion-mb", type=float, default=64.0, help="insert-allreduce's fusion-mb (64: one buffer)")
+    p.add_argument("--baseline", default=None, help="a checkout of vfgraph to compare with, run alternately")
+    p.add_argument("--runs", type=int, default=2, help="with --baseline: runs of each tree per model")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--tree", default=None, help=argparse.SUPPRESS)
     p.add_argument("--b", type=int, default=16, help=argparse.SUPPRESS)
     p.add_argument("--hidden", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -98,6 +106,8 @@ def worker(args) -> dict:
     """Under mpiexec: time the variants of one model (``args.worker``: 'MPI_DIR,NONE_DIR')."""
     import numpy as np
 
+    if args.tree:  # the baseline's vfgraph, ahead of this tree's
+        sys.path.insert(0, args.tree)
     import vfgraph  # noqa: F401  (registers the ops)
     from vfgraph import ops
     from vfgraph.runtime.world import place_threads, shares, world
@@ -151,7 +161,7 @@ def worker(args) -> dict:
     # each rank's counters per step, medians over rounds; every rank's reported
     mine = {s: statistics.median(d[s] for d in stats) for s in stats[0]}
     every = comm.gather(mine, root=0)
-    return {"ranks": w.size, "params": params, "fused_bytes": fused, "steps_per_round": n, "seconds": times,
+    return {"ranks": w.size, "library": ops.library_path(), "params": params, "fused_bytes": fused, "steps_per_round": n, "seconds": times,
             "allreduce_per_step": every}
 
 
@@ -170,7 +180,7 @@ def summarize(name: str, got: dict) -> dict:
     over_x = statistics.median(a - b for a, b in zip(secs["vfgraph+exchange"], secs["ceiling+exchange"]))
     per_step = got["allreduce_per_step"]
     own = max(r["total_ns"] for r in per_step) / 1e9
-    return {"params": got["params"], "fused_bytes": got["fused_bytes"], "ranks": got["ranks"],
+    return {"params": got["params"], "fused_bytes": got["fused_bytes"], "ranks": got["ranks"], "library": got["library"],
             "steps_per_round": got["steps_per_round"], "seconds_rounds": secs, "seconds_median": med,
             "over_ceiling_s": over, "over_ceiling_with_exchange_s": over_x,
             "vfgraph/ceiling": med["ceiling"] / med["vfgraph"],
@@ -197,11 +207,30 @@ def run_model(name: str, args, tmp: str) -> dict:
     cmd = [MPIEXEC, "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker", ",".join(outs),
            "--b", str(b), "--hidden", str(hidden), "--rounds", str(args.rounds), "--steps", str(args.steps),
            "--min-round-seconds", str(args.min_round_seconds)]
+    if not args.baseline:
+        return summarize(name, _run(cmd, name))
+    runs = {"baseline": [], "this": []}
+    for _ in range(args.runs):
+        runs["baseline"].append(summarize(name, _run(cmd + ["--tree", os.path.abspath(args.baseline)], name)))
+        runs["this"].append(summarize(name, _run(cmd, name)))
+    return {tree: _median_run(got) for tree, got in runs.items()}
+
+
+def _run(cmd, name: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if res.returncode:
         raise SystemExit(f"bench_latency: {name} failed under mpiexec:\n{res.stderr[-3000:]}")
-    return summarize(name, json.loads(res.stdout.strip().splitlines()[-1]))
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _median_run(runs: list) -> dict:
+    """The run whose vfgraph / ceiling is the median of the runs' (the lower middle one), with
+    every run's ratios and step over the ceiling."""
+    ranked = sorted(runs, key=lambda r: r["vfgraph/ceiling"])
+    pick = dict(ranked[(len(ranked) - 1) // 2])
+    pick["runs"] = [{k: r[k] for k in ("vfgraph/ceiling", "over_ceiling_s", "over/mpi4py")} for r in runs]
+    return pick
 
 
 def report_table(results: dict) -> None:
@@ -223,6 +252,19 @@ def report_table(results: dict) -> None:
           "arrive, reducing, sleeps in its waits)")
 
 
+def _tree_commit(tree: str):
+    """The commit a baseline tree is: its git HEAD, or the first word of its COMMIT file (a tree
+    exported with ``git archive``), else None."""
+    head = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if head:
+        return head
+    try:
+        with open(os.path.join(tree, "COMMIT")) as f:
+            return f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -241,18 +283,29 @@ def main(argv=None) -> int:
         for name in args.models:
             print(f"  {name}: exporting, rewriting, timing ...", flush=True)
             results[name] = run_model(name, args, tmp)
-            r = results[name]
-            print(f"    over {r['over_ceiling_s'] * 1e6:.0f} us, mpi4py {r['seconds_median']['mpi4py'] * 1e6:.1f} us, "
-                  f"vfgraph/ceiling {r['vfgraph/ceiling']:.2f}", flush=True)
-    report_table(results)
-    meets = {"over/mpi4py": all(r["over/mpi4py"] <= TARGETS["over/mpi4py"] for r in results.values())}
+            for tree, r in (results[name].items() if args.baseline else [("this", results[name])]):
+                print(f"    {tree}: over {r['over_ceiling_s'] * 1e6:.0f} us, mpi4py "
+                      f"{r['seconds_median']['mpi4py'] * 1e6:.1f} us, vfgraph/ceiling {r['vfgraph/ceiling']:.2f}",
+                      flush=True)
+    trees = {"baseline": {k: r["baseline"] for k, r in results.items()},
+             "this tree": {k: r["this"] for k, r in results.items()}} if args.baseline else {"": results}
+    for tree, rs in trees.items():
+        if tree:
+            print(f"\n{tree}:", end="")
+        report_table(rs)
+    mine = trees["this tree"] if args.baseline else results
+    meets = {"over/mpi4py": all(r["over/mpi4py"] <= TARGETS["over/mpi4py"] for r in mine.values())}
     for name in ("mlp256", "mlp1024"):
-        if name in results:
-            meets[f"vfgraph/ceiling {name}"] = results[name]["vfgraph/ceiling"] >= TARGETS[f"vfgraph/ceiling {name}"]
+        if name in mine:
+            meets[f"vfgraph/ceiling {name}"] = mine[name]["vfgraph/ceiling"] >= TARGETS[f"vfgraph/ceiling {name}"]
+    baseline = None
+    if args.baseline:
+        baseline = {"tree": os.path.abspath(args.baseline), "git": _tree_commit(args.baseline)}
     report = {"benchmark": "bench_latency", "config": {
         "ranks": args.ranks, "vnodes": VNODES, "models": {m: MODELS[m] for m in args.models},
         "fusion_mb": args.fusion_mb, "rounds": args.rounds, "min_steps": args.steps,
-        "min_round_seconds": args.min_round_seconds, "quick": args.quick, "tensorflow": tf.__version__,
+        "min_round_seconds": args.min_round_seconds, "quick": args.quick, "baseline": baseline, "runs": args.runs,
+        "tensorflow": tf.__version__,
         "git": git_state(), "cpu_count": os.cpu_count(), "load_average_end": os.getloadavg(), "targets": TARGETS},
         "results": results, "meets_target": meets}
     write_report(args.json, report)

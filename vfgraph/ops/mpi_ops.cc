@@ -11,10 +11,12 @@
 // (control dependencies); the library never initialises or finalises MPI: mpi4py
 // owns MPI_Init and MPI_Finalize.
 //
-// VfAllreduce and VfAllgather first wait for every rank to arrive by polling a
-// nonblocking barrier (sleeping between tests), then move the data with a polled
-// nonblocking collective: a rank that waits for a slower one (uneven hardware, an uneven share of
-// the virtual nodes) then leaves the CPU to others instead of spinning in MPI. The
+// Collectives move the data with a polled nonblocking call: a rank that waits for a slower
+// one (uneven hardware, an uneven share of the virtual nodes) leaves the CPU to others
+// instead of spinning in MPI. VfAllgather and a VfAllreduce of 1 MiB or more first wait for
+// every rank to arrive, by polling a nonblocking barrier, so that the data moves while every
+// rank tests; a smaller VfAllreduce goes straight to MPI (the last rank to arrive then goes
+// on at once). The
 // time each process spends in collectives is counted (vf_mpi_blocked_ns), so the
 // runtime can tell a rank's own computing from its wait for the others.
 //
@@ -89,6 +91,9 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 namespace shape_inference = ::tensorflow::shape_inference;
+
+// Smallest VfAllreduce buffer whose ranks wait for each other (a barrier) before the reduction.
+constexpr size_t kArriveBytes = size_t{1} << 20;
 
 // Largest element or byte count handed to one MPI call (MPI counts are int).
 constexpr int64_t kMaxCount = int64_t{1} << 30;
@@ -205,8 +210,10 @@ struct Comm {
 
 // ---------------------------------------------------------------------------
 // Waiting for other ranks: every wait of the ops polls its request (Await), and as it
-// polls it backs off (yields for the first millisecond, then sleeps an eighth of the time
-// waited so far, at most 1 ms: a stalled rank leaves its core to others), gives up when
+// polls it backs off (tests back to back for its first 50 us, so that a wait a peer ends
+// within MPI's own latency ends as soon as MPI's; then yields between tests up to the first
+// millisecond, then sleeps an eighth of the time waited so far, at most 1 ms: a stalled rank
+// leaves its core to others), gives up when
 // the job lost a rank (vf_mpi_abandon), when a stop was requested (SIGINT, SIGTERM:
 // vf_mpi_watch) and the wait went on for the stop's grace time after it, when TensorFlow cancels
 // the op, and when it made no progress for the stall timeout; past the stall warning it
@@ -222,7 +229,8 @@ constexpr int kStopped = -1001;    // a stop was requested: not an MPI error cod
 constexpr int kCancelled = -1002;  // TensorFlow cancelled the op
 constexpr int kStalled = -1003;    // the stall timeout passed, here or in another wait of this rank
 constexpr int64_t kAnnounceNs = 1'000'000'000;
-constexpr int64_t kSpinNs = 1'000'000;
+constexpr int64_t kBusyNs = 50'000;    // tests back to back: a peer due within MPI's own latency
+constexpr int64_t kSpinNs = 1'000'000;  // then tests between yields
 constexpr int64_t kMaxSleepNs = 1'000'000;
 
 int64_t MonotonicNs() {  // CLOCK_MONOTONIC, as steady_clock; async-signal-safe
@@ -530,7 +538,9 @@ int Await(MPI_Request* request, MPI_Status* status) {
       }
     }
     if (timeout > 0 && waited > timeout) return Stall(w, waited);
-    if (waited < kSpinNs) {
+    if (waited < kBusyNs) {
+      continue;  // (tested again at once: the short waits of a step end at MPI's latency)
+    } else if (waited < kSpinNs) {
       Stats().yields.fetch_add(1, std::memory_order_relaxed);
       std::this_thread::yield();
     } else {
@@ -908,7 +918,12 @@ class AllreduceOp : public OpKernel {
     T* data = static_cast<T*>(output->data());
     const int64_t count = output->NumElements();
     const int64_t arriving = MonotonicNs();
-    const int arrived = ArriveTogether(comm.comm);
+    // A small buffer's reduction goes straight to MPI: a rank that arrives last finds the
+    // others' data there and goes on, instead of first waiting for an early rank to notice that
+    // everyone arrived (the early one sleeps between tests after its first millisecond). A large
+    // one moves in many rounds that need every rank's progress, so its ranks arrive together
+    // first and then all test at once as it moves (the barrier costs little beside the data).
+    const int arrived = output->TotalBytes() >= kArriveBytes ? ArriveTogether(comm.comm) : MPI_SUCCESS;
     const int64_t reducing = MonotonicNs();
     Stats().arrive_ns.fetch_add(reducing - arriving);
     OP_REQUIRES(context, arrived == MPI_SUCCESS,
