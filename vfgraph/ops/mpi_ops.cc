@@ -11,12 +11,13 @@
 // (control dependencies); the library never initialises or finalises MPI: mpi4py
 // owns MPI_Init and MPI_Finalize.
 //
-// Collectives move the data with a polled nonblocking call: a rank that waits for a slower
-// one (uneven hardware, an uneven share of the virtual nodes) leaves the CPU to others
-// instead of spinning in MPI. VfAllgather and a VfAllreduce of 1 MiB or more first wait for
-// every rank to arrive, by polling a nonblocking barrier, so that the data moves while every
-// rank tests; a smaller VfAllreduce goes straight to MPI (the last rank to arrive then goes
-// on at once). The
+// VfAllreduce and VfAllgather first wait for every rank to arrive by polling a
+// nonblocking barrier (backing off as the wait grows), then move the data with a polled
+// nonblocking collective, testing it back to back for a while: every rank is there, so the
+// wait is MPI's own work, whose rounds each need every rank's progress (a rank asleep between
+// tests would hold up the others at every round). A rank that waits for a slower one (uneven
+// hardware, an uneven share of the virtual nodes) thus leaves the CPU to others instead of
+// spinning in MPI, and the data moves at MPI's speed. The
 // time each process spends in collectives is counted (vf_mpi_blocked_ns), so the
 // runtime can tell a rank's own computing from its wait for the others.
 //
@@ -91,9 +92,6 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 namespace shape_inference = ::tensorflow::shape_inference;
-
-// Smallest VfAllreduce buffer whose ranks wait for each other (a barrier) before the reduction.
-constexpr size_t kArriveBytes = size_t{1} << 20;
 
 // Largest element or byte count handed to one MPI call (MPI counts are int).
 constexpr int64_t kMaxCount = int64_t{1} << 30;
@@ -230,6 +228,7 @@ constexpr int kCancelled = -1002;  // TensorFlow cancelled the op
 constexpr int kStalled = -1003;    // the stall timeout passed, here or in another wait of this rank
 constexpr int64_t kAnnounceNs = 1'000'000'000;
 constexpr int64_t kBusyNs = 50'000;    // tests back to back: a peer due within MPI's own latency
+constexpr int64_t kTogetherBusyNs = 500'000;  // the same once every rank is known to be there
 constexpr int64_t kSpinNs = 1'000'000;  // then tests between yields
 constexpr int64_t kMaxSleepNs = 1'000'000;
 
@@ -494,7 +493,7 @@ int Stall(const Waited* w, int64_t waited_ns) {
 }
 
 // Waits for `request`, polling it (see above), for what the thread's Watching says.
-int Await(MPI_Request* request, MPI_Status* status) {
+int Await(MPI_Request* request, MPI_Status* status, int64_t busy_ns = kBusyNs) {
   WatchState& watch = Watch();
   Waited* w = current_wait;
   const int64_t start = MonotonicNs();
@@ -538,9 +537,9 @@ int Await(MPI_Request* request, MPI_Status* status) {
       }
     }
     if (timeout > 0 && waited > timeout) return Stall(w, waited);
-    if (waited < kBusyNs) {
+    if (waited < busy_ns) {
       continue;  // (tested again at once: the short waits of a step end at MPI's latency)
-    } else if (waited < kSpinNs) {
+    } else if (waited < std::max(kSpinNs, busy_ns)) {
       Stats().yields.fetch_add(1, std::memory_order_relaxed);
       std::this_thread::yield();
     } else {
@@ -744,7 +743,11 @@ void CollapseHugePages(void* data, size_t bytes) {
 
 // Waits for `request` (Await): kAbandoned when the job lost a rank, kStopped, kCancelled or
 // kStalled when the wait gave up.
-int WaitPolling(MPI_Request* request, MPI_Status* status) { return Await(request, status); }
+// `busy_ns`: how long it tests back to back before yielding (kTogetherBusyNs once every rank
+// arrived: the wait is then MPI's own work).
+int WaitPolling(MPI_Request* request, MPI_Status* status, int64_t busy_ns = kBusyNs) {
+  return Await(request, status, busy_ns);
+}
 
 // Waits until every rank of `comm` has reached this call, polling (WaitPolling): a rank that
 // waits for a slower one then leaves its CPU to the others instead of spinning in a blocking
@@ -761,10 +764,10 @@ int ArriveTogether(MPI_Comm comm) {
 // (WaitPolling): every wait of the ops can then give up when the job lost a rank, even one
 // lost in the middle of moving data, where a blocking call would wait for ever.
 template <typename Start>
-int Polled(Start start) {
+int Polled(Start start, int64_t busy_ns = kBusyNs) {
   MPI_Request request;
   const int rc = start(&request);
-  return rc != MPI_SUCCESS ? rc : WaitPolling(&request, MPI_STATUS_IGNORE);
+  return rc != MPI_SUCCESS ? rc : WaitPolling(&request, MPI_STATUS_IGNORE, busy_ns);
 }
 
 // Copies the input into a freshly allocated output when the input buffer could
@@ -918,12 +921,7 @@ class AllreduceOp : public OpKernel {
     T* data = static_cast<T*>(output->data());
     const int64_t count = output->NumElements();
     const int64_t arriving = MonotonicNs();
-    // A small buffer's reduction goes straight to MPI: a rank that arrives last finds the
-    // others' data there and goes on, instead of first waiting for an early rank to notice that
-    // everyone arrived (the early one sleeps between tests after its first millisecond). A large
-    // one moves in many rounds that need every rank's progress, so its ranks arrive together
-    // first and then all test at once as it moves (the barrier costs little beside the data).
-    const int arrived = output->TotalBytes() >= kArriveBytes ? ArriveTogether(comm.comm) : MPI_SUCCESS;
+    const int arrived = ArriveTogether(comm.comm);
     const int64_t reducing = MonotonicNs();
     Stats().arrive_ns.fetch_add(reducing - arriving);
     OP_REQUIRES(context, arrived == MPI_SUCCESS,
@@ -939,7 +937,7 @@ class AllreduceOp : public OpKernel {
       const int rc = Polled([&](MPI_Request* r) {
         return MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MpiSum<T>::Type(), MpiSum<T>::Op(),
                               comm.comm, r);
-      });
+      }, kTogetherBusyNs);
       OP_REQUIRES(context, rc == MPI_SUCCESS,
                   MpiFailure("VfAllreduce", name(), "MPI_Iallreduce", rc, comm));
       done += n;
@@ -1179,7 +1177,7 @@ class AllgatherOp : public OpKernel {
     rc = Polled([&](MPI_Request* r) {
       return MPI_Iallgather(&mine, kRecordWords, MPI_INT64_T, all.data(), kRecordWords,
                             MPI_INT64_T, comm.comm, r);
-    });
+    }, kTogetherBusyNs);
     OP_REQUIRES(context, rc == MPI_SUCCESS,
                 MpiFailure("VfAllgather", name(), "MPI_Iallgather", rc, comm));
 
@@ -1219,7 +1217,7 @@ class AllgatherOp : public OpKernel {
       rc = Polled([&](MPI_Request* r) {
         return MPI_Iallgatherv(input.data(), static_cast<int>(mine.bytes), MPI_BYTE, out,
                                icounts.data(), idispls.data(), MPI_BYTE, comm.comm, r);
-      });
+      }, kTogetherBusyNs);
       OP_REQUIRES(context, rc == MPI_SUCCESS,
                   MpiFailure("VfAllgather", name(), "MPI_Iallgatherv", rc, comm));
       return;
