@@ -61,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--models", default=None, help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 9; --quick 5)")
     p.add_argument("--steps", type=int, default=30, help="at least this many steps per variant and round")
-    p.add_argument("--min-round-seconds", type=float, default=0.3, help="each variant's run in a round lasts about this")
+    p.add_argument("--min-round-seconds", type=float, default=0.3,
+                   help="each variant's run in a round lasts about this")
     p.add_argument("--fusion-mb", type=float, default=64.0, help="insert-allreduce's fusion-mb (64: one buffer)")
     p.add_argument("--baseline", default=None, help="a checkout of vfgraph to compare with, run alternately")
     p.add_argument("--runs", type=int, default=2, help="with --baseline: runs of each tree per model")
@@ -161,7 +162,8 @@ def worker(args) -> dict:
     # each rank's counters per step, medians over rounds; every rank's reported
     mine = {s: statistics.median(d[s] for d in stats) for s in stats[0]}
     every = comm.gather(mine, root=0)
-    return {"ranks": w.size, "library": ops.library_path(), "params": params, "fused_bytes": fused, "steps_per_round": n, "seconds": times,
+    return {"ranks": w.size, "library": ops.library_path(), "params": params, "fused_bytes": fused,
+            "steps_per_round": n, "seconds": times,
             "allreduce_per_step": every}
 
 
@@ -180,7 +182,8 @@ def summarize(name: str, got: dict) -> dict:
     over_x = statistics.median(a - b for a, b in zip(secs["vfgraph+exchange"], secs["ceiling+exchange"]))
     per_step = got["allreduce_per_step"]
     own = max(r["total_ns"] for r in per_step) / 1e9
-    return {"params": got["params"], "fused_bytes": got["fused_bytes"], "ranks": got["ranks"], "library": got["library"],
+    return {"params": got["params"], "fused_bytes": got["fused_bytes"], "ranks": got["ranks"],
+            "library": got["library"],
             "steps_per_round": got["steps_per_round"], "seconds_rounds": secs, "seconds_median": med,
             "over_ceiling_s": over, "over_ceiling_with_exchange_s": over_x,
             "vfgraph/ceiling": med["ceiling"] / med["vfgraph"],
