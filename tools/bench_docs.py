@@ -472,7 +472,8 @@ def render_latency(r: dict) -> str:
     for name, x in r["results"].items():
         this, before = (x["this"], x["baseline"]) if base else (x, None)
         m, a = this["seconds_median"], max(this["allreduce_per_step"], key=lambda k: k["total_ns"])
-        row = [model_label(name), num(this["fused_bytes"] / 1024, 0), num(m["ceiling"] * 1e3, 3),
+        label = f"MLP, {c['models'][name][0]} hidden" if name in c.get("models", {}) else model_label(name)
+        row = [label, num(this["fused_bytes"] / 1024, 0), num(m["ceiling"] * 1e3, 3),
                num(m["mpi4py"] * 1e6, 0)]
         if before:
             row += [num(before["over_ceiling_s"] * 1e6, 0), num(before["vfgraph/ceiling"])]
@@ -485,7 +486,7 @@ def render_latency(r: dict) -> str:
         head += [f"before: over us", "before: vfgraph / ceiling"]
     head += ["over us", "over / MPI_Allreduce (target <= 2)", "vfgraph / ceiling (target >= 0.85, 0.9)",
              "VfAllreduce us per step (arrive + reduce)", "vfgraph / ceiling, with the runtime's exchange"]
-    runs = f", {c['runs']} alternating runs per tree (the median run's figures)" if base else ""
+    runs = f"; runs per tree, alternating: {c['runs']} (the median run's figures)" if base else ""
     before = f"; before: the op library of {base['git'][:7] if base.get('git') else 'a baseline tree'}" if base else ""
     return (f"{c['ranks']} ranks, {c['vnodes']} virtual nodes, fusion-mb {c['fusion_mb']:g} (one buffer); the slower "
             f"rank's time per step, medians of {c['rounds']} alternating rounds{runs}; over = vfgraph - ceiling per "
