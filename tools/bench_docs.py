@@ -480,6 +480,36 @@ def render_wait_backoff(r: dict) -> str:
             + table(["M", "baseline step", "this tree", "this / baseline (target <= 1.05)"], rows))
 
 
+def render_latency(r: dict) -> str:
+    """tools/bench_latency.py: the step over the ceiling against MPI_Allreduce of the same bytes."""
+    c = r["config"]
+    base = c.get("baseline")
+    rows = []
+    for name, x in r["results"].items():
+        this, before = (x["this"], x["baseline"]) if base else (x, None)
+        m, a = this["seconds_median"], max(this["allreduce_per_step"], key=lambda k: k["total_ns"])
+        label = f"MLP, {c['models'][name][0]} hidden" if name in c.get("models", {}) else model_label(name)
+        row = [label, num(this["fused_bytes"] / 1024, 0), num(m["ceiling"] * 1e3, 3),
+               num(m["mpi4py"] * 1e6, 0)]
+        if before:
+            row += [num(before["over_ceiling_s"] * 1e6, 0), num(before["vfgraph/ceiling"])]
+        row += [num(this["over_ceiling_s"] * 1e6, 0), num(this["over/mpi4py"]), num(this["vfgraph/ceiling"]),
+                f"{num(a['total_ns'] / 1e3, 0)} ({num(a['arrive_ns'] / 1e3, 0)} + {num(a['reduce_ns'] / 1e3, 0)})",
+                num(this["vfgraph/ceiling with exchange"])]
+        rows.append(row)
+    head = ["model", "fused KiB", "ceiling step ms", "MPI_Allreduce us"]
+    if base:
+        head += [f"before: over us", "before: vfgraph / ceiling"]
+    head += ["over us", "over / MPI_Allreduce (target <= 2)", "vfgraph / ceiling (target >= 0.85, 0.9)",
+             "VfAllreduce us per step (arrive + reduce)", "vfgraph / ceiling, with the runtime's exchange"]
+    runs = f"; runs per tree, alternating: {c['runs']} (the median run's figures)" if base else ""
+    before = f"; before: the op library of {base['git'][:7] if base.get('git') else 'a baseline tree'}" if base else ""
+    return (f"{c['ranks']} ranks, {c['vnodes']} virtual nodes, fusion-mb {c['fusion_mb']:g} (one buffer); the slower "
+            f"rank's time per step, medians of {c['rounds']} alternating rounds{runs}; over = vfgraph - ceiling per "
+            f"step, paired by round{before}; load average at the end {num(c['load_average_end'][0])}.\n\n"
+            + table(head, rows))
+
+
 def render_input(r: dict) -> str:
     """tools/bench_input.py: memory and start-up against the data's size; TFRecord against .npz."""
     rows = []
@@ -553,7 +583,7 @@ RENDERERS: Dict[str, Callable[[dict], str]] = {
     "heterogeneous": render_heterogeneous, "elastic": render_elastic,
     "elastic-scheduling": render_elastic_scheduling, "lost-rank": render_lost_rank,
     "wait-backoff": render_wait_backoff, "input": render_input, "serve": render_serve, "hosts": render_hosts,
-    "memory-budget": render_memory_budget,
+    "memory-budget": render_memory_budget, "latency": render_latency,
 }
 
 

@@ -148,6 +148,15 @@ def collectives(model_dir):
           lambda: equal(ops.allreduce(tf.constant(rank + 1)).numpy(), np.int32(3))
           and equal(ops.allreduce(tf.zeros([0, 4])).numpy(), np.zeros([0, 4], np.float32)))
 
+    def stats():  # the op's counters: one call of 4 KiB adds one call, its bytes and its times
+        before = ops.allreduce_stats()
+        ops.allreduce(tf.ones([1024], tf.float32))
+        after = ops.allreduce_stats()
+        d = {k: after[k] - before[k] for k in after}
+        return (d["calls"] == 1 and d["bytes"] == 4096 and d["tests"] >= 2
+                and d["total_ns"] >= d["arrive_ns"] + d["reduce_ns"] > 0)
+    check("allreduce counters", stats)
+
     # broadcast from root 0 and root 1, every dtype
     for root in (0, 1):
         for dt in byte_types:

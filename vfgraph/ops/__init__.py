@@ -55,7 +55,7 @@ from vfgraph.ops import toolchain as _toolchain
 from vfgraph.ops.toolchain import OpsUnavailableError, cache_dir
 
 __all__ = [
-    "OpsUnavailableError", "abandon", "allgather", "allreduce", "available", "blocked_seconds", "broadcast", "build",
+    "OpsUnavailableError", "abandon", "allgather", "allreduce", "allreduce_stats", "available", "blocked_seconds", "broadcast", "build",
     "build_ops_main", "cache_dir", "check", "exact_add", "library_path", "load", "rank", "register_at_import",
     "recv", "send", "set_communicator", "set_step", "size", "watch",
 ]
@@ -184,6 +184,25 @@ def blocked_seconds() -> float:
         fn.argtypes, fn.restype = [], ctypes.c_int64
         _blocked_ns = fn
     return _blocked_ns() / 1e9
+
+
+ALLREDUCE_STATS = ("calls", "total_ns", "copy_ns", "arrive_ns", "reduce_ns", "bytes", "tests", "yields", "sleeps",
+                   "slept_ns")
+
+
+def allreduce_stats() -> dict:
+    """VfAllreduce's counters in this process so far: ``calls``; nanoseconds from the kernel's
+    start to its end (``total_ns``), copying an input it could not reduce in place
+    (``copy_ns``, from the start), waiting for every rank to arrive (``arrive_ns``) and reducing
+    (``reduce_ns``); ``bytes`` reduced; and over every wait of the ops, the tests of its request,
+    yields, sleeps and nanoseconds asleep (``tests``, ``yields``, ``sleeps``, ``slept_ns``).
+    Differences between two readings are what the calls between them spent."""
+    load()
+    fn = ctypes.CDLL(library_path()).vf_mpi_allreduce_stats
+    fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int], ctypes.c_int
+    out = (ctypes.c_int64 * len(ALLREDUCE_STATS))()
+    fn(out, len(ALLREDUCE_STATS))
+    return dict(zip(ALLREDUCE_STATS, out))
 
 
 def abandon(on: bool = True) -> None:

@@ -12,9 +12,12 @@
 // owns MPI_Init and MPI_Finalize.
 //
 // VfAllreduce and VfAllgather first wait for every rank to arrive by polling a
-// nonblocking barrier (sleeping between tests), then move the data with a polled
-// nonblocking collective: a rank that waits for a slower one (uneven hardware, an uneven share of
-// the virtual nodes) then leaves the CPU to others instead of spinning in MPI. The
+// nonblocking barrier (backing off as the wait grows), then move the data with a polled
+// nonblocking collective, testing it back to back for a while: every rank is there, so the
+// wait is MPI's own work, whose rounds each need every rank's progress (a rank asleep between
+// tests would hold up the others at every round). A rank that waits for a slower one (uneven
+// hardware, an uneven share of the virtual nodes) thus leaves the CPU to others instead of
+// spinning in MPI, and the data moves at MPI's speed. The
 // time each process spends in collectives is counted (vf_mpi_blocked_ns), so the
 // runtime can tell a rank's own computing from its wait for the others.
 //
@@ -163,6 +166,27 @@ std::atomic<int64_t>& BlockedNanos() {
   return *nanos;
 }
 
+// What VfAllreduce spent its time on, summed over its calls (vf_mpi_allreduce_stats): the
+// benchmarks read it to tell the reduction's own time inside a step from the rest.
+struct AllreduceStats {
+  std::atomic<int64_t> calls{0};
+  std::atomic<int64_t> total_ns{0};    // from the kernel's start to its end
+  std::atomic<int64_t> copy_ns{0};     // copying an input it could not reduce in place
+  std::atomic<int64_t> arrive_ns{0};   // waiting for every rank to arrive (the barrier, where there is one)
+  std::atomic<int64_t> reduce_ns{0};   // the reduction's own calls and waits
+  std::atomic<int64_t> bytes{0};
+  // Every wait of the ops (Await): tests of its request, yields, sleeps and the time asleep.
+  std::atomic<int64_t> tests{0};
+  std::atomic<int64_t> yields{0};
+  std::atomic<int64_t> sleeps{0};
+  std::atomic<int64_t> slept_ns{0};
+};
+
+AllreduceStats& Stats() {
+  static AllreduceStats* stats = new AllreduceStats;
+  return *stats;
+}
+
 // Adds the time from its construction to its destruction to BlockedNanos().
 class BlockedClock {
  public:
@@ -184,8 +208,10 @@ struct Comm {
 
 // ---------------------------------------------------------------------------
 // Waiting for other ranks: every wait of the ops polls its request (Await), and as it
-// polls it backs off (yields for the first millisecond, then sleeps an eighth of the time
-// waited so far, at most 1 ms: a stalled rank leaves its core to others), gives up when
+// polls it backs off (tests back to back for its first 50 us, so that a wait a peer ends
+// within MPI's own latency ends as soon as MPI's; then yields between tests up to the first
+// millisecond, then sleeps an eighth of the time waited so far, at most 1 ms: a stalled rank
+// leaves its core to others), gives up when
 // the job lost a rank (vf_mpi_abandon), when a stop was requested (SIGINT, SIGTERM:
 // vf_mpi_watch) and the wait went on for the stop's grace time after it, when TensorFlow cancels
 // the op, and when it made no progress for the stall timeout; past the stall warning it
@@ -201,7 +227,9 @@ constexpr int kStopped = -1001;    // a stop was requested: not an MPI error cod
 constexpr int kCancelled = -1002;  // TensorFlow cancelled the op
 constexpr int kStalled = -1003;    // the stall timeout passed, here or in another wait of this rank
 constexpr int64_t kAnnounceNs = 1'000'000'000;
-constexpr int64_t kSpinNs = 1'000'000;
+constexpr int64_t kBusyNs = 50'000;    // tests back to back: a peer due within MPI's own latency
+constexpr int64_t kTogetherBusyNs = 500'000;  // the same once every rank is known to be there
+constexpr int64_t kSpinNs = 1'000'000;  // then tests between yields
 constexpr int64_t kMaxSleepNs = 1'000'000;
 
 int64_t MonotonicNs() {  // CLOCK_MONOTONIC, as steady_clock; async-signal-safe
@@ -465,7 +493,7 @@ int Stall(const Waited* w, int64_t waited_ns) {
 }
 
 // Waits for `request`, polling it (see above), for what the thread's Watching says.
-int Await(MPI_Request* request, MPI_Status* status) {
+int Await(MPI_Request* request, MPI_Status* status, int64_t busy_ns = kBusyNs) {
   WatchState& watch = Watch();
   Waited* w = current_wait;
   const int64_t start = MonotonicNs();
@@ -477,6 +505,7 @@ int Await(MPI_Request* request, MPI_Status* status) {
   ++watch.waiting;
   for (;;) {
     int flag = 0;
+    Stats().tests.fetch_add(1, std::memory_order_relaxed);
     const int rc = MPI_Test(request, &flag, status);
     if (rc != MPI_SUCCESS || flag) {
       if (warned || watch.warned.load(std::memory_order_relaxed)) watch.warned.store(false);  // progress
@@ -508,10 +537,16 @@ int Await(MPI_Request* request, MPI_Status* status) {
       }
     }
     if (timeout > 0 && waited > timeout) return Stall(w, waited);
-    if (waited < kSpinNs) {
+    if (waited < busy_ns) {
+      continue;  // (tested again at once: the short waits of a step end at MPI's latency)
+    } else if (waited < std::max(kSpinNs, busy_ns)) {
+      Stats().yields.fetch_add(1, std::memory_order_relaxed);
       std::this_thread::yield();
     } else {
+      Stats().sleeps.fetch_add(1, std::memory_order_relaxed);
+      const int64_t before = MonotonicNs();
       std::this_thread::sleep_for(std::chrono::nanoseconds(std::min(kMaxSleepNs, waited / 8)));
+      Stats().slept_ns.fetch_add(MonotonicNs() - before, std::memory_order_relaxed);
     }
   }
 }
@@ -708,7 +743,11 @@ void CollapseHugePages(void* data, size_t bytes) {
 
 // Waits for `request` (Await): kAbandoned when the job lost a rank, kStopped, kCancelled or
 // kStalled when the wait gave up.
-int WaitPolling(MPI_Request* request, MPI_Status* status) { return Await(request, status); }
+// `busy_ns`: how long it tests back to back before yielding (kTogetherBusyNs once every rank
+// arrived: the wait is then MPI's own work).
+int WaitPolling(MPI_Request* request, MPI_Status* status, int64_t busy_ns = kBusyNs) {
+  return Await(request, status, busy_ns);
+}
 
 // Waits until every rank of `comm` has reached this call, polling (WaitPolling): a rank that
 // waits for a slower one then leaves its CPU to the others instead of spinning in a blocking
@@ -725,10 +764,10 @@ int ArriveTogether(MPI_Comm comm) {
 // (WaitPolling): every wait of the ops can then give up when the job lost a rank, even one
 // lost in the middle of moving data, where a blocking call would wait for ever.
 template <typename Start>
-int Polled(Start start) {
+int Polled(Start start, int64_t busy_ns = kBusyNs) {
   MPI_Request request;
   const int rc = start(&request);
-  return rc != MPI_SUCCESS ? rc : WaitPolling(&request, MPI_STATUS_IGNORE);
+  return rc != MPI_SUCCESS ? rc : WaitPolling(&request, MPI_STATUS_IGNORE, busy_ns);
 }
 
 // Copies the input into a freshly allocated output when the input buffer could
@@ -853,12 +892,22 @@ class AllreduceOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* context) override {
+    const int64_t began = MonotonicNs();
+    struct Total {
+      int64_t began;
+      ~Total() {
+        Stats().calls.fetch_add(1);
+        Stats().total_ns.fetch_add(MonotonicNs() - began);
+      }
+    } total{began};
     const Tensor& input = context->input(0);
     Tensor* output = nullptr;
     int forwarded = -1;
     OP_REQUIRES_OK(context, context->forward_input_or_allocate_output(
                                 {0}, 0, input.shape(), &output, &forwarded));
     CopyUnlessForwarded(forwarded, input, output);
+    Stats().bytes.fetch_add(static_cast<int64_t>(input.TotalBytes()));
+    Stats().copy_ns.fetch_add(MonotonicNs() - began);
 
     std::lock_guard<std::mutex> lock(CollectiveMutex());
     BlockedClock blocked;
@@ -871,9 +920,16 @@ class AllreduceOp : public OpKernel {
     }
     T* data = static_cast<T*>(output->data());
     const int64_t count = output->NumElements();
+    const int64_t arriving = MonotonicNs();
     const int arrived = ArriveTogether(comm.comm);
+    const int64_t reducing = MonotonicNs();
+    Stats().arrive_ns.fetch_add(reducing - arriving);
     OP_REQUIRES(context, arrived == MPI_SUCCESS,
                 MpiFailure("VfAllreduce", name(), "MPI_Ibarrier", arrived, comm));
+    struct Reduced {
+      int64_t began;
+      ~Reduced() { Stats().reduce_ns.fetch_add(MonotonicNs() - began); }
+    } reduced{reducing};
     // Zero elements still take part, so that every rank makes the same calls.
     int64_t done = 0;
     do {
@@ -881,7 +937,7 @@ class AllreduceOp : public OpKernel {
       const int rc = Polled([&](MPI_Request* r) {
         return MPI_Iallreduce(MPI_IN_PLACE, data + done, n, MpiSum<T>::Type(), MpiSum<T>::Op(),
                               comm.comm, r);
-      });
+      }, kTogetherBusyNs);
       OP_REQUIRES(context, rc == MPI_SUCCESS,
                   MpiFailure("VfAllreduce", name(), "MPI_Iallreduce", rc, comm));
       done += n;
@@ -1121,7 +1177,7 @@ class AllgatherOp : public OpKernel {
     rc = Polled([&](MPI_Request* r) {
       return MPI_Iallgather(&mine, kRecordWords, MPI_INT64_T, all.data(), kRecordWords,
                             MPI_INT64_T, comm.comm, r);
-    });
+    }, kTogetherBusyNs);
     OP_REQUIRES(context, rc == MPI_SUCCESS,
                 MpiFailure("VfAllgather", name(), "MPI_Iallgather", rc, comm));
 
@@ -1161,7 +1217,7 @@ class AllgatherOp : public OpKernel {
       rc = Polled([&](MPI_Request* r) {
         return MPI_Iallgatherv(input.data(), static_cast<int>(mine.bytes), MPI_BYTE, out,
                                icounts.data(), idispls.data(), MPI_BYTE, comm.comm, r);
-      });
+      }, kTogetherBusyNs);
       OP_REQUIRES(context, rc == MPI_SUCCESS,
                   MpiFailure("VfAllgather", name(), "MPI_Iallgatherv", rc, comm));
       return;
@@ -1978,6 +2034,19 @@ extern "C" __attribute__((visibility("default"))) void vf_mpi_abandon(int on) {
 // Nanoseconds this process has spent in vfgraph's collectives so far (BlockedNanos).
 extern "C" __attribute__((visibility("default"))) int64_t vf_mpi_blocked_ns() {
   return vfgraph::BlockedNanos().load();
+}
+
+// VfAllreduce's counters (AllreduceStats), in this order, into `out` (at most `n` of them):
+// calls, total_ns, copy_ns, arrive_ns, reduce_ns, bytes, tests, yields, sleeps, slept_ns.
+// Returns how many there are.
+extern "C" __attribute__((visibility("default"))) int vf_mpi_allreduce_stats(int64_t* out, int n) {
+  const vfgraph::AllreduceStats& s = vfgraph::Stats();
+  const int64_t values[] = {s.calls.load(), s.total_ns.load(), s.copy_ns.load(), s.arrive_ns.load(),
+                            s.reduce_ns.load(), s.bytes.load(), s.tests.load(), s.yields.load(),
+                            s.sleeps.load(), s.slept_ns.load()};
+  const int count = static_cast<int>(sizeof(values) / sizeof(values[0]));
+  for (int i = 0; i < std::min(n, count); ++i) out[i] = values[i];
+  return count;
 }
 
 namespace {

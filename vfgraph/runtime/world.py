@@ -116,13 +116,13 @@ class _Exchanges:
 
 
 def complete(request, comm=None) -> None:
-    """Wait for an MPI request (mpi4py) by testing it, yielding and then sleeping between tests
-    (0.2 ms, growing to an eighth of the time waited, at most 1 ms, as the ops' waits): a rank
+    """Wait for an MPI request (mpi4py) by testing it, yielding between tests for the first
+    millisecond and then sleeping (0.2 ms, growing to an eighth of the time waited, at most 1 ms,
+    as the ops' waits): a rank
     that waits for a slower one leaves it the CPU, and the wait gives up
     (:class:`RankLost`) when the job lost a rank, where a blocking call would wait for ever,
     or when :data:`watcher` raises. ``comm``: the communicator of the exchange the request
     belongs to, whose ranks not seen entering it the watcher is told (see :class:`_Exchanges`)."""
-    tries = 0
     began = time.monotonic()
     exchanges = _Exchanges.of(comm) if comm is not None else None
     number = -1
@@ -137,8 +137,8 @@ def complete(request, comm=None) -> None:
             announced = True
         if watcher is not None:
             watcher(began, (lambda: exchanges.missing(number)) if exchanges is not None else lambda: None)
-        tries += 1
-        time.sleep(0 if tries < 64 else min(0.001, max(0.0002, (time.monotonic() - began) / 8)))
+        waited = time.monotonic() - began
+        time.sleep(0 if waited < 0.001 else min(0.001, max(0.0002, waited / 8)))
 
 
 def arrive(comm) -> None:
