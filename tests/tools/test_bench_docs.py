@@ -1,6 +1,5 @@
 """tools/bench_docs.py: benchmark tables rendered from JSON reports, hand-written prose kept,
 stale documents detected; and docs/benchmarks.md up to date with docs/results. No TensorFlow."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,18 +7,10 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(ROOT, "tools", "bench_docs.py")
+from tool_module import ROOT, load_tool, tool_path
 
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("bench_docs", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_docs = _tool()
+TOOL = tool_path("bench_docs")
+bench_docs = load_tool("bench_docs")
 
 # What tools/bench_save.py writes, cut down to one row per group and made up for the test.
 SAVE = {"benchmark": "save", "model": "resnet50", "checkpoint_mb": 270.4, "commit": "0123456789abcdef",

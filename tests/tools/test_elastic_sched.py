@@ -1,21 +1,13 @@
 """tools/elastic_sched.py: static and elastic allocation replayed on a profile, checked on
 traces whose job completion times are worked out by hand. No TensorFlow."""
-import importlib.util
-import os
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tool_module import load_tool
 
 
 @pytest.fixture(scope="module")
 def sched():
-    spec = importlib.util.spec_from_file_location("elastic_sched", os.path.join(ROOT, "tools", "elastic_sched.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("elastic_sched")
 
 
 PROFILE = {"a": {1: 1.0, 2: 0.5}}  # twice as fast on 2 ranks

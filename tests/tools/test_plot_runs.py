@@ -1,22 +1,15 @@
 """tools/plot_runs.py: runs' batch_loss read back from TensorBoard event files (written as
 ``vfgraph train --logdir`` writes them, tf.summary scalars) and drawn into one PNG, each run's
 curve in its colour; a missing run or scalar is one line."""
-import importlib.util
 import os
 import subprocess
 import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOL = os.path.join(ROOT, "tools", "plot_runs.py")
+from tool_module import load_tool, tool_path
 
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("plot_runs", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+TOOL = tool_path("plot_runs")
 
 
 def write_run(logdir, losses):
@@ -30,7 +23,7 @@ def write_run(logdir, losses):
 def test_curves_of_several_runs_in_one_png(tmp_path):
     from PIL import Image
 
-    plot = _tool()
+    plot = load_tool("plot_runs")
     steps = np.arange(1, 41)
     write_run(str(tmp_path / "a"), 2.3 * np.exp(-steps / 10))
     write_run(str(tmp_path / "b"), 2.3 * np.exp(-steps / 20) + 0.1)
@@ -53,7 +46,7 @@ def test_curves_of_several_runs_in_one_png(tmp_path):
 def test_a_missing_run_or_scalar_is_one_line(tmp_path):
     import pytest
 
-    plot = _tool()
+    plot = load_tool("plot_runs")
     write_run(str(tmp_path / "a"), [1.0, 0.5])
     for args, said in ((["x=" + str(tmp_path / "none")], "no such directory"),
                        (["x=" + str(tmp_path / "a"), "--tag", "epoch_loss"], "no scalar 'epoch_loss' (has: batch_loss)"),
