@@ -55,9 +55,9 @@ from vfgraph.ops import toolchain as _toolchain
 from vfgraph.ops.toolchain import OpsUnavailableError, cache_dir
 
 __all__ = [
-    "OpsUnavailableError", "abandon", "allgather", "allreduce", "allreduce_stats", "available", "blocked_seconds", "broadcast", "build",
-    "build_ops_main", "cache_dir", "check", "exact_add", "library_path", "load", "rank", "register_at_import",
-    "recv", "send", "set_communicator", "set_step", "size", "watch",
+    "OpsUnavailableError", "abandon", "allgather", "allreduce", "allreduce_stats", "available", "blocked_seconds",
+    "broadcast", "build", "build_ops_main", "cache_dir", "check", "exact_add", "library_path", "load", "rank",
+    "register_at_import", "recv", "send", "set_communicator", "set_step", "size", "watch",
 ]
 
 log = logging.getLogger("vfgraph.ops")
