@@ -153,3 +153,33 @@ def export_two_updates(path, dependent: bool):
 
 def test_two_independent_updates_are_one_step(tmp_path):
     assert_same_training(export_two_updates(tmp_path / "two", dependent=False), tmp_path, "two")
+
+
+def export_deep(path, depth=400):
+    """A step whose forward pass is a chain of ``depth`` layers (two ops each): deeper than
+    Python's recursion limit, as the layers of a deep model are."""
+    import tensorflow as tf
+
+    w = tf.Variable(np.linspace(0.5, 1.5, 8).astype(np.float32), name="w")
+    head = tf.Variable(np.ones((8, 10), np.float32) * 0.1, name="head")
+    specs = {"x": tf.TensorSpec([None, 8], tf.float32), "y": tf.TensorSpec([None], tf.int32)}
+
+    def forward(x):
+        for _ in range(depth):
+            x = tf.tanh(x * w)
+        return tf.matmul(x, head)
+
+    def train(batch):
+        with tf.GradientTape() as tape:
+            value = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(batch["y"], forward(batch["x"])))
+        for v, g in zip((w, head), tape.gradient(value, [w, head])):
+            v.assign_sub(0.3 * g)
+        return {"loss": value}
+
+    return save_step(path, train, specs, [w, head], (), lambda x: {"logits": forward(x)}, specs["x"])
+
+
+def test_a_loss_deeper_than_python_recursion_is_read(tmp_path):
+    """The loss's reduction is read through a chain of 800 ops (it exceeded the recursion
+    limit: an internal error), and the deep step trains as the original and the full batch."""
+    assert_same_training(export_deep(tmp_path / "deep"), tmp_path, "deep")

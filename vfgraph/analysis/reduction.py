@@ -32,6 +32,9 @@ _BINARY: Dict[str, Callable] = {
 _UNARY: Dict[str, Callable] = {"Reciprocal": np.reciprocal, "Neg": np.negative, "Sqrt": np.sqrt,
                                "Square": np.square, "Rsqrt": lambda a: 1 / np.sqrt(a)}
 _REDUCE = {"Prod": np.prod, "Sum": np.sum, "Max": np.max, "Min": np.min, "Mean": np.mean}
+# the ops _apply computes from its inputs' values
+_KNOWN = frozenset(_SAME | {"Cast", "Gather", "GatherV2", "Pack", "ConcatV2", "Reshape", "ExpandDims", "Squeeze",
+                            "Fill", "Range", "StridedSlice"} | set(_BINARY) | set(_UNARY) | set(_REDUCE))
 
 
 class BatchCounts:
@@ -63,14 +66,32 @@ class BatchCounts:
         return ref.node in self.batch if ref.is_function_arg else ref.node in self.dep
 
     def value(self, ref: TensorRef, k: int) -> Optional[np.ndarray]:
-        key = (ref, k)
-        if key not in self._memo:
-            self._memo[key] = None  # (a cycle evaluates to unknown)
-            try:
-                self._memo[key] = self._evaluate(ref, k)
-            except (ValueError, TypeError, IndexError, ArithmeticError, KeyError):
-                self._memo[key] = None
-        return self._memo[key]
+        """``ref``'s value at the ``k``-th batch size (None: unknown), its inputs evaluated first
+        from an explicit stack: the chain of a deep model's layers is deeper than Python's
+        recursion. An input on a cycle evaluates to unknown."""
+        root = (ref, k)
+        stack, entered = [ref], set()
+        while root not in self._memo:
+            r = stack[-1]
+            if (r, k) in self._memo:
+                stack.pop()
+            elif r not in entered:  # (an entered input not yet evaluated is on a cycle through r)
+                entered.add(r)
+                stack.extend(t for t in self._needs(r) if (t, k) not in self._memo and t not in entered)
+            else:
+                stack.pop()
+                try:
+                    self._memo[(r, k)] = self._evaluate(r, k)
+                except (ValueError, TypeError, IndexError, ArithmeticError, KeyError):
+                    self._memo[(r, k)] = None
+        return self._memo[root]
+
+    def _needs(self, ref: TensorRef) -> List[TensorRef]:
+        """The inputs whose values ``ref``'s value is computed from (none for an op the
+        interpreter does not know, or one that reads only its inputs' shapes)."""
+        if ref.is_function_arg or ref.node not in self.g.nodes or self.g.nodes[ref.node].op not in _KNOWN:
+            return []
+        return self.g.data_inputs(ref.node)
 
     def _shape_value(self, ref: TensorRef, k: int) -> Optional[np.ndarray]:
         """The shape of ``ref`` at the ``k``-th batch size (its leading dimension the batch's)."""
@@ -101,7 +122,9 @@ class BatchCounts:
         if op in ("OnesLike", "ZerosLike"):
             shape = self._shape_value(inputs[0], k)
             return None if shape is None else np.full(shape, 1 if op == "OnesLike" else 0)
-        args = [self.value(t, k) for t in inputs]
+        if op not in _KNOWN:
+            return None
+        args = [self._memo.get((t, k)) for t in inputs]  # (evaluated first: value)
         if any(a is None for a in args):
             return None
         return _apply(op, node, args)
