@@ -415,23 +415,8 @@ def memory_reference(sizes=(10_000, 100_000), probes: int = 1_000_000, repeats: 
     return out
 
 
-def main():
-    args = parse_args()
-    if args.child:
-        child(args)
-        return
-    import tensorflow as tf
-
-    print(f"vfgraph bench_rewrite: rewrite(vnodes={VNODES}, vnode_batch={VNODE_BATCH}) vs "
-          f"tf.graph_util.import_graph_def "
-          f"of the same train function; TF {tf.__version__}; every import and rewrite in a fresh process, "
-          f"intra/inter-op threads = 1; "
-          f"budget {args.budget:.0f} s per case", flush=True)
-    if args.baseline:
-        args.baseline_dir = _baseline_tree(args.baseline)
-        print(f"  baseline: vfgraph at {args.baseline} ({args.baseline_dir})", flush=True)
-    per, base, counts = calibrate()
-    print(f"  calibration: {per:.1f} nodes per dense layer + {base:.0f} (from {counts})", flush=True)
+def _cases(args, per: float, base: float) -> list:
+    """(spec, label) of each case: a Keras application, then dense models of the sizes asked."""
     cases = []
     if not args.no_keras_app:
         app = "mobilenetv2-0.35" if args.quick else "resnet50"
@@ -439,7 +424,12 @@ def main():
     for n in args.sizes:
         layers = max(1, round((n - base) / per))
         cases.append((f"dense:{layers}", f"dense-{n}"))
+    return cases
 
+
+def _run_cases(args, cases) -> list:
+    """Each case run (run_case) with its ratios to import; the dense cases after one that ran
+    past the budget skipped unless --keep-going."""
     results, stopped = [], None
     for spec, label in cases:
         if stopped and label.startswith("dense-") and not args.keep_going:
@@ -458,8 +448,11 @@ def main():
         if r.get("timed_out") and label.startswith("dense-"):
             stopped = label
         results.append(r)
+    return results
 
-    # Scaling between consecutive dense sizes, and the ~10k -> ~100k target.
+
+def _scaling(results) -> list:
+    """Scaling between consecutive dense sizes (a stopped larger case gives lower bounds)."""
     dense = [r for r in results if r["case"].startswith("dense-") and "nodes" in r]
     scaling = []
     for a, b in zip(dense, dense[1:]):
@@ -477,9 +470,11 @@ def main():
                         "time_ratio_per_10x_nodes": 10 ** (math.log(tr) / math.log(nr)),
                         "rewrite_time_ratio": None if lower else b["rewrite_s"] / a["rewrite_s"],
                         "fastest_time_ratio": None if lower else b["pipeline_fastest_s"] / a["pipeline_fastest_s"]})
-    target = next((s for s in scaling if s["from"] == "dense-10000" and s["to"] == "dense-100000"), None)
-    memory = memory_reference()
+    return scaling
 
+
+def _print_cases(results) -> None:
+    """The table of cases, and where the rewrite time goes."""
     print("\nper case (pipeline = vfgraph.rewrite of the loaded model: passes + verify; rewrite = load + pipeline;")
     print("import = tf.graph_util.import_graph_def of the train function's GraphDef; target pipeline/import <= 1)")
     head = (f"{'case':<18}{'nodes':>8}{'export s':>10}{'import s':>10}{'pipeline s':>12}"
@@ -513,6 +508,10 @@ def main():
         for r in seg_rows:
             segs = r["rewrite_runs"][0]["segments"]
             print(f"  {r['case']:<18}" + "  ".join(f"{k} {v:.2f}" for k, v in segs.items()))
+
+
+def _print_comparisons(args, results, scaling, target, memory) -> None:
+    """Scaling between sizes, against the baseline, and the memory reference."""
     if scaling:
         print("\nscaling of pipeline time between dense sizes (target for ~10k -> ~100k: <= 12x time for 10x nodes):")
         for s in scaling:
@@ -535,6 +534,31 @@ def main():
           f"{memory['in_order_ns_10000']:.0f} -> {memory['in_order_ns_100000']:.0f} (x{memory['in_order_ratio']:.2f}), "
           f"random {memory['random_ns_10000']:.0f} -> {memory['random_ns_100000']:.0f} (x{memory['random_ratio']:.2f})")
 
+
+def main():
+    args = parse_args()
+    if args.child:
+        child(args)
+        return
+    import tensorflow as tf
+
+    print(f"vfgraph bench_rewrite: rewrite(vnodes={VNODES}, vnode_batch={VNODE_BATCH}) vs "
+          f"tf.graph_util.import_graph_def "
+          f"of the same train function; TF {tf.__version__}; every import and rewrite in a fresh process, "
+          f"intra/inter-op threads = 1; "
+          f"budget {args.budget:.0f} s per case", flush=True)
+    if args.baseline:
+        args.baseline_dir = _baseline_tree(args.baseline)
+        print(f"  baseline: vfgraph at {args.baseline} ({args.baseline_dir})", flush=True)
+    per, base, counts = calibrate()
+    print(f"  calibration: {per:.1f} nodes per dense layer + {base:.0f} (from {counts})", flush=True)
+    results = _run_cases(args, _cases(args, per, base))
+    scaling = _scaling(results)  # (and the ~10k -> ~100k target)
+    target = next((s for s in scaling if s["from"] == "dense-10000" and s["to"] == "dense-100000"), None)
+    memory = memory_reference()
+    _print_cases(results)
+    _print_comparisons(args, results, scaling, target, memory)
+
     report = {"benchmark": "bench_rewrite", "config": {
         "vnodes": VNODES, "vnode_batch": VNODE_BATCH, "quick": args.quick, "budget_s": args.budget,
         "sizes": args.sizes, "dense_nodes_per_layer": per, "dense_nodes_base": base, "threads": 1,
@@ -545,7 +569,6 @@ def main():
     write_report(args.json, report)
     if args.baseline:
         subprocess.run(["rm", "-rf", args.baseline_dir])
-
 
 if __name__ == "__main__":
     main()
