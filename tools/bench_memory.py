@@ -313,28 +313,11 @@ def serving_main(args) -> None:
     write_report(args.json, report)
 
 
-def main():
-    args = parse_args()
-    if args.child:
-        child(args)
-        return
-    if args.serving_child:
-        serving_child(args)
-        return
-    if args.serving:
-        serving_main(args)
-        return
-    import tensorflow as tf
-
+def _measure(args, B: int) -> dict:
+    """Each configuration (V in --vnodes, and the original) exported, rewritten and run in a
+    process of its own (run_child): label -> its measurements."""
     import vfgraph
 
-    B = args.batch
-    for v in args.vnodes:
-        if B % v:
-            sys.exit(f"global batch {B} is not divisible by vnodes={v}")
-    print(f"vfgraph bench_memory: {args.model}, global batch {B}, V in {args.vnodes} (vnode_batch = {B} / V), "
-          f"{args.steps} steps per configuration, each in its own process; TF {tf.__version__}, intra/inter-op "
-          f"threads = {args.threads if args.threads > 0 else 'TF default'}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="vfgraph-bench-memory-") as work:
         src = os.path.join(work, "model")
@@ -363,6 +346,11 @@ def main():
                 print(f"    step peak +{r['step_peak_delta'] / MIB:.0f} MiB, first step "
                       f"{r['steps'][0]['seconds']:.1f} s", flush=True)
 
+    return results
+
+
+def _print_table(args, results: dict) -> dict:
+    """The table of the configurations' peaks, with their ratios to the first V's (returned)."""
     base_label = f"V={args.vnodes[0]}"
     base = results.get(base_label, {})
     ratios = {}
@@ -392,6 +380,32 @@ def main():
               f"{r['maxrss_before_first_step'] / MIB:>11.0f}{r['step_peak_delta'] / MIB:>11.0f}{q:>8.3f}"
               f"{(steady / MIB if steady is not None else float('nan')):>9.0f}{qs:>8.3f}{step_s:>9.2f}"
               f"  {'; '.join(note)}")
+    return ratios
+
+
+def main():
+    args = parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.serving_child:
+        serving_child(args)
+        return
+    if args.serving:
+        serving_main(args)
+        return
+    import tensorflow as tf
+
+    B = args.batch
+    for v in args.vnodes:
+        if B % v:
+            sys.exit(f"global batch {B} is not divisible by vnodes={v}")
+    print(f"vfgraph bench_memory: {args.model}, global batch {B}, V in {args.vnodes} (vnode_batch = {B} / V), "
+          f"{args.steps} steps per configuration, each in its own process; TF {tf.__version__}, intra/inter-op "
+          f"threads = {args.threads if args.threads > 0 else 'TF default'}", flush=True)
+    results = _measure(args, B)
+    ratios = _print_table(args, results)
+    base_label = f"V={args.vnodes[0]}"
     last = f"V={args.vnodes[-1]}"
     headline = ratios.get(last, {}).get("step_peak")
     if headline is not None:

@@ -173,7 +173,36 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inputs", type=int, default=0, help="input features (default: 2 x width)")
 
 
-def main() -> None:
+def _row(a, paths: dict, m: int) -> dict:
+    """The step times of M = m virtual nodes in each mode (the one-core step and the ranks' in
+    alternating rounds, medians), the speed-ups and the efficiency against GPipe's bound."""
+    rounds = {mode: [] for mode in ("one-core", "ranks", "ranks-unbound")}
+    for _ in range(a.rounds):  # alternating, so that the machine's load moves all alike
+        rounds["one-core"].append(run_worker(paths["base"], "one-core", m, a))
+        if a.ranks:
+            rounds["ranks"].append(run_worker(paths["ranks"], "ranks", m, a))
+            rounds["ranks-unbound"].append(run_worker(paths["ranks"], "ranks-unbound", m, a))
+    row = {"vnodes": m, **{mode: median_run(runs) for mode, runs in rounds.items() if runs},
+           "two-threads": run_worker(paths["base"], "two-threads", m, a),
+           "two-ops": run_worker(paths["base"], "two-ops", m, a),
+           "1f1b": run_worker(paths["1f1b"], "1f1b", m, a),
+           "gpipe": run_worker(paths["gpipe"], "gpipe", m, a)}
+    if a.ranks:
+        row["speedup_ranks"] = row["one-core"]["step_s"] / row["ranks"]["step_s"]
+        row["speedup_ranks_unbound"] = row["one-core"]["step_s"] / row["ranks-unbound"]["step_s"]
+    best = min(row["1f1b"]["step_s"], row["gpipe"]["step_s"])
+    row["speedup"] = row["one-core"]["step_s"] / best
+    row["speedup_1f1b"] = row["one-core"]["step_s"] / row["1f1b"]["step_s"]
+    row["speedup_over_two_threads"] = row["two-threads"]["step_s"] / best
+    row["speedup_over_two_ops"] = row["two-ops"]["step_s"] / best
+    row["bound"] = K * m / (m + K - 1)
+    row["efficiency"] = row["speedup"] / row["bound"]
+    if a.ranks:
+        row["efficiency_ranks"] = row["speedup_ranks"] / row["bound"]
+    return row
+
+
+def _parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="M = 2, 8 only, fewer steps")
     p.add_argument("--json", default="", help="write the report here")
@@ -186,7 +215,11 @@ def main() -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--vnodes", type=int, help=argparse.SUPPRESS)
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    a = _parse_args()
     if a.worker:
         return worker(a)
     a.inputs = a.inputs or a.width * 2
@@ -220,29 +253,7 @@ def main() -> None:
                 rec = records.get(item, Stages)["train"]
                 stages_info = [{"device": s.device, "parameter_bytes": s.parameter_bytes, "ops": s.ops,
                                 "flops": s.flops} for s in rec.parts]
-        rounds = {mode: [] for mode in ("one-core", "ranks", "ranks-unbound")}
-        for _ in range(a.rounds):  # alternating, so that the machine's load moves all alike
-            rounds["one-core"].append(run_worker(paths["base"], "one-core", m, a))
-            if a.ranks:
-                rounds["ranks"].append(run_worker(paths["ranks"], "ranks", m, a))
-                rounds["ranks-unbound"].append(run_worker(paths["ranks"], "ranks-unbound", m, a))
-        row = {"vnodes": m, **{mode: median_run(runs) for mode, runs in rounds.items() if runs},
-               "two-threads": run_worker(paths["base"], "two-threads", m, a),
-               "two-ops": run_worker(paths["base"], "two-ops", m, a),
-               "1f1b": run_worker(paths["1f1b"], "1f1b", m, a),
-               "gpipe": run_worker(paths["gpipe"], "gpipe", m, a)}
-        if a.ranks:
-            row["speedup_ranks"] = row["one-core"]["step_s"] / row["ranks"]["step_s"]
-            row["speedup_ranks_unbound"] = row["one-core"]["step_s"] / row["ranks-unbound"]["step_s"]
-        best = min(row["1f1b"]["step_s"], row["gpipe"]["step_s"])
-        row["speedup"] = row["one-core"]["step_s"] / best
-        row["speedup_1f1b"] = row["one-core"]["step_s"] / row["1f1b"]["step_s"]
-        row["speedup_over_two_threads"] = row["two-threads"]["step_s"] / best
-        row["speedup_over_two_ops"] = row["two-ops"]["step_s"] / best
-        row["bound"] = K * m / (m + K - 1)
-        row["efficiency"] = row["speedup"] / row["bound"]
-        if a.ranks:
-            row["efficiency_ranks"] = row["speedup_ranks"] / row["bound"]
+        row = _row(a, paths, m)
         results.append(row)
         print(f"{m:>3} {row['one-core']['step_s']:>10.3f} {row['two-threads']['step_s']:>10.3f} "
               f"{row['two-ops']['step_s']:>10.3f} "
