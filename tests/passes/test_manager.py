@@ -62,7 +62,8 @@ def test_passes_lists_every_builtin_pass_with_its_options(capsys):
     listed = {d["name"]: d for d in json.loads(capsys.readouterr().out)}
     assert {"split-vnodes", "insert-allreduce", "microbatch-inference"} <= set(listed)
     sv = listed["split-vnodes"]
-    assert [o["name"] for o in sv["options"]] == ["vnodes", "vnode-batch", "signature", "stepwise", "deterministic"]
+    assert [o["name"] for o in sv["options"]] == ["vnodes", "vnode-batch", "signature", "stepwise", "deterministic",
+                                                  "memory-budget", "memory-margin", "profile"]
     assert all(o["help"] for d in listed.values() for o in d["options"])
     assert listed["insert-allreduce"]["requires"] == ["VirtualNodes"]
     assert sv["produces"] == ["VirtualNodes"] and sv["summary"].startswith("Run the training step")

@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from vfgraph.analysis.profile import Peaks
 from vfgraph.errors import InputError, VfgraphError
 from vfgraph.io.outputs import size_text
 
@@ -68,30 +69,6 @@ def size_problem(text: str) -> str:
     except ValueError as e:
         return str(e)
     return ""
-
-
-@dataclass(frozen=True)
-class Peaks:
-    """The measured peaks of a step: ``peaks[i]`` bytes at ``batches[i]`` examples, on
-    ``device`` ("CPU" or "GPU"), where ``measured_on`` says."""
-
-    batches: Tuple[int, ...]
-    peaks: Tuple[int, ...]
-    device: str = "CPU"
-    measured_on: Tuple[Tuple[str, str], ...] = ()
-
-    def to_json(self) -> dict:
-        return {"batches": list(self.batches), "peaks": list(self.peaks), "device": self.device,
-                "measured_on": dict(self.measured_on)}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Peaks":
-        """Raises ValueError (or KeyError, TypeError) for a damaged record."""
-        batches, peaks = tuple(int(b) for b in d["batches"]), tuple(int(p) for p in d["peaks"])
-        if len(batches) != len(peaks) or len(set(batches)) < 2 or min(batches) < 1 or min(peaks, default=0) < 0:
-            raise ValueError(f"{len(batches)} batches, {len(peaks)} peaks: two or more distinct batches needed")
-        return cls(batches, peaks, str(d.get("device", "CPU")),
-                   tuple(sorted((str(k), str(v)) for k, v in d.get("measured_on", {}).items())))
 
 
 @dataclass(frozen=True)
@@ -170,9 +147,7 @@ def measure_peaks(path: str, signature: str, batches: Sequence[int] = DEFAULT_BA
     its own; ``loop``: of the step as split-vnodes runs it (the model rewritten there with one
     virtual node of the fed batch, no all-reduce: the loop and its sums with the step). Raises
     InputError when the step cannot be run there (the message the step's failure gave)."""
-    import vfgraph
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(vfgraph.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (vfgraph's parent)
     env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                     if p]))
@@ -254,12 +229,12 @@ def _measure_loop(path: str, key: str, batches: str, device: str) -> Dict[str, o
     node of the fed batch, no all-reduce), saved in a temporary directory."""
     import tempfile
 
-    import vfgraph
-
-    item = vfgraph.rewrite(path, vnodes=1, allreduce="none", train_signature=key)
-    with tempfile.TemporaryDirectory() as tmp:
-        vfgraph.save(item, os.path.join(tmp, "loop"))
-        del item
+    with tempfile.TemporaryDirectory() as tmp:  # (rewritten by the command: this layer is below the API)
+        res = subprocess.run([sys.executable, "-m", "vfgraph.cli", "rewrite", path, "--vnodes", "1", "--allreduce",
+                              "none", "--train-signature", key, "-o", os.path.join(tmp, "loop")],
+                             capture_output=True, text=True, timeout=_TIMEOUT)
+        if res.returncode:
+            raise InputError((res.stderr.strip().splitlines() or ["the rewrite failed"])[-1])
         return _measure_here(os.path.join(tmp, "loop"), key, [int(b) for b in batches.split(",")], device)
 
 

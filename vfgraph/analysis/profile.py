@@ -28,11 +28,34 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
-from vfgraph.analysis.memory import Peaks
 from vfgraph.errors import InputError
 from vfgraph.io.outputs import PROFILE_FORMAT, write_file
 from vfgraph.ir.graph import FunctionGraph
 from vfgraph.item import SignatureInfo
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """The measured peaks of a step: ``peaks[i]`` bytes at ``batches[i]`` examples, on
+    ``device`` ("CPU" or "GPU"), where ``measured_on`` says."""
+
+    batches: Tuple[int, ...]
+    peaks: Tuple[int, ...]
+    device: str = "CPU"
+    measured_on: Tuple[Tuple[str, str], ...] = ()
+
+    def to_json(self) -> dict:
+        return {"batches": list(self.batches), "peaks": list(self.peaks), "device": self.device,
+                "measured_on": dict(self.measured_on)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Peaks":
+        """Raises ValueError (or KeyError, TypeError) for a damaged record."""
+        batches, peaks = tuple(int(b) for b in d["batches"]), tuple(int(p) for p in d["peaks"])
+        if len(batches) != len(peaks) or len(set(batches)) < 2 or min(batches) < 1 or min(peaks, default=0) < 0:
+            raise ValueError(f"{len(batches)} batches, {len(peaks)} peaks: two or more distinct batches needed")
+        return cls(batches, peaks, str(d.get("device", "CPU")),
+                   tuple(sorted((str(k), str(v)) for k, v in d.get("measured_on", {}).items())))
 
 
 @dataclass(frozen=True)
@@ -47,7 +70,7 @@ class StepProfile:
     ops: Mapping[str, float] = field(default_factory=dict)    # session node -> time per step
     kinds: Mapping[str, str] = field(default_factory=dict)    # session node -> the op it ran
     measured_on: Mapping[str, str] = field(default_factory=dict)  # machine, CPU, TensorFlow, threads
-    memory: Optional["Peaks"] = None  # the step's peak memory at a few batches (vfgraph.analysis.memory)
+    memory: Optional[Peaks] = None  # the step's peak memory at a few batches (vfgraph.analysis.memory)
 
 
 def synthetic_batch(specs: Sequence[Tuple[str, int, Optional[Sequence[int]]]], batch: int, where: str,
