@@ -1,6 +1,7 @@
 """Training across separate hosts: two hosts made of Linux namespaces (vfgraph.testing.hosts),
 each with its own address, host name and /dev/shm, so MPICH's ranks on them talk over TCP, as
 across machines; hydra starts them through the hosts' launcher script (as it would by ssh)."""
+import contextlib
 import json
 import os
 import re
@@ -252,6 +253,8 @@ def test_a_host_cut_off_ends_the_job_in_one_line_naming_it(hosts, exact, digits,
         took = time.time() - began
     finally:
         hosts.cut(1, up=True)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)  # (it ends by itself after its stall line: stopped() only if it does not)
         code = stopped(proc, log)
     assert ended and took < 60, log.text()[-3000:]
     line = ended.group(0)
